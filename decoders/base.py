@@ -1,0 +1,182 @@
+"""What every strategy shares: the `Decoder` base class, the per-run `DecodeState`, and the `Result` it produces.
+
+A strategy is stateless apart from its frozen options. Everything that changes during a run - tokens, caches, the
+random generator, counters, a strategy's own per-run helpers - lives in the `DecodeState` the driver passes to
+`Decoder.step`. Each step appends one or more tokens with `state.accept`, which applies every stopping rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from decoders.cache import KVCache
+from decoders.lm import LM
+from samplers import SamplingConfig, sample
+
+SOURCES = ("target", "draft", "lookup", "lookahead", "grammar")  # where a new token came from
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A strategy without options."""
+
+
+class Decoder:
+    """Base class of a decoding strategy. Subclasses set `Options` (a frozen dataclass) and implement `step`."""
+
+    name: ClassVar[str] = ""  # set by @register
+    Options: ClassVar[type] = NoOptions
+    needs_draft: ClassVar[bool] = False  # checked once, before the run, by the driver
+
+    def __init__(self, **options: Any) -> None:
+        names = [f.name for f in dataclasses.fields(self.Options)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            valid = ", ".join(names) or "none"
+            raise TypeError(f"strategy {self.name!r} got unknown option(s) {', '.join(unknown)}; its options: {valid}")
+        self.options = self.Options(**options)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options})"
+
+    def start(self, state: DecodeState) -> None:
+        """Set up per-run helpers (kept in `state.scratch`) before the first step."""
+
+    def step(self, state: DecodeState) -> None:
+        """Append at least one token to the run with `state.accept`."""
+        raise NotImplementedError
+
+
+@dataclass
+class Stats:
+    """Counters of one run. The words (drafted, accepted, bonus ...) are defined in `samplers.verify`."""
+
+    new_tokens: int = 0
+    target_calls: int = 0  # forward calls of the target model
+    draft_calls: int = 0  # forward calls of a draft model
+    drafted: int = 0  # draft tokens proposed to the target
+    accepted: int = 0  # draft tokens the target accepted
+    accepted_by_position: list[int] = field(default_factory=list)  # [i]: times the draft token at depth i was accepted
+    seconds: float = 0.0
+    ttft_seconds: float = 0.0  # until the first new token
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """New tokens per target call, the bonus or recovered token included."""
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """Every counter and derived rate, JSON-ready."""
+        derived = {k: getattr(self, k) for k in ("acceptance_rate", "mean_accepted", "tokens_per_second")}
+        return {**dataclasses.asdict(self), **derived}
+
+    def count_accepted(self, drafted: int, accepted: int) -> None:
+        """Record one verification: `drafted` tokens proposed, the first `accepted` of them kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if len(self.accepted_by_position) < drafted:
+            self.accepted_by_position.extend([0] * (drafted - len(self.accepted_by_position)))
+        for depth in range(accepted):
+            self.accepted_by_position[depth] += 1
+
+
+@dataclass
+class DecodeState:
+    """Everything that changes during one run, handed to the strategy at every step."""
+
+    lm: LM
+    tokens: list[int]  # prompt + new tokens so far
+    prompt_len: int
+    max_new_tokens: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None  # seeded; None in greedy mode
+    draft: LM | None = None
+    stop: tuple[str, ...] = ()
+    cache: KVCache = field(init=False)  # target cache; holds tokens[:len(cache)]
+    sources: list[str] = field(default_factory=list)  # one per new token
+    stats: Stats = field(default_factory=Stats)
+    finish_reason: str | None = None  # "eos", "stop" or "length" once finished
+    scratch: dict[str, Any] = field(default_factory=dict)  # a strategy's per-run helpers (draft caches, drafters)
+
+    def __post_init__(self) -> None:
+        self.cache = self.lm.new_cache()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        """How many more tokens the run may add."""
+        return self.max_new_tokens - (len(self.tokens) - self.prompt_len)
+
+    def uncached(self) -> list[int]:
+        """The tokens the target has not seen yet (at least the last accepted one)."""
+        return self.tokens[len(self.cache):]
+
+    def score(self, extra: Sequence[int] = (), last_only: bool = False) -> torch.Tensor:
+        """One target call on the uncached tokens plus `extra`; returns their logits [n, vocab]."""
+        self.stats.target_calls += 1
+        return self.lm.forward(self.uncached() + list(extra), self.cache, last_only=last_only)
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from one position's target logits [vocab], by the run's sampling settings."""
+        return sample(logits, self.sampling, self.generator)
+
+    def accept(self, tokens: Sequence[int], sources: Sequence[str]) -> int:
+        """Append new tokens until EOS, a stop string or max_new_tokens ends the run; returns how many were added."""
+        added = 0
+        for token, source in zip(tokens, sources, strict=True):
+            if self.finished:
+                break
+            self.tokens.append(int(token))
+            self.sources.append(source)
+            added += 1
+            if token in self.lm.eos_token_ids:
+                self.finish_reason = "eos"
+            elif self.stop and any(s in self.lm.decode(self.new_tokens) for s in self.stop):
+                self.finish_reason = "stop"
+            elif self.remaining <= 0:
+                self.finish_reason = "length"
+        self.stats.new_tokens += added
+        return added
+
+
+@dataclass
+class Chunk:
+    """Tokens accepted in one step, as streamed."""
+
+    tokens: list[int]
+    text: str  # the text these tokens add
+    sources: list[str]
+
+
+@dataclass
+class Result:
+    """The outcome of one `decoders.generate` call."""
+
+    text: str  # the new text only
+    tokens: list[int]  # the new tokens only (an ending EOS included)
+    sources: list[str]  # one per new token: "target", "draft", "lookup", "lookahead" or "grammar"
+    stats: Stats
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_tokens: list[int]
+    strategy: str

@@ -1,0 +1,57 @@
+"""A KV cache with rollback, on top of transformers' `DynamicCache`.
+
+Speculative strategies append positions they may not keep. Rolling back is slicing each layer's key/value tensors
+along the sequence axis: `crop(n)` keeps a prefix (a rejected chain), `keep(indices)` keeps any ordered subset (the
+accepted root-to-leaf path of a token tree scored in one call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+class KVCache:
+    """The keys and values of the tokens a model has seen, for one sequence (batch 1)."""
+
+    def __init__(self) -> None:
+        # No config: every layer is a plain full-length DynamicLayer, even for sliding-window models, so any position
+        # can be rolled back; the sliding window itself is applied by the model's attention mask.
+        self.hf = DynamicCache()
+
+    def __len__(self) -> int:
+        return self.hf.get_seq_length()
+
+    def _layers(self):
+        for layer in self.hf.layers:
+            if type(layer) is not DynamicLayer:
+                raise TypeError(
+                    f"cannot roll back a {type(layer).__name__} cache layer; decodekit needs models whose attention "
+                    "keeps plain key/value tensors (recurrent or linear-attention layers cannot be rewound)"
+                )
+            if layer.is_initialized and layer.keys is not None:
+                yield layer
+
+    def crop(self, n: int) -> None:
+        """Keep the first `n` positions."""
+        if not 0 <= n <= len(self):
+            raise ValueError(f"cannot crop a cache of {len(self)} positions to {n}")
+        if n == len(self):
+            return
+        for layer in self._layers():
+            layer.keys = layer.keys[..., :n, :]  # [1, heads, n, head_dim]
+            layer.values = layer.values[..., :n, :]
+
+    def keep(self, indices: Sequence[int] | torch.Tensor) -> None:
+        """Keep only the positions `indices` (increasing), in that order: e.g. the prefix plus an accepted tree path."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        if index.numel() and (index.min() < 0 or index.max() >= len(self)):
+            raise ValueError(f"keep() indices must lie in [0, {len(self)}), got {index.tolist()}")
+        if index.numel() > 1 and not bool((index[1:] > index[:-1]).all()):
+            raise ValueError("keep() indices must be strictly increasing: positions keep their order in the sequence")
+        for layer in self._layers():
+            where = index.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, where)
+            layer.values = layer.values.index_select(-2, where)

@@ -1,0 +1,154 @@
+"""`generate` and `stream`: check the request once, then run a strategy step by step until the run finishes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from decoders import registry
+from decoders.base import Chunk, DecodeState, Decoder, Result
+from decoders.lm import LM, load
+from samplers import SamplingConfig, make_generator
+
+Prompt = str | Sequence[int]
+
+
+def stream(lm: LM, prompt: Prompt, **kwargs) -> Iterator[Chunk]:
+    """Run a strategy and yield the tokens of each step as they are accepted (same arguments as `generate`)."""
+    state, decoder = _prepare(lm, prompt, **kwargs)
+    yield from _run(state, decoder)
+
+
+def generate(lm: LM, prompt: Prompt, **kwargs) -> Result:
+    """Decode `prompt` with a strategy; returns the new text, tokens, their sources and the run's stats.
+
+    Args:
+        lm: the target model (`decoders.load` or `decoders.wrap`).
+        prompt: text (tokenized with the model's tokenizer) or a list of token ids.
+        strategy: a registered name (`decoders.available()`) or a `Decoder` instance. Default "greedy".
+        max_new_tokens: the most tokens to add (> 0). Default 128.
+        draft: the draft model (an `LM` or a name for `decoders.load`) for strategies that need one.
+        temperature, top_k, top_p, min_p: sampling settings; temperature 0 (the default) is greedy.
+        seed: seeds the sampling generator.
+        grammar: a `grammars` constraint.
+        stop: stop strings; generation ends at the token that completes one. EOS always stops.
+        **options: the strategy's options (e.g. k=5).
+    """
+    state, decoder = _prepare(lm, prompt, **kwargs)
+    for _ in _run(state, decoder):
+        pass
+    return Result(
+        text=lm.decode(state.new_tokens),
+        tokens=state.new_tokens,
+        sources=state.sources,
+        stats=state.stats,
+        finish_reason=state.finish_reason,
+        prompt_tokens=state.tokens[: state.prompt_len],
+        strategy=decoder.name,
+    )
+
+
+def _prepare(
+    lm: LM,
+    prompt: Prompt,
+    strategy: str | Decoder = "greedy",
+    max_new_tokens: int = 128,
+    draft: LM | str | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    grammar=None,
+    stop: str | Sequence[str] | None = None,
+    **options,
+) -> tuple[DecodeState, Decoder]:
+    """Validate every argument up front and build the run's state."""
+    if not isinstance(lm, LM):
+        raise TypeError(f"expected a decoders.LM (from decoders.load or decoders.wrap), got {type(lm).__name__}")
+    if isinstance(strategy, Decoder):
+        if options:
+            raise TypeError("pass strategy options either to the Decoder instance or as keywords, not both")
+        decoder = strategy
+    else:
+        decoder = registry.get(strategy)(**options)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a whole number > 0, got {max_new_tokens!r}")
+    tokens = _prompt_tokens(lm, prompt)
+    if lm.context_length is not None and len(tokens) + max_new_tokens > lm.context_length:
+        raise ValueError(
+            f"the prompt ({len(tokens)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's context "
+            f"of {lm.context_length} tokens; shorten the prompt or lower max_new_tokens"
+        )
+    if grammar is not None:
+        raise NotImplementedError("grammar constraints are not available in this version of decodekit yet")
+    if decoder.needs_draft and draft is None:
+        raise ValueError(f"strategy {decoder.name!r} needs a draft model: pass draft=<LM or model name>")
+    if isinstance(draft, (str,)):
+        draft = load(draft, dtype=lm.dtype, device=lm.device)
+    sampling = SamplingConfig(temperature, top_k, top_p, min_p)
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    state = DecodeState(
+        lm=lm,
+        tokens=tokens,
+        prompt_len=len(tokens),
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        generator=None if sampling.greedy else make_generator(seed, lm.device),
+        draft=draft,
+        stop=stops,
+    )
+    return state, decoder
+
+
+def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty; give some text or token ids to continue")
+        tokens = lm.encode(prompt)
+    elif isinstance(prompt, torch.Tensor):
+        tokens = prompt.reshape(-1).tolist()
+    else:
+        tokens = list(prompt)
+    if not tokens:
+        raise ValueError("the prompt is empty; give some text or token ids to continue")
+    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lm.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {lm.vocab_size}); got {bad[:5]}")
+    return tokens
+
+
+def _synchronize(lm: LM) -> None:
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+
+
+def _run(state: DecodeState, decoder: Decoder) -> Iterator[Chunk]:
+    """Step the strategy until the run finishes, timing it and yielding what each step adds."""
+    _synchronize(state.lm)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        decoder.start(state)
+    text = ""
+    while not state.finished:
+        before = len(state.tokens)
+        # inference_mode per step, not around the generator: a consumer's code between yields stays unaffected
+        with torch.inference_mode():
+            decoder.step(state)
+        if len(state.tokens) == before:
+            raise RuntimeError(f"strategy {decoder.name!r} made a step that accepted no token")
+        _synchronize(state.lm)
+        elapsed = time.perf_counter() - start
+        if state.stats.ttft_seconds == 0.0:
+            state.stats.ttft_seconds = elapsed
+        state.stats.seconds = elapsed
+        full = state.lm.decode(state.new_tokens)
+        if full.endswith("\ufffd") and not state.finished:
+            full = full[:-1]  # an incomplete UTF-8 character: emit it with the next step
+        added = state.tokens[before:]
+        yield Chunk(tokens=added, text=full[len(text):], sources=state.sources[-len(added):])
+        text = full

@@ -1,0 +1,18 @@
+"""`greedy`: KV-cached decoding, one target call per token - the reference every other strategy must reproduce.
+
+With temperature > 0 it is plain ancestral sampling from the filtered target distribution.
+"""
+
+from __future__ import annotations
+
+from decoders.base import DecodeState, Decoder
+from decoders.registry import register
+
+
+@register("greedy")
+class Greedy(Decoder):
+    """One target call per token: score the uncached tail (the whole prompt on the first step), pick the next token."""
+
+    def step(self, state: DecodeState) -> None:
+        logits = state.score(last_only=True)  # [1, vocab]: only the last position predicts a new token
+        state.accept([state.choose(logits[-1])], ["target"])

@@ -1,0 +1,207 @@
+"""`LM`: one Hugging Face causal LM and its tokenizer, with the single forward call every strategy uses.
+
+`forward` scores new tokens against a `KVCache` and returns their logits. Optional position ids and a tree mask let
+one call score a whole token tree: node i attends to the cached prefix and to the nodes `tree_mask[i]` marks (its
+ancestors and itself).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from decoders.cache import KVCache
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+class LM:
+    """A transformers causal LM plus its tokenizer, batch 1, in evaluation mode."""
+
+    def __init__(self, model, tokenizer, name: str | None = None) -> None:
+        if tokenizer is None:
+            raise ValueError("an LM needs its tokenizer: decoders.wrap(model, tokenizer)")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.config = model.config.get_text_config(decoder=True)
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width, may exceed len(tokenizer)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.context_length = next(
+            (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
+        )
+
+    def __repr__(self) -> str:
+        return f"LM({self.name!r}, {type(self.model).__name__}, dtype={self.dtype}, device={self.device})"
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for this model."""
+        return KVCache()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the tokenizer's usual special tokens (e.g. a BOS)."""
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Text of `tokens`, special tokens left out."""
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def forward(
+        self,
+        tokens: Sequence[int] | torch.Tensor,  # [T] new token ids, after the len(cache) cached ones
+        cache: KVCache,
+        positions: Sequence[int] | torch.Tensor | None = None,  # [T] position ids; default len(cache) + 0..T-1
+        tree_mask: torch.Tensor | None = None,  # [T, T] bool, True where node i may attend to node j; default causal
+        last_only: bool = False,  # compute only the last position's logits (prefill of plain decoding)
+    ) -> torch.Tensor:
+        """Score `tokens` against `cache` (which grows by T) and return their logits: [T, vocab] (or [1, vocab])."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, T]
+        past, length = len(cache), ids.shape[1]
+        if positions is None:
+            pos = torch.arange(past, past + length, device=self.device).unsqueeze(0)  # [1, T]
+        else:
+            pos = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(1, -1)
+        mask = None if tree_mask is None else self._tree_attention_mask(tree_mask, pos[0], past)
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            past_key_values=cache.hf,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+        )
+        return out.logits[0]  # [T, vocab]
+
+    def _tree_attention_mask(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):
+        """Additive 4D masks [1, 1, T, past + T]: the cached prefix is visible to every node, the nodes per `tree_mask`.
+
+        Sliding-window layers also hide keys more than `sliding_window` positions behind the query. Models that mix
+        full and sliding layers get one mask per layer type (transformers accepts that mapping).
+        """
+        length = tree_mask.shape[0]
+        allowed = torch.ones(length, past + length, dtype=torch.bool, device=self.device)
+        allowed[:, past:] = tree_mask.to(self.device, torch.bool)
+        masks = {"full_attention": allowed}
+        window = getattr(self.config, "sliding_window", None)
+        if window:
+            key_positions = torch.cat([torch.arange(past, device=self.device), positions])  # [past + T]
+            masks["sliding_attention"] = allowed & (key_positions[None, :] > positions[:, None] - window)
+        blocked = torch.finfo(self.dtype).min
+        additive = {
+            kind: torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill(~m, blocked)[None, None]
+            for kind, m in masks.items()
+        }
+        layer_types = set(getattr(self.config, "layer_types", None) or [])
+        if len(layer_types) > 1:
+            return {kind: additive[kind] for kind in layer_types}
+        if window and layer_types <= {"sliding_attention"}:
+            return additive["sliding_attention"]
+        return additive["full_attention"]
+
+    def check_tree_mask(self) -> None:
+        """Raise a clear error unless a tree-masked call scores every node exactly as its own path would.
+
+        Probed once per LM on a short input (prefix longer than any sliding window is not needed: the window rule is
+        built into the mask), because some model classes ignore or reject custom 4D masks.
+        """
+        if getattr(self, "_tree_mask_ok", None) is None:
+            self._tree_mask_ok = _probe_tree_mask(self)
+        if self._tree_mask_ok is not True:
+            raise TypeError(
+                f"{type(self.model).__name__} cannot score a token tree in one call (it {self._tree_mask_ok}); "
+                "use a chain strategy (speculative, threshold, prompt_lookup) with this model"
+            )
+
+
+def _probe_tree_mask(lm: LM) -> bool | str:
+    """True if tree-masked logits match sequential ones on a 2-branch tree, else what went wrong."""
+    prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
+    tree = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)  # a | b -> c
+    nodes, positions = [13, 17, 19], [4, 4, 5]
+    with torch.inference_mode():
+        try:
+            cache = lm.new_cache()
+            lm.forward(prefix, cache)
+            tree_logits = lm.forward(nodes, cache, positions=positions, tree_mask=tree).float()
+        except Exception as error:  # noqa: BLE001 - any failure means "no tree masks", reported to the user
+            return f"raised {type(error).__name__}: {error}"
+        paths = [prefix + [13], prefix + [17], prefix + [17, 19]]
+        expected = torch.stack([lm.forward(p, lm.new_cache())[-1].float() for p in paths])
+    tolerance = 1e-3 if lm.dtype == torch.float32 else 5e-2 * float(expected.abs().max())
+    if not torch.allclose(tree_logits, expected, atol=tolerance, rtol=0):
+        return "ignores a custom attention mask"
+    return True
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the generation config's EOS ids, else the model config's, else the tokenizer's."""
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    """A torch dtype from a name ("bfloat16", "float32", ...); None or "auto" keeps the checkpoint's own dtype."""
+    if dtype is None or dtype == "auto":
+        return "auto"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: CUDA when available and none was asked for, else what was asked."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but this machine has no CUDA device; use device='cpu'")
+    return device
+
+
+def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "auto", device=None) -> LM:
+    """Load a model + tokenizer: `zoo:NAME`, a local folder, a local .gguf file, or a Hugging Face hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = str(name_or_path)
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    kwargs: dict = {}
+    if name.startswith("zoo:"):
+        from decoders import zoo
+
+        source = str(zoo.path(name[len("zoo:"):]))
+    elif name.endswith(".gguf") and Path(name).is_file():
+        source, kwargs["gguf_file"] = str(Path(name).parent), Path(name).name
+    else:
+        source = name
+    if Path(source).is_dir():
+        if "gguf_file" not in kwargs and not (Path(source) / "config.json").is_file():
+            raise OSError(f"could not load model {name!r}: the folder {source} has no config.json")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+    except OSError as error:
+        raise OSError(
+            f"could not load model {name!r}: {error}\nUse a zoo model (`decodekit list` shows them, e.g. "
+            "zoo:smollm2-135m), a local folder, or a hub id on a machine that can reach the Hugging Face hub."
+        ) from error
+    return LM(model.to(torch_device), tokenizer, name=name)
+
+
+def wrap(model, tokenizer, name: str | None = None) -> LM:
+    """Wrap an already-loaded transformers causal LM and its tokenizer."""
+    return LM(model, tokenizer, name=name)
