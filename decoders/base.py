@@ -106,6 +106,7 @@ class DecodeState:
     generator: torch.Generator | None  # seeded; None in greedy mode
     draft: LM | None = None
     stop: tuple[str, ...] = ()
+    grammar: Any = None  # a grammar matcher (grammars/), advanced with accepted tokens only
     cache: KVCache = field(init=False)  # target cache; holds tokens[:len(cache)]
     sources: list[str] = field(default_factory=list)  # one per new token
     stats: Stats = field(default_factory=Stats)
