@@ -11,7 +11,7 @@ from decoders.lm import LM, load, wrap
 from decoders.registry import available, register, unregister
 
 # Built-in strategies register themselves on import.
-from decoders import greedy  # noqa: E402,F401  isort: skip
+from decoders import greedy, prompt_lookup, speculative, threshold  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk",

@@ -133,10 +133,13 @@ class DecodeState:
         """The tokens the target has not seen yet (at least the last accepted one)."""
         return self.tokens[len(self.cache):]
 
-    def score(self, extra: Sequence[int] = (), last_only: bool = False) -> torch.Tensor:
-        """One target call on the uncached tokens plus `extra`; returns their logits [n, vocab]."""
+    def score(self, extra: Sequence[int] = ()) -> torch.Tensor:
+        """One target call on the uncached tokens plus `extra`.
+
+        Returns [len(extra) + 1, vocab]: row i scores the position after the last accepted token and extra[:i].
+        """
         self.stats.target_calls += 1
-        return self.lm.forward(self.uncached() + list(extra), self.cache, last_only=last_only)
+        return self.lm.forward(self.uncached() + list(extra), self.cache, keep=len(extra) + 1)
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from one position's target logits [vocab], by the run's sampling settings."""

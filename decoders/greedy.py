@@ -14,5 +14,5 @@ class Greedy(Decoder):
     """One target call per token: score the uncached tail (the whole prompt on the first step), pick the next token."""
 
     def step(self, state: DecodeState) -> None:
-        logits = state.score(last_only=True)  # [1, vocab]: only the last position predicts a new token
+        logits = state.score()  # [1, vocab]: only the last position predicts a new token
         state.accept([state.choose(logits[-1])], ["target"])

@@ -37,6 +37,7 @@ class LM:
         self.device, self.dtype = first.device, first.dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width, may exceed len(tokenizer)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self._compatible_drafts: dict[int, LM] = {}
         self.context_length = next(
             (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
         )
@@ -62,9 +63,9 @@ class LM:
         cache: KVCache,
         positions: Sequence[int] | torch.Tensor | None = None,  # [T] position ids; default len(cache) + 0..T-1
         tree_mask: torch.Tensor | None = None,  # [T, T] bool, True where node i may attend to node j; default causal
-        last_only: bool = False,  # compute only the last position's logits (prefill of plain decoding)
+        keep: int = 0,  # compute logits for the last `keep` positions only (0 = all): skips the prompt's lm_head
     ) -> torch.Tensor:
-        """Score `tokens` against `cache` (which grows by T) and return their logits: [T, vocab] (or [1, vocab])."""
+        """Score `tokens` against `cache` (which grows by T) and return their logits: [T or keep, vocab]."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, T]
         past, length = len(cache), ids.shape[1]
         if positions is None:
@@ -78,9 +79,22 @@ class LM:
             attention_mask=mask,
             past_key_values=cache.hf,
             use_cache=True,
-            logits_to_keep=1 if last_only else 0,
+            logits_to_keep=keep,
         )
-        return out.logits[0]  # [T, vocab]
+        return out.logits[0]  # [T or keep, vocab]
+
+    def check_draft(self, draft: LM) -> None:
+        """Raise unless `draft` shares this model's tokenizer (the same token -> id map, padding of the logits aside)."""
+        if id(draft) in self._compatible_drafts:
+            return
+        ours, theirs = self.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+        if ours != theirs:
+            differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+            raise ValueError(
+                f"draft model {draft.name!r} does not share the tokenizer of {self.name!r} ({len(theirs)} vs "
+                f"{len(ours)} tokens; first differences: {differing}); a draft must use the same vocabulary"
+            )
+        self._compatible_drafts[id(draft)] = draft  # holding it keeps its id from being reused
 
     def _tree_attention_mask(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):
         """Additive 4D masks [1, 1, T, past + T]: the cached prefix is visible to every node, the nodes per `tree_mask`.

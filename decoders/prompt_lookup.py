@@ -1,0 +1,70 @@
+"""`prompt_lookup`: draft by copying from the context - no draft model.
+
+Saxena 2023, "Prompt lookup decoding": find the most recent earlier occurrence of the last n tokens (n from
+`max_ngram` down to `min_ngram`) in the prompt and the text generated so far, and propose the up to k tokens that
+followed it. Strong when the output copies its input (code editing, retrieval-grounded answers); when nothing
+matches, a step is a plain greedy step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoders.base import DecodeState
+from decoders.registry import register
+from decoders.speculation import Draft, DraftVerify
+
+
+@dataclass(frozen=True)
+class PromptLookupOptions:
+    """Options of `prompt_lookup`."""
+
+    k: int = 10  # the most tokens copied per target call
+    max_ngram: int = 3  # longest suffix to look up
+    min_ngram: int = 1  # shortest suffix to look up
+
+    def __post_init__(self):
+        for name in ("k", "max_ngram", "min_ngram"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
+
+
+def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The up to k tokens that followed the most recent earlier match of the longest matching suffix."""
+    context = torch.tensor(tokens, dtype=torch.long)  # [L]
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        earlier = context.unfold(0, n, 1)[:-1]  # [L - n, n]: every n-gram but the suffix itself
+        hits = (earlier == context[-n:]).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n  # most recent match
+            return tokens[start: start + k]
+    return []
+
+
+class LookupDrafter:
+    """Stateless: each proposal searches the current context."""
+
+    def __init__(self, options: PromptLookupOptions) -> None:
+        self.options = options
+
+    def propose(self, state: DecodeState, limit: int) -> Draft:
+        o = self.options
+        return Draft(lookup(state.tokens, min(o.k, limit), o.max_ngram, o.min_ngram), source="lookup")
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        pass
+
+
+@register("prompt_lookup")
+class PromptLookup(DraftVerify):
+    """Speculative decoding with n-gram matches from the context as the draft."""
+
+    Options = PromptLookupOptions
+
+    def new_drafter(self, state: DecodeState) -> LookupDrafter:
+        return LookupDrafter(self.options)

@@ -1,0 +1,55 @@
+"""`speculative`: a small draft model proposes k tokens, the target checks them all in one call.
+
+Leviathan et al. 2023 / Chen et al. 2023. Exact in greedy mode (accept while the target's argmax agrees) and in
+sampling mode (rejection sampling in `samplers.verify`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decoders.base import DecodeState
+from decoders.registry import register
+from decoders.speculation import Draft, DraftModel, DraftVerify, stack_probs
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Options of `speculative`."""
+
+    k: int = 5  # draft tokens per target call
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k (draft tokens per target call) must be a whole number >= 1, got {self.k!r}")
+
+
+class FixedDrafter:
+    """Drafts exactly k tokens (fewer only near max_new_tokens) with the draft model."""
+
+    def __init__(self, state: DecodeState, k: int) -> None:
+        self.model, self.k = DraftModel(state), k
+
+    def propose(self, state: DecodeState, limit: int) -> Draft:
+        tokens, rows = [], []
+        feed = self.model.uncached()
+        for _ in range(min(self.k, limit)):
+            token, probs, _ = self.model.next_token(feed)
+            tokens.append(token)
+            rows.append(probs)
+            feed = [token]
+        return Draft(tokens, stack_probs(rows))
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        self.model.rewind()
+
+
+@register("speculative")
+class Speculative(DraftVerify):
+    """Speculative decoding with a fixed draft length k."""
+
+    Options = SpeculativeOptions
+    needs_draft = True
+
+    def new_drafter(self, state: DecodeState) -> FixedDrafter:
+        return FixedDrafter(state, self.options.k)

@@ -1,0 +1,91 @@
+"""`threshold`: speculative decoding whose draft length follows the draft model's confidence.
+
+From "How to make LLMs go fast" (vgel.me): draft until the cumulative draft probability of the run falls below a
+moving threshold (or `max_draft` tokens). After each verification the threshold moves halfway toward the cumulative
+probability at the first rejected token; when the whole draft was accepted it drops by `step`, so the next draft may
+run longer. It stays within [min_threshold, max_threshold].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decoders.base import DecodeState
+from decoders.registry import register
+from decoders.speculation import Draft, DraftModel, DraftVerify, stack_probs
+
+
+@dataclass(frozen=True)
+class ThresholdOptions:
+    """Options of `threshold`."""
+
+    max_draft: int = 16  # the most draft tokens per target call
+    threshold: float = 0.4  # initial cumulative-probability threshold
+    step: float = 0.1  # how far the threshold drops after a fully accepted draft
+    min_threshold: float = 0.05  # clamp bounds of the threshold
+    max_threshold: float = 0.95
+
+    def __post_init__(self):
+        if isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int) or self.max_draft < 1:
+            raise ValueError(f"max_draft must be a whole number >= 1, got {self.max_draft!r}")
+        if not 0.0 <= self.min_threshold <= self.max_threshold <= 1.0:
+            raise ValueError(
+                f"need 0 <= min_threshold <= max_threshold <= 1, got {self.min_threshold} and {self.max_threshold}"
+            )
+        if not self.min_threshold <= self.threshold <= self.max_threshold:
+            raise ValueError(f"threshold {self.threshold} must lie in [min_threshold, max_threshold]")
+        if not 0.0 <= self.step <= 1.0:
+            raise ValueError(f"step must be in [0, 1], got {self.step!r}")
+
+
+def adapt_threshold(threshold: float, cumulative: list[float], accepted: int, options: ThresholdOptions) -> float:
+    """The next threshold after a verification that accepted `accepted` of len(cumulative) drafted tokens.
+
+    cumulative[i] is the draft's probability of its first i + 1 tokens together.
+    """
+    if accepted < len(cumulative):
+        threshold = (threshold + cumulative[accepted]) / 2  # toward the confidence at the first rejection
+    else:
+        threshold -= options.step  # all accepted: we were too cautious
+    return min(max(threshold, options.min_threshold), options.max_threshold)
+
+
+class ThresholdDrafter:
+    """Drafts while the draft's cumulative probability stays at or above the run's current threshold."""
+
+    def __init__(self, state: DecodeState, options: ThresholdOptions) -> None:
+        self.model, self.options = DraftModel(state), options
+        self.threshold = options.threshold  # per run: this object lives in state.scratch
+        self.cumulative: list[float] = []
+        self.lengths: list[int] = []  # draft length of every step, for inspection and tests
+
+    def propose(self, state: DecodeState, limit: int) -> Draft:
+        tokens, rows, self.cumulative = [], [], []
+        feed, running = self.model.uncached(), 1.0
+        for _ in range(min(self.options.max_draft, limit)):
+            token, probs, prob = self.model.next_token(feed, want_prob=True)
+            running *= prob
+            tokens.append(token)
+            rows.append(probs)
+            self.cumulative.append(running)
+            feed = [token]
+            if running < self.threshold:
+                break
+        self.lengths.append(len(tokens))
+        return Draft(tokens, stack_probs(rows))
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        self.model.rewind()
+        if draft.tokens:
+            self.threshold = adapt_threshold(self.threshold, self.cumulative, accepted, self.options)
+
+
+@register("threshold")
+class Threshold(DraftVerify):
+    """Speculative decoding with an adaptive, confidence-driven draft length."""
+
+    Options = ThresholdOptions
+    needs_draft = True
+
+    def new_drafter(self, state: DecodeState) -> ThresholdDrafter:
+        return ThresholdDrafter(state, self.options)

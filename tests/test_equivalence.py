@@ -1,0 +1,56 @@
+"""Every registered strategy, in greedy mode, returns exactly the tokens of KV-cached `greedy` (float32).
+
+Parametrized over `decoders.available()`, so a new strategy is tested the day it is registered. Strategies that need
+a draft run twice: with the target itself as the draft (everything accepted) and with an unrelated random model of
+the same tokenizer (almost nothing accepted) - the two extremes.
+"""
+
+import pytest
+
+import decoders
+from conftest import ARCHITECTURES, PROMPTS, tiny_lm
+
+STRATEGIES = [name for name in decoders.available() if name != "greedy"]
+SELF, RANDOM = "self", "random"
+
+
+def run(strategy, lm, prompt, draft_kind, **kwargs):
+    cls = decoders.registry.get(strategy)
+    if getattr(cls, "needs_grammar", False):
+        pytest.skip(f"{strategy} is tested with grammars in its own tests")
+    draft = None
+    if cls.needs_draft:
+        draft = lm if draft_kind == SELF else tiny_lm("llama", seed=99)
+    elif draft_kind == RANDOM:
+        pytest.skip(f"{strategy} takes no draft model")
+    return decoders.generate(lm, prompt, strategy=strategy, draft=draft, **kwargs)
+
+
+@pytest.mark.parametrize("draft_kind", [SELF, RANDOM])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_greedy_mode_equals_greedy(strategy, arch, draft_kind):
+    lm = tiny_lm(arch)
+    for prompt in PROMPTS:
+        want = decoders.generate(lm, prompt, strategy="greedy", max_new_tokens=40)
+        got = run(strategy, lm, prompt, draft_kind, max_new_tokens=40)
+        assert got.tokens == want.tokens, f"{strategy} diverged on {prompt!r}"
+        assert len(got.sources) == len(got.tokens)
+        stats = got.stats
+        assert stats.new_tokens == len(got.tokens)
+        assert stats.accepted == sum(s != "target" for s in got.sources)
+        # one target token per call, except a last call whose accepted draft already ended in EOS
+        assert stats.target_calls - sum(s == "target" for s in got.sources) in (0, 1)
+        if draft_kind == SELF and decoders.registry.get(strategy).needs_draft:
+            assert stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_self_draft_accepts_everything_and_saves_calls(strategy):
+    lm = tiny_lm("llama")
+    cls = decoders.registry.get(strategy)
+    if not cls.needs_draft:
+        pytest.skip("only a draft model equal to the target accepts everything")
+    result = decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=lm, max_new_tokens=40)
+    assert result.stats.acceptance_rate == 1.0
+    assert result.stats.target_calls < len(result.tokens) / 2
