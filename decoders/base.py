@@ -62,6 +62,7 @@ class Stats:
     drafted: int = 0  # draft tokens proposed to the target
     accepted: int = 0  # draft tokens the target accepted
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: times the draft token at depth i was accepted
+    draft_lengths: list[int] = field(default_factory=list)  # drafted tokens at each verification, in order
     seconds: float = 0.0
     ttft_seconds: float = 0.0  # until the first new token
 
@@ -88,6 +89,7 @@ class Stats:
         """Record one verification: `drafted` tokens proposed, the first `accepted` of them kept."""
         self.drafted += drafted
         self.accepted += accepted
+        self.draft_lengths.append(drafted)
         if len(self.accepted_by_position) < drafted:
             self.accepted_by_position.extend([0] * (drafted - len(self.accepted_by_position)))
         for depth in range(accepted):
@@ -142,19 +144,39 @@ class DecodeState:
         return self.lm.forward(self.uncached() + list(extra), self.cache, keep=len(extra) + 1)
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from one position's target logits [vocab], by the run's sampling settings."""
+        """The next token from one position's target logits [vocab], by the run's sampling settings and grammar.
+
+        With a grammar the logits are masked to its allowed tokens first (then temperature, top-k ... apply). A token
+        the grammar forces is returned without sampling, so the random stream is the same whether or not a strategy
+        skipped the model call for it.
+        """
+        if self.grammar is not None:
+            forced = self.grammar.forced()
+            if forced:
+                return forced[0]
+            logits = logits.masked_fill(~self.grammar.allowed().to(logits.device), float("-inf"))
         return sample(logits, self.sampling, self.generator)
 
     def accept(self, tokens: Sequence[int], sources: Sequence[str]) -> int:
-        """Append new tokens until EOS, a stop string or max_new_tokens ends the run; returns how many were added."""
+        """Append new tokens until EOS, a stop string or max_new_tokens ends the run; returns how many were added.
+
+        With a grammar, each token advances the matcher before it joins the output (a forbidden token raises
+        `grammars.GrammarError`), and the grammar can end the run, as finish_reason "eos": when the model emits EOS
+        (allowed only where the grammar can finish), or as soon as the grammar is complete - nothing but EOS could
+        follow - without spending a target call on that EOS (which is then not part of the output).
+        """
         added = 0
         for token, source in zip(tokens, sources, strict=True):
             if self.finished:
                 break
+            if self.grammar is not None:
+                self.grammar.advance([token])
             self.tokens.append(int(token))
             self.sources.append(source)
             added += 1
             if token in self.lm.eos_token_ids:
+                self.finish_reason = "eos"
+            elif self.grammar is not None and self.grammar.is_complete():
                 self.finish_reason = "eos"
             elif self.stop and any(s in self.lm.decode(self.new_tokens) for s in self.stop):
                 self.finish_reason = "stop"

@@ -1,0 +1,145 @@
+"""Drafting strategies beyond token equality: threshold adaptation, sampling mode, cache hygiene, bad input."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import decoders
+from conftest import PROMPTS, VOCAB, tiny_lm, tiny_model, tiny_tokenizer
+from decoders.driver import _prepare
+from decoders.threshold import ThresholdOptions, adapt_threshold
+from samplers import SamplingConfig
+from stats import chi_square_fits
+
+DRAFTING = ["speculative", "threshold", "prompt_lookup"]
+
+
+def test_threshold_update_rule():
+    options = ThresholdOptions(threshold=0.4, step=0.1, min_threshold=0.05, max_threshold=0.95)
+    cumulative = [0.9, 0.6, 0.2]
+    assert adapt_threshold(0.4, cumulative, 1, options) == pytest.approx((0.4 + 0.6) / 2)  # rejected at depth 1
+    assert adapt_threshold(0.4, cumulative, 0, options) == pytest.approx((0.4 + 0.9) / 2)
+    assert adapt_threshold(0.4, cumulative, 3, options) == pytest.approx(0.3)  # all accepted: relax by a step
+    assert adapt_threshold(0.1, cumulative, 3, options) == pytest.approx(0.05)  # clamped below
+    assert adapt_threshold(0.95, [1.0, 1.0], 0, options) == pytest.approx(0.95)  # clamped above
+
+
+def test_threshold_drafts_grow_on_easy_text_and_shrink_on_hard_text():
+    """Easy: a confident draft that agrees with the target (the target itself, with sharpened logits).
+    Hard: an unrelated, unconfident random draft."""
+    base = tiny_lm("llama")
+    sharp = copy.deepcopy(base.model)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(8.0)
+    lm = decoders.wrap(sharp, base.tokenizer)
+    easy = decoders.generate(lm, PROMPTS[2], strategy="threshold", draft=lm, max_new_tokens=120).stats
+    hard = decoders.generate(lm, PROMPTS[2], strategy="threshold", draft=tiny_lm("llama", seed=99),
+                             max_new_tokens=120).stats
+    mean = lambda lengths: sum(lengths) / len(lengths)  # noqa: E731
+    assert easy.draft_lengths[0] < max(easy.draft_lengths) == 16  # grows up to max_draft
+    assert mean(hard.draft_lengths) < 2.5
+    assert mean(easy.draft_lengths) > 3 * mean(hard.draft_lengths)
+
+
+def test_speculative_drafts_k_tokens_per_call():
+    lm = tiny_lm("qwen2")
+    stats = decoders.generate(lm, PROMPTS[0], strategy="speculative", draft=lm, k=3, max_new_tokens=41).stats
+    assert stats.draft_lengths == [3] * 10 + [0]  # 10 calls of 3 accepted + 1 bonus = 40, then 1 left: no draft
+    assert stats.target_calls == 11 and stats.accepted_by_position == [10, 10, 10]
+
+
+def test_prompt_lookup_copies_from_the_prompt():
+    lm = tiny_lm("gpt2")
+    prompt = lm.encode(PROMPTS[3]) * 3  # a repeated context: the continuation is likely found in it
+    result = decoders.generate(lm, prompt, strategy="prompt_lookup", max_new_tokens=30)
+    assert "lookup" in result.sources or result.stats.drafted > 0
+    assert result.tokens == decoders.generate(lm, prompt, max_new_tokens=30).tokens
+
+
+@pytest.mark.parametrize("strategy", DRAFTING)
+def test_target_cache_always_holds_the_accepted_tokens(strategy):
+    """After every step the target cache holds exactly the accepted tokens but the last (which is fed next)."""
+    lm = tiny_lm("mistral")  # sliding window 8: rollback across the window too
+    draft = tiny_lm("mistral", seed=5)
+    state, decoder = _prepare(lm, PROMPTS[1], strategy=strategy, draft=draft, max_new_tokens=60)
+    with torch.inference_mode():
+        decoder.start(state)
+        while not state.finished:
+            decoder.step(state)
+            assert len(state.cache) == len(state.tokens) - 1
+            model = state.scratch["drafter"].__dict__.get("model")
+            if model is not None:  # the draft cache is always a prefix of the accepted tokens
+                assert len(model.cache) <= len(state.tokens) - 1
+
+
+@pytest.mark.parametrize("strategy", DRAFTING)
+def test_sampling_mode_first_token_follows_the_target_distribution(strategy):
+    lm = tiny_lm("llama")
+    draft = tiny_lm("llama", seed=99)  # a different distribution: recovered tokens must fix it
+    prompt = lm.encode(PROMPTS[4]) * 2
+    settings = dict(temperature=1.0, top_k=12)
+    with torch.inference_mode():
+        target = SamplingConfig(**settings).probs(lm.forward(prompt, lm.new_cache())[-1])
+    firsts = torch.tensor([
+        decoders.generate(lm, prompt, strategy=strategy, draft=draft, max_new_tokens=3, seed=seed, **settings).tokens[0]
+        for seed in range(1200)
+    ])
+    assert chi_square_fits(firsts, target)
+
+
+def test_sampling_mode_is_seeded():
+    lm = tiny_lm("llama")
+    runs = [decoders.generate(lm, PROMPTS[0], strategy="speculative", draft=tiny_lm("llama", seed=99),
+                              max_new_tokens=20, temperature=0.9, seed=s).tokens for s in (4, 4)]
+    assert runs[0] == runs[1]
+
+
+def test_a_draft_with_a_padded_vocabulary_works():
+    """Same tokenizer, embedding matrix padded to a larger size (as Qwen's 0.5B vs 1.5B may be)."""
+    lm = tiny_lm("llama")
+    config = transformers.LlamaConfig(**{**lm.model.config.to_dict(), "vocab_size": VOCAB + 64})
+    torch.manual_seed(3)
+    padded = decoders.wrap(transformers.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    assert padded.vocab_size != lm.vocab_size
+    for strategy in ("speculative", "threshold"):
+        got = decoders.generate(lm, PROMPTS[1], strategy=strategy, draft=padded, max_new_tokens=30)
+        assert got.tokens == decoders.generate(lm, PROMPTS[1], max_new_tokens=30).tokens
+        decoders.generate(lm, PROMPTS[1], strategy=strategy, draft=padded, max_new_tokens=30, temperature=1.0, seed=1)
+
+
+def test_a_draft_with_another_tokenizer_is_refused():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["completely different text " * 20],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    other = decoders.wrap(tiny_model("llama", seed=1), transformers.PreTrainedTokenizerFast(tokenizer_object=tok))
+    with pytest.raises(ValueError, match="does not share the tokenizer"):
+        decoders.generate(tiny_lm("llama"), PROMPTS[0], strategy="speculative", draft=other)
+
+
+@pytest.mark.parametrize(
+    "strategy, options, message",
+    [
+        ("speculative", dict(k=0), "k .* must be a whole number >= 1"),
+        ("speculative", dict(k=-2), "k .* must be a whole number >= 1"),
+        ("threshold", dict(max_draft=0), "max_draft"),
+        ("threshold", dict(threshold=1.5), "threshold"),
+        ("prompt_lookup", dict(k=0), "k must be"),
+        ("prompt_lookup", dict(min_ngram=4, max_ngram=2), "min_ngram"),
+    ],
+)
+def test_bad_options_are_refused(strategy, options, message):
+    lm = tiny_lm("llama")
+    with pytest.raises(ValueError, match=message):
+        decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=lm, **options)
+
+
+@pytest.mark.parametrize("strategy", ["speculative", "threshold"])
+def test_a_missing_draft_is_refused(strategy):
+    with pytest.raises(ValueError, match="needs a draft model"):
+        decoders.generate(tiny_lm("llama"), PROMPTS[0], strategy=strategy)
