@@ -31,7 +31,8 @@ class Decoder:
 
     name: ClassVar[str] = ""  # set by @register
     Options: ClassVar[type] = NoOptions
-    needs_draft: ClassVar[bool] = False  # checked once, before the run, by the driver
+    needs_draft: ClassVar[bool] = False  # capabilities, checked once before the run by the driver
+    needs_grammar: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         names = [f.name for f in dataclasses.fields(self.Options)]

@@ -52,9 +52,26 @@ class DraftVerify(Decoder):
 
     def step(self, state: DecodeState) -> None:
         drafter: Drafter = state.scratch[self.scratch_key]
+        grammar = state.grammar
+        if grammar is not None and (forced := grammar.forced()):
+            # free, always-accepted drafts: appended now, scored as part of the next target call
+            state.accept(forced, ["grammar"] * len(forced))
+            if state.finished:
+                return
         draft = drafter.propose(state, limit=state.remaining - 1)  # leave room for the target's own token
+        masks = None
+        if grammar is not None:
+            valid, masks = grammar.masks_along(draft.tokens)  # [valid + 1, vocab]
+            if valid < len(draft.tokens):
+                # Exact only for drafters without a distribution (the target would reject the token outright and
+                # sample from q itself); sampled drafts are drawn under the grammar's mask and never land here.
+                if draft.probs is not None:
+                    raise RuntimeError(f"{type(drafter).__name__} drafted a token the grammar does not allow")
+                draft = Draft(draft.tokens[:valid], None, None, draft.source)
         drafted = torch.tensor(draft.tokens, dtype=torch.long)  # [k]
         logits = state.score(draft.tokens)  # [k + 1, vocab]
+        if masks is not None:
+            logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
         if state.sampling.greedy:
             accepted, token = verify_greedy(drafted, logits)
         else:
@@ -77,19 +94,20 @@ class DraftModel:
         self.state, self.lm, self.cache = state, draft, draft.new_cache()
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
 
-    def next_token(self, feed: list[int], want_prob: bool = False) -> tuple[int, torch.Tensor | None, float]:
+    def next_token(self, feed: list[int], allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None, float]:
         """Feed tokens to the draft model; returns (token, its distribution [vocab] or None, its probability).
 
-        Greedy mode takes the argmax (the distribution is only computed when `want_prob`); sampling mode draws from
-        the run's filtered distribution, zero-padded to the target's vocabulary width.
+        Greedy mode takes the argmax; sampling mode draws from the run's filtered distribution, zero-padded to the
+        target's vocabulary width. `allowed` [vocab] (a grammar's mask) restricts both.
         """
         state = self.state
         state.stats.draft_calls += 1
         logits = self.lm.forward(feed, self.cache, keep=1)[-1, : self.width]  # [width]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[: self.width].to(logits.device), float("-inf"))
         if state.sampling.greedy:
             token = int(logits.argmax())
-            prob = float(torch.softmax(logits.float(), -1)[token]) if want_prob else 1.0
-            return token, None, prob
+            return token, None, float(torch.softmax(logits.float(), -1)[token])
         probs = torch.zeros(state.lm.vocab_size, device=state.lm.device)  # [vocab]
         probs[: self.width] = state.sampling.probs(logits).to(probs.device)
         token = int(torch.multinomial(probs, 1, generator=state.generator))
@@ -98,6 +116,28 @@ class DraftModel:
     def uncached(self) -> list[int]:
         """The run's tokens this draft model has not seen yet."""
         return self.state.tokens[len(self.cache):]
+
+    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
+        """Draft up to `limit` tokens one call at a time, under the run's grammar if any, while `keep_going(p)` holds
+        for p = the draft's probability of the chain so far. Returns (tokens, distributions, cumulative probs)."""
+        grammar = self.state.grammar.fork() if self.state.grammar is not None else None
+        tokens, rows, cumulative = [], [], []
+        feed, running = self.uncached(), 1.0
+        for _ in range(limit):
+            if grammar is not None and grammar.is_complete():
+                break
+            allowed = grammar.allowed() if grammar is not None else None
+            token, probs, prob = self.next_token(feed, allowed)
+            running *= prob
+            tokens.append(token)
+            rows.append(probs)
+            cumulative.append(running)
+            if token in self.state.lm.eos_token_ids or not keep_going(running):
+                break
+            if grammar is not None:
+                grammar.advance([token])
+            feed = [token]
+        return tokens, rows, cumulative
 
     def rewind(self) -> None:
         """Forget drafted positions the target did not accept: keep only a prefix of the run's tokens."""

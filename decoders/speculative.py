@@ -31,13 +31,7 @@ class FixedDrafter:
         self.model, self.k = DraftModel(state), k
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
-        tokens, rows = [], []
-        feed = self.model.uncached()
-        for _ in range(min(self.k, limit)):
-            token, probs, _ = self.model.next_token(feed)
-            tokens.append(token)
-            rows.append(probs)
-            feed = [token]
+        tokens, rows, _ = self.model.draft_chain(min(self.k, limit))
         return Draft(tokens, stack_probs(rows))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:

@@ -56,22 +56,11 @@ class ThresholdDrafter:
     def __init__(self, state: DecodeState, options: ThresholdOptions) -> None:
         self.model, self.options = DraftModel(state), options
         self.threshold = options.threshold  # per run: this object lives in state.scratch
-        self.cumulative: list[float] = []
-        self.lengths: list[int] = []  # draft length of every step, for inspection and tests
+        self.cumulative: list[float] = []  # [k] the last draft's cumulative probabilities
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
-        tokens, rows, self.cumulative = [], [], []
-        feed, running = self.model.uncached(), 1.0
-        for _ in range(min(self.options.max_draft, limit)):
-            token, probs, prob = self.model.next_token(feed, want_prob=True)
-            running *= prob
-            tokens.append(token)
-            rows.append(probs)
-            self.cumulative.append(running)
-            feed = [token]
-            if running < self.threshold:
-                break
-        self.lengths.append(len(tokens))
+        limit = min(self.options.max_draft, limit)
+        tokens, rows, self.cumulative = self.model.draft_chain(limit, keep_going=lambda p: p >= self.threshold)
         return Draft(tokens, stack_probs(rows))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
