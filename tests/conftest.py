@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the model hub
 
 import pytest
 import torch
