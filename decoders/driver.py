@@ -37,7 +37,7 @@ def generate(lm: LM, prompt: Prompt, **kwargs) -> Result:
         **options: the strategy's options (e.g. k=5).
     """
     state, decoder = _prepare(lm, prompt, **kwargs)
-    for _ in _run(state, decoder):
+    for _ in _run(state, decoder, with_text=False):
         pass
     return Result(
         text=lm.decode(state.new_tokens),
@@ -82,8 +82,19 @@ def _prepare(
             f"the prompt ({len(tokens)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's context "
             f"of {lm.context_length} tokens; shorten the prompt or lower max_new_tokens"
         )
+    matcher = None
     if grammar is not None:
-        raise NotImplementedError("grammar constraints are not available in this version of decodekit yet")
+        if not callable(getattr(grammar, "matcher", None)):
+            raise TypeError(
+                f"grammar= takes a grammars constraint (grammars.json_schema, grammars.regex, grammars.choice), "
+                f"got {type(grammar).__name__}"
+            )
+        matcher = grammar.matcher(lm)  # the index is built once per tokenizer and constraint, then cached
+    if decoder.needs_grammar and grammar is None:
+        raise ValueError(
+            f"strategy {decoder.name!r} needs a grammar: pass grammar=grammars.json_schema(...), grammars.regex(...) "
+            "or grammars.choice(...)"
+        )
     if decoder.needs_draft and draft is None:
         raise ValueError(f"strategy {decoder.name!r} needs a draft model: pass draft=<LM or model name>")
     if isinstance(draft, (str,)):
@@ -101,6 +112,7 @@ def _prepare(
         generator=None if sampling.greedy else make_generator(seed, lm.device),
         draft=draft,
         stop=stops,
+        grammar=matcher,
     )
     return state, decoder
 
@@ -127,8 +139,9 @@ def _synchronize(lm: LM) -> None:
         torch.cuda.synchronize(lm.device)
 
 
-def _run(state: DecodeState, decoder: Decoder) -> Iterator[Chunk]:
-    """Step the strategy until the run finishes, timing it and yielding what each step adds."""
+def _run(state: DecodeState, decoder: Decoder, with_text: bool = True) -> Iterator[Chunk]:
+    """Step the strategy until the run finishes, timing it and yielding what each step adds (its text too when
+    `with_text`: `generate` decodes once at the end instead)."""
     _synchronize(state.lm)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -139,16 +152,18 @@ def _run(state: DecodeState, decoder: Decoder) -> Iterator[Chunk]:
         # inference_mode per step, not around the generator: a consumer's code between yields stays unaffected
         with torch.inference_mode():
             decoder.step(state)
-        if len(state.tokens) == before:
+        added = state.tokens[before:]
+        if not added and not state.finished:
             raise RuntimeError(f"strategy {decoder.name!r} made a step that accepted no token")
         _synchronize(state.lm)
         elapsed = time.perf_counter() - start
         if state.stats.ttft_seconds == 0.0:
             state.stats.ttft_seconds = elapsed
         state.stats.seconds = elapsed
-        full = state.lm.decode(state.new_tokens)
-        if full.endswith("\ufffd") and not state.finished:
-            full = full[:-1]  # an incomplete UTF-8 character: emit it with the next step
-        added = state.tokens[before:]
-        yield Chunk(tokens=added, text=full[len(text):], sources=state.sources[-len(added):])
-        text = full
+        piece = ""
+        if with_text:
+            full = state.lm.decode(state.new_tokens)
+            if full.endswith("\ufffd") and not state.finished:
+                full = full[:-1]  # an incomplete UTF-8 character: emit it with the next step
+            piece, text = full[len(text):], full
+        yield Chunk(tokens=added, text=piece, sources=state.sources[len(state.sources) - len(added):])

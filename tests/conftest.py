@@ -15,6 +15,9 @@ from tokenizers import decoders as tokenizer_decoders
 
 import decoders
 
+# Tiny models run fastest on one thread, and a busy 2-core machine makes two threads fight.
+torch.set_num_threads(1)
+
 VOCAB = 384
 CORPUS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",

@@ -1,0 +1,137 @@
+"""The argparse tree of the `decodekit` command, with examples in every help epilog."""
+
+from __future__ import annotations
+
+import argparse
+
+MAIN_EPILOG = """examples:
+  decodekit list
+  decodekit generate --model zoo:smollm2-135m "What is a tensor in machine learning?"
+  decodekit compare --model zoo:smollm2-135m --max-new-tokens 32
+  decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b \\
+      --strategies greedy,speculative,hf:assisted --suite edit --out results.json --html report.html
+  decodekit leaderboard results/*.json --format md
+  decodekit models pull smollm2-135m
+"""
+
+GENERATE_EPILOG = """examples:
+  decodekit generate --model zoo:smollm2-135m "The digits of Pi are 3.14159"
+  decodekit generate --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --strategy speculative -o k=4 \\
+      "Write a Python function that reverses a string."
+  decodekit generate --model zoo:smollm2-135m --json "Index: A B C" | jq .stats
+  echo "Summarize: ..." | decodekit generate --model zoo:smollm2-135m -
+
+Tokens not produced by a target call are shown by source: colored in a terminal (draft green, lookup cyan,
+lookahead magenta, grammar yellow), as [draft:...] markers when piped. Stats go to stderr.
+"""
+
+COMPARE_EPILOG = """examples:
+  decodekit compare --model zoo:smollm2-135m --max-new-tokens 32
+  decodekit compare --model zoo:smollm2-135m --strategies greedy,prompt_lookup,hf:greedy,hf:prompt_lookup \\
+      --suite edit --repeats 3 --out results.json --html report.html --plots plots/
+  decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \\
+      --strategies greedy,speculative,hf:assisted -o speculative.k=4
+  decodekit compare --model my/model --suite my_prompts.jsonl      # {"id","category","prompt"} per line
+  accelerate launch --multi_gpu --num_processes 2 -m evals compare --model zoo:smollm2-135m --out results.json
+  torchrun --nproc_per_node 2 -m evals compare --model zoo:smollm2-135m --out results.json
+
+greedy (the baseline) always runs first. Without --strategies every registered strategy whose needs are met runs
+(draft strategies only with --draft). Peers: hf:greedy, hf:assisted (needs --draft), hf:prompt_lookup.
+Every greedy-mode method is checked token for token against greedy; a divergence beyond the dtype's numeric-tie
+tolerance marks it FAILED with the first divergent position. Under accelerate on CPU-only machines pass --multi_gpu
+(accelerate's name for its torch.distributed launcher) or use torchrun: plain `--num_processes 2` starts one process.
+"""
+
+LEADERBOARD_EPILOG = """examples:
+  decodekit leaderboard results/*.json
+  decodekit leaderboard a.json b.json --format html --out leaderboard.html
+  decodekit leaderboard a.json b.json --format json > merged.json
+"""
+
+MODELS_EPILOG = """examples:
+  decodekit models pull smollm2-135m
+  decodekit models pull qwen2.5-coder-0.5b qwen2.5-coder-1.5b
+  decodekit models list
+"""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="zoo:NAME, a local folder, a .gguf file or a hub id")
+    parser.add_argument("--draft", help="draft model for strategies that need one (same tokenizer as --model)")
+    parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat template")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command tree; `args.command` names the subcommand."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="decodekit", description="Fast, lossless decoding strategies for Hugging Face causal LMs.",
+        epilog=MAIN_EPILOG, formatter_class=formatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("list", help="strategies, peers, zoo models and prompt suites", formatter_class=formatter,
+                   epilog="examples:\n  decodekit list\n")
+
+    gen = sub.add_parser("generate", help="decode one prompt and show where each token came from",
+                         epilog=GENERATE_EPILOG, formatter_class=formatter)
+    _model_arguments(gen)
+    gen.add_argument("prompt", help="the prompt text, or - to read it from stdin")
+    gen.add_argument("--strategy", default="greedy", help="a registered strategy (decodekit list); default greedy")
+    gen.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
+    gen.add_argument("--max-new-tokens", type=_positive, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)")
+    gen.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                     help="a strategy option, e.g. -o k=4 (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print the whole Result as JSON")
+    gen.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                     help="color token sources (auto: when stdout is a terminal)")
+
+    cmp = sub.add_parser("compare", help="run strategies and peers side by side on a prompt suite",
+                         epilog=COMPARE_EPILOG, formatter_class=formatter)
+    _model_arguments(cmp)
+    cmp.add_argument("--strategies", help="comma-separated strategies and peers (default: every runnable strategy)")
+    cmp.add_argument("--suite", default="default", help="a shipped suite (decodekit list) or a .jsonl file")
+    cmp.add_argument("--max-new-tokens", type=_positive, default=128, help="cap for every prompt (default 128)")
+    cmp.add_argument("--repeats", type=_positive, default=1, help="timed runs per (strategy, prompt)")
+    cmp.add_argument("-o", "--option", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
+                     help="a strategy option, e.g. -o speculative.k=4 (repeatable)")
+    cmp.add_argument("--out", metavar="FILE", help="write the result as JSON (schema: evals/README.md)")
+    cmp.add_argument("--markdown", metavar="FILE", help="also write the Markdown report to FILE")
+    cmp.add_argument("--html", metavar="FILE", help="write an HTML report: outputs colored by source, sparklines")
+    cmp.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib)")
+    cmp.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each method")
+    cmp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmp.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+    cmp.add_argument("--bandwidth-mb", type=int, default=256,
+                     help="size of the memory-bandwidth probe for the roofline (0: no roofline)")
+
+    board = sub.add_parser("leaderboard", help="merge compare result files into one table",
+                           epilog=LEADERBOARD_EPILOG, formatter_class=formatter)
+    board.add_argument("files", nargs="+", help="result JSON files written by compare --out")
+    board.add_argument("--format", choices=["md", "html", "json"], default="md")
+    board.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
+
+    models = sub.add_parser("models", help="the model zoo", epilog=MODELS_EPILOG, formatter_class=formatter)
+    actions = models.add_subparsers(dest="action", required=True, metavar="ACTION")
+    pull = actions.add_parser("pull", help="download, verify and convert zoo models", epilog=MODELS_EPILOG,
+                              formatter_class=formatter)
+    pull.add_argument("names", nargs="+", metavar="NAME")
+    pull.add_argument("--force", action="store_true", help="pull again even if already pulled")
+    actions.add_parser("list", help="zoo models and where they are", formatter_class=formatter)
+    return parser

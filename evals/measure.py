@@ -1,0 +1,166 @@
+"""Clocks and gauges: device sync, forward-call meters, peak memory, memory bandwidth, the run's environment."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import resource
+import socket
+import sys
+import time
+from importlib import metadata
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so the clock reads finished work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ForwardMeter:
+    """Counts a model's forward calls and the seconds spent in them, via torch's public module hooks."""
+
+    def __init__(self, model: torch.nn.Module | None, device: torch.device) -> None:
+        self.model, self.device = model, device
+        self.calls, self.seconds = 0, 0.0
+        self._handles: list = []
+        self._started = 0.0
+
+    def _before(self, module, args, kwargs=None) -> None:
+        synchronize(self.device)
+        self._started = time.perf_counter()
+
+    def _after(self, module, args, output) -> None:
+        synchronize(self.device)
+        self.calls += 1
+        self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> ForwardMeter:
+        if self.model is not None:
+            self._handles = [
+                self.model.register_forward_pre_hook(self._before),
+                self.model.register_forward_hook(self._after),
+            ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class PeakMemory:
+    """Peak memory of one run: CUDA max_memory_allocated, else the process's peak RSS (reset per run on Linux)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:  # Linux: writing 5 to clear_refs resets the VmHWM high-water mark
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass  # the resource fallback below then reports the process's lifetime peak
+
+    def read(self) -> int:
+        """Bytes at the high-water mark since `reset`."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer (tied weights counted once)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+    return int(sum(unique.values()))
+
+
+def bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes one batch-1 decoding step must read: every parameter, except that an input embedding table not tied
+    to the output layer is read one row at a time (a row is negligible)."""
+    total = parameter_bytes(model)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if embedding is not None and (output is None or output.weight.data_ptr() != embedding.weight.data_ptr()):
+        total -= embedding.weight.numel() * embedding.weight.element_size()
+    return int(total)
+
+
+def memory_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
+    """Measured memory bandwidth in bytes/s: the best of `repeats` copies of a `megabytes` tensor (read + write)."""
+    n = megabytes * 2**20 // 4
+    source = torch.ones(n, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)  # first touch: page faults are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * source.element_size() / best
+
+
+def roofline(model: torch.nn.Module, device: torch.device, megabytes: int = 256) -> dict:
+    """The batch-1 decoding limit: bytes read per step / measured bandwidth, as tokens/s."""
+    per_token = bytes_per_token(model)
+    bandwidth = memory_bandwidth(device, megabytes)
+    return {
+        "parameter_bytes": parameter_bytes(model),
+        "bytes_per_token": per_token,
+        "bandwidth_bytes_per_second": bandwidth,
+        "bandwidth_probe_megabytes": megabytes,
+        "limit_tokens_per_second": bandwidth / per_token,
+    }
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def device_name(device: torch.device) -> str:
+    """A human name for the device: the GPU's name, or the CPU model and core count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    """Where and with what a result was measured: the leaderboard header."""
+    return {
+        "device": str(device),
+        "device_name": device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "host": socket.gethostname(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "accelerate": _version("accelerate"),
+        "decodekit": _version("decodekit"),
+    }

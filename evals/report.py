@@ -1,0 +1,208 @@
+"""Markdown and JSON reports of compare results, and the leaderboard that merges many result files.
+
+Tables follow lm-evaluation-harness: a header saying where and with what the numbers were measured, then Markdown
+tables whose column names carry ↑ (higher is better) or ↓ (lower is better).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from evals.runner import SCHEMA
+
+LEADERBOARD_SCHEMA = "decodekit.leaderboard/1"
+
+
+class ResultFileError(ValueError):
+    """A file that is not a decodekit compare result."""
+
+
+def fmt(value, spec: str = ".2f", scale: float = 1.0) -> str:
+    """A number formatted for a table; '–' for a missing one."""
+    return "–" if value is None else format(value * scale, spec)
+
+
+def spread(figure: dict, spec: str = ".2f") -> str:
+    """mean, with ± std when there were several repeats."""
+    if figure.get("mean") is None:
+        return "–"
+    text = format(figure["mean"], spec)
+    return f"{text} ± {format(figure['std'], spec)}" if figure.get("std") else text
+
+
+def lossless_cell(summary: dict) -> str:
+    """reference / ✓ exact / ✓ n tie(s) / FAILED @position (prompt) / unchecked."""
+    check = summary["lossless"]
+    status = check["status"]
+    if status == "failed":
+        first = check["first_failure"]
+        return f"FAILED @{first['position']} ({first['prompt_id']})"
+    if status == "error":
+        return f"ERROR ({check['errors']} run{'s' if check['errors'] > 1 else ''}, see notes)"
+    if status == "tie":
+        return f"✓ {check['tie']} tie{'s' if check['tie'] > 1 else ''}"
+    if status == "pass" and summary["strategy"] == "greedy":
+        return "reference"
+    return {"pass": "✓ exact"}.get(status, status)
+
+
+def by_position(rates: list[float], depth: int = 5) -> str:
+    return " ".join(f"{r:.2f}" for r in rates[:depth]) or "–"
+
+
+# (header, getter) of the per-strategy table
+COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
+    ("strategy", lambda s: s["strategy"]),
+    ("lossless", lossless_cell),
+    ("tok/s ↑", lambda s: spread(s["tokens_per_second"], ".1f")),
+    ("speed-up ↑", lambda s: spread(s["speedup"])),
+    ("TTFT ms ↓", lambda s: fmt(s["ttft_seconds"], ".0f", 1e3)),
+    ("target calls ↓", lambda s: fmt(s["target_calls"], ".0f")),
+    ("tokens/call ↑", lambda s: fmt(s["mean_accepted"])),
+    ("acceptance ↑", lambda s: fmt(s["acceptance_rate"])),
+    ("acceptance by position ↑", lambda s: by_position(s["acceptance_by_position"])),
+    ("draft share ↓", lambda s: fmt(s["draft_share"], ".0%")),
+    ("peak MB ↓", lambda s: fmt(s["peak_memory_bytes"], ".0f", 2**-20)),
+]
+
+
+def _is_figure(cell: str) -> bool:
+    return cell == "–" or cell.replace(".", "", 1).replace(" ± ", "", 1).replace(".", "", 1).rstrip("%").isdigit()
+
+
+def make_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: figure columns (marked ↑ or ↓, or all numbers) right-aligned, text left-aligned."""
+    align = [
+        "---:" if "↑" in h or "↓" in h or all(_is_figure(str(row[i])) for row in rows) else ":---"
+        for i, h in enumerate(headers)
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def summary_table(result: dict) -> tuple[list[str], list[list[str]]]:
+    """The per-strategy table."""
+    return [h for h, _ in COLUMNS], [[get(s) for _, get in COLUMNS] for s in result["summary"]]
+
+
+def category_table(result: dict) -> tuple[list[str], list[list[str]]]:
+    """Speed-up over greedy per category (tokens/call in parentheses when a strategy drafts)."""
+    categories = result["config"]["categories"]
+    rows = []
+    for s in result["summary"]:
+        row = [s["strategy"]]
+        for category in categories:
+            figures = s["by_category"].get(category)
+            if figures is None:
+                row.append("–")
+                continue
+            cell = spread(figures["speedup"])
+            if figures["lossless"]["status"] == "failed":
+                cell += " ✗"
+            row.append(cell)
+        rows.append(row)
+    return ["strategy"] + [f"{c} ↑" for c in categories], rows
+
+
+def header_lines(result: dict) -> list[str]:
+    """Where and with what the numbers were measured."""
+    env, model, config, roof = result["environment"], result["model"], result["config"], result.get("roofline")
+    lines = [
+        f"model: {model['name']} ({model['class']}) · draft: {model['draft'] or 'none'}",
+        f"device: {env['device']} — {env['device_name']} · dtype: {env['dtype']}",
+        f"torch {env['torch']} · transformers {env['transformers']} · decodekit {env['decodekit']} · "
+        f"{env['date']} · host {env['host']}",
+        f"suite: {config['suite']} ({config['prompts']} prompts) · max_new_tokens: {config['max_new_tokens']} · "
+        f"repeats: {config['repeats']} · processes: {config['processes']}",
+    ]
+    if roof:
+        fraction = f" · greedy reaches {roof['greedy_fraction']:.0%} of it" if roof.get("greedy_fraction") else ""
+        lines.append(
+            f"roofline: {roof['bytes_per_token'] / 2**20:.1f} MiB read per token / "
+            f"{roof['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s = "
+            f"{roof['limit_tokens_per_second']:.1f} tok/s limit for batch-1 greedy{fraction}"
+        )
+    return lines
+
+
+def notes(result: dict) -> list[str]:
+    """Skipped methods, then every divergence: failures and numeric ties, with position and logit margin."""
+    out = list(result.get("notes", []))
+    out += [f"{e['strategy']} on {e['prompt_id']}: raised {e['error']}" for e in result.get("errors", [])]
+    for run in result["runs"]:
+        check = run.get("lossless") or {}
+        if check.get("status") in ("failed", "tie"):
+            margin = "" if check.get("margin") is None else (
+                f", top-2 margin {check['margin']:.3g}, gap {check['gap']:.3g} vs tolerance {check['tolerance']:.3g}")
+            out.append(f"{run['strategy']} on {run['prompt_id']} (repeat {run['repeat']}): "
+                       f"{check['status']} at token {check['position']} ({check['reason']}{margin})")
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The whole compare report as Markdown."""
+    parts = ["## decodekit compare", "", *[f"{line}  " for line in header_lines(result)], ""]
+    parts += [make_table(*summary_table(result)), "", "Speed-up over greedy by category:", ""]
+    parts += [make_table(*category_table(result))]
+    if extra := notes(result):
+        parts += ["", "Notes:", *[f"- {n}" for n in extra]]
+    return "\n".join(parts) + "\n"
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def load_result(path: str | Path) -> dict:
+    """A compare result file; anything else raises `ResultFileError` naming the file."""
+    try:
+        result = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ResultFileError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ResultFileError(f"{path}: not a JSON file ({error})") from None
+    if not isinstance(result, dict) or not str(result.get("schema", "")).startswith(SCHEMA.split("/")[0] + "/"):
+        raise ResultFileError(f"{path}: not a decodekit compare result (no \"schema\": \"{SCHEMA}\")")
+    return result
+
+
+LEADERBOARD_COLUMNS = ["model", "draft", "device", "dtype", "strategy", "lossless", "tok/s ↑", "speed-up ↑",
+                       "tokens/call ↑", "acceptance ↑", "greedy/roofline ↑", "suite", "date"]
+
+
+def leaderboard(results: list[dict]) -> list[dict]:
+    """One row per (result, strategy): best speed-up first within each result, results in the order given."""
+    rows = []
+    for result in results:
+        env, roof = result["environment"], result.get("roofline") or {}
+        ranked = sorted(result["summary"], key=lambda s: -(s["speedup"]["mean"] or 0.0))
+        for s in ranked:
+            rows.append({
+                "model": result["model"]["name"], "draft": result["model"]["draft"] or "–",
+                "device": f"{env['device']} ({env['device_name']})", "dtype": env["dtype"], "strategy": s["strategy"],
+                "lossless": lossless_cell(s), "tokens_per_second": s["tokens_per_second"]["mean"],
+                "speedup": s["speedup"]["mean"], "speedup_std": s["speedup"]["std"],
+                "mean_accepted": s["mean_accepted"], "acceptance_rate": s["acceptance_rate"],
+                "greedy_fraction": roof.get("greedy_fraction"), "suite": result["config"]["suite"],
+                "date": env["date"], "host": env["host"],
+            })
+    return rows
+
+
+def leaderboard_cells(row: dict) -> list[str]:
+    return [row["model"], row["draft"], row["device"], row["dtype"], row["strategy"], row["lossless"],
+            fmt(row["tokens_per_second"], ".1f"), spread({"mean": row["speedup"], "std": row["speedup_std"]}),
+            fmt(row["mean_accepted"]), fmt(row["acceptance_rate"]), fmt(row["greedy_fraction"], ".0%"),
+            row["suite"], row["date"]]
+
+
+def leaderboard_markdown(rows: list[dict]) -> str:
+    return "## decodekit leaderboard\n\n" + make_table(LEADERBOARD_COLUMNS, [leaderboard_cells(r) for r in rows]) + "\n"
+
+
+def leaderboard_json(rows: list[dict], sources: list[str]) -> str:
+    return json.dumps({"schema": LEADERBOARD_SCHEMA, "sources": sources, "rows": rows}, indent=1,
+                      ensure_ascii=False) + "\n"

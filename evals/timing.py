@@ -1,0 +1,164 @@
+"""One timed generation call, measured the same way for decodekit strategies and for peers.
+
+Every method is timed from just before its public call (`decoders.generate`, `model.generate`) to its return, with the
+device synchronized at both ends; new tokens are counted up to and including an ending EOS, never more than
+max_new_tokens. A `Run` is the record of one such call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import decoders
+from decoders import registry
+from evals.measure import ForwardMeter, PeakMemory, synchronize
+
+
+@dataclass
+class Run:
+    """The record of one timed (strategy, prompt, repeat) call. Counters a method cannot report are None."""
+
+    strategy: str
+    kind: str  # "decodekit" or "peer"
+    prompt_id: str
+    category: str
+    repeat: int
+    prompt_tokens: int
+    max_new_tokens: int
+    new_tokens: int  # up to and including an ending EOS
+    seconds: float  # wall time of the call, device synchronized
+    ttft_seconds: float  # until the first new token was available
+    target_calls: int | None
+    draft_calls: int | None
+    drafted: int | None
+    accepted: int | None
+    accepted_by_position: list[int]  # [i]: times the draft token at depth i was accepted
+    drafted_by_position: list[int]  # [i]: verifications that drafted a token at depth i (empty: unknown)
+    draft_seconds: float | None  # time inside the draft model's forward calls
+    peak_memory_bytes: int | None
+    finish_reason: str  # "eos" or "length" ("stop" never: compare passes no stop strings)
+    tokens: list[int]
+    sources: list[str]  # one per token: "target", "draft", "lookup", "lookahead", "grammar"
+    pieces: list[str]  # the text each token adds (for colored reports)
+    timeline: list[tuple[float, int]]  # (seconds since the call began, new tokens so far) after every step
+    grammar: bool = False  # ran under the prompt's JSON-schema constraint
+    rank: int = 0  # the process that ran it (accelerate launch)
+    lossless: dict[str, Any] | None = None  # filled by evals.lossless.check
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        """JSON-ready, with the derived rates."""
+        record = asdict(self)
+        record["tokens_per_second"] = self.tokens_per_second
+        record["mean_accepted"] = self.new_tokens / self.target_calls if self.target_calls else None
+        record["acceptance_rate"] = self.accepted / self.drafted if self.drafted else None
+        record["draft_share"] = self.draft_seconds / self.seconds if self.draft_seconds and self.seconds else None
+        return record
+
+
+class Stopwatch:
+    """Brackets one call: peak memory reset, draft forwards metered, device synced, clock read; `mark` per step."""
+
+    def __init__(self, lm: decoders.LM, draft: decoders.LM | None = None, count_target: bool = False) -> None:
+        self.device = lm.device
+        self.peak = PeakMemory(lm.device)
+        self.target = ForwardMeter(lm.model if count_target else None, lm.device)
+        # a draft that is the target itself (a test setup) cannot be told apart by hooks: not metered
+        separate = draft is not None and draft.model is not lm.model
+        self.draft = ForwardMeter(draft.model if separate else None, lm.device)
+        self.draft_metered = separate
+        self.marks: list[tuple[float, int]] = []
+        self.start = self.seconds = 0.0
+        self.peak_bytes = 0
+
+    def __enter__(self) -> Stopwatch:
+        self.peak.reset()
+        self.target.__enter__()
+        self.draft.__enter__()
+        synchronize(self.device)
+        self.start = time.perf_counter()
+        return self
+
+    def mark(self, new_tokens: int) -> None:
+        """Note that `new_tokens` tokens exist now."""
+        synchronize(self.device)
+        self.marks.append((time.perf_counter() - self.start, new_tokens))
+
+    def __exit__(self, *exc) -> None:
+        synchronize(self.device)
+        self.seconds = time.perf_counter() - self.start
+        self.draft.__exit__()
+        self.target.__exit__()
+        self.peak_bytes = self.peak.read()
+
+    @property
+    def ttft(self) -> float:
+        return next((t for t, n in self.marks if n > 0), self.seconds)
+
+
+def pieces(lm: decoders.LM, tokens: list[int]) -> list[str]:
+    """The text each new token adds (a token that ends inside a UTF-8 character adds nothing until it completes)."""
+    out, before = [], ""
+    for i in range(1, len(tokens) + 1):
+        text = lm.decode(tokens[:i])
+        if text.endswith("\ufffd") and i < len(tokens):
+            out.append("")
+            continue
+        out.append(text[len(before):])
+        before = text
+    return out
+
+
+def _clocked(cls: type, options: dict, watch: Stopwatch) -> decoders.Decoder:
+    """An instance of strategy `cls` that marks the stopwatch after every step (the algorithm itself is untouched)."""
+
+    class Clocked(cls):
+        def step(self, state):
+            super().step(state)
+            watch.mark(len(state.tokens) - state.prompt_len)
+
+    Clocked.__name__ = Clocked.__qualname__ = f"Clocked{cls.__name__}"
+    return Clocked(**options)
+
+
+def run_decodekit(
+    lm: decoders.LM,
+    prompt: list[int],
+    strategy: str,
+    *,
+    max_new_tokens: int,
+    draft: decoders.LM | None = None,
+    grammar: Any = None,
+    options: dict | None = None,
+    prompt_id: str = "",
+    category: str = "",
+    repeat: int = 0,
+) -> Run:
+    """Time one `decoders.generate` call of a registered strategy."""
+    watch = Stopwatch(lm, draft)
+    decoder = _clocked(registry.get(strategy), dict(options or {}), watch)
+    with watch:
+        result = decoders.generate(
+            lm, prompt, strategy=decoder, max_new_tokens=max_new_tokens, draft=draft, grammar=grammar
+        )
+    stats = result.stats
+    lengths = list(getattr(stats, "draft_lengths", None) or [])  # drafted tokens per verification, when recorded
+    return Run(
+        strategy=strategy, kind="decodekit", prompt_id=prompt_id, category=category, repeat=repeat,
+        prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, new_tokens=len(result.tokens),
+        seconds=watch.seconds, ttft_seconds=watch.ttft,
+        target_calls=stats.target_calls, draft_calls=stats.draft_calls, drafted=stats.drafted, accepted=stats.accepted,
+        accepted_by_position=list(stats.accepted_by_position),
+        drafted_by_position=[sum(n > depth for n in lengths) for depth in range(max(lengths, default=0))],
+        draft_seconds=watch.draft.seconds if stats.draft_calls and watch.draft_metered else None,
+        peak_memory_bytes=watch.peak_bytes, finish_reason=result.finish_reason,
+        tokens=list(result.tokens), sources=list(result.sources), pieces=pieces(lm, result.tokens),
+        timeline=watch.marks, grammar=grammar is not None,
+        extra={"driver_seconds": stats.seconds, "driver_ttft_seconds": stats.ttft_seconds},
+    )

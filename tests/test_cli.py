@@ -1,0 +1,171 @@
+"""The `decodekit` command line, run in-process through `evals.cli.main` on a tiny model saved to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import decoders
+from conftest import tiny_model, tiny_tokenizer
+from decoders.greedy import Greedy
+from evals import cli
+
+PROMPT = "Index: A B C"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and a busy 2-core machine makes two threads much slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, monkeypatch_module) -> str:
+    """A tiny random Llama and the in-memory tokenizer, saved like any local model folder."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        yield patch
+
+
+@pytest.fixture
+def marked_strategy():
+    """Greedy that labels every other token as a draft token (so sources show up in the output)."""
+
+    @decoders.register("test_every_other_draft")
+    class EveryOtherDraft(Greedy):
+        """Greedy, with every second token labelled "draft"."""
+
+        def step(self, state):
+            super().step(state)
+            if len(state.sources) % 2 == 0:
+                state.sources[-1] = "draft"
+
+    yield "test_every_other_draft"
+    decoders.unregister("test_every_other_draft")
+
+
+def test_list_shows_strategies_peers_and_suites(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in decoders.available() + ["hf:greedy", "hf:assisted", "hf:prompt_lookup", "default", "edit", "json"]:
+        assert name in out
+
+
+@pytest.mark.parametrize("command", [[], ["list"], ["generate"], ["compare"], ["leaderboard"], ["models"],
+                                     ["models", "pull"]])
+def test_every_help_has_examples(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(command + ["--help"])
+    assert exit_.value.code == 0
+    assert "examples:" in capsys.readouterr().out
+
+
+def test_generate_marks_token_sources_when_piped_and_colors_them_on_request(model_dir, marked_strategy, capsys):
+    args = ["generate", "--model", model_dir, "--strategy", marked_strategy, "--max-new-tokens", "8", PROMPT]
+    assert cli.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "[draft:" in out and "\033[" not in out  # captured stdout is not a terminal
+    assert "8 tokens" in err and "target calls" in err
+    assert cli.main(args + ["--color", "always"]) == 0
+    assert "\033[32m" in capsys.readouterr().out
+
+
+def test_generate_json_prints_the_result(model_dir, capsys):
+    assert cli.main(["generate", "--model", model_dir, "--max-new-tokens", "6", "--json", PROMPT]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert {"text", "tokens", "sources", "stats", "finish_reason", "prompt_tokens", "strategy"} <= set(record)
+    assert len(record["tokens"]) == record["stats"]["new_tokens"] <= 6 and record["strategy"] == "greedy"
+    assert {"target_calls", "acceptance_rate", "tokens_per_second", "ttft_seconds"} <= set(record["stats"])
+
+
+@pytest.mark.skipif("guided" not in decoders.available(), reason="no grammar-constrained strategy registered")
+def test_generate_with_a_json_schema_shows_grammar_forced_tokens(model_dir, tmp_path, capsys):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
+                                  "required": ["name"]}))
+    args = ["generate", "--model", model_dir, "--strategy", "guided", "--json-schema", str(schema),
+            "--max-new-tokens", "12", PROMPT]
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out.startswith('[grammar:{"name":"')
+    assert cli.main(args[:5] + args[7:]) == 2  # guided without a schema
+    assert "pass --json-schema" in capsys.readouterr().err
+
+
+def test_compare_prints_a_table_and_writes_every_report(model_dir, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    args = ["compare", "--model", model_dir, "--suite", "article", "--strategies", "greedy,hf:greedy",
+            "--max-new-tokens", "8", "--no-progress", "--bandwidth-mb", "8", "--out", str(out),
+            "--markdown", str(tmp_path / "report.md"), "--html", str(tmp_path / "report.html"),
+            "--plots", str(tmp_path / "plots")]
+    assert cli.main(args) == 0
+    stdout = capsys.readouterr().out
+    assert "| strategy | lossless | tok/s ↑" in stdout and "| hf:greedy | ✓ exact" in stdout
+    result = json.loads(out.read_text())
+    assert result["config"]["suite"] == "article" and len(result["runs"]) == 6
+    assert (tmp_path / "report.md").read_text().startswith("## decodekit compare")
+    assert "<svg" in (tmp_path / "report.html").read_text()
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "acceptance_by_position.png", "speedup_by_category.png"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compare", "--model", "unused", "--strategies", "greedyy"], "Did you mean 'greedy'?"),
+    (["compare", "--model", "unused", "--suite", "defualt"], "Did you mean 'default'?"),
+    (["compare", "--model", "unused", "--strategies", "hf:assisted"], "needs a draft model"),
+    (["compare", "--model", "unused", "-o", "k=3"], "STRATEGY.KEY=VALUE"),
+    (["generate", "--model", "unused", "--strategy", "nope", "hi"], "unknown strategy 'nope'"),
+    (["generate", "--model", "unused", "--json-schema", "/no/such/schema.json", "hi"], "cannot read a JSON schema"),
+    (["models", "pull", "smollm3"], "unknown zoo model"),
+    (["leaderboard", "/no/such/result.json"], "no such file"),
+])
+def test_bad_input_is_one_line_on_stderr_and_exit_status_2(args, message, capsys):
+    assert cli.main(args) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("decodekit: error: ") and message in err and "Traceback" not in err
+
+
+def test_a_malformed_suite_file_reports_its_line(tmp_path, capsys):
+    suite = tmp_path / "mine.jsonl"
+    suite.write_text('{"id": "a", "category": "c", "prompt": "p"}\n{"id": "b", "category": "c"\n')
+    assert cli.main(["compare", "--model", "unused", "--suite", str(suite)]) == 2
+    assert f"{suite}:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_strategy_that_needs_a_draft_is_refused_without_one(capsys):
+    @decoders.register("test_draft_only")
+    class DraftOnly(Greedy):
+        """Needs a draft model."""
+
+        needs_draft = True
+
+    try:
+        assert cli.main(["compare", "--model", "unused", "--strategies", "test_draft_only"]) == 2
+        assert "'test_draft_only' needs a draft model" in capsys.readouterr().err
+        assert cli.main(["generate", "--model", "unused", "--strategy", "test_draft_only", "hi"]) == 2
+        assert "needs a draft model" in capsys.readouterr().err
+    finally:
+        decoders.unregister("test_draft_only")
+
+
+def test_bench_greedy_prints_the_ratio_and_the_roofline_fraction(model_dir, capsys):
+    from evals import bench_greedy
+
+    args = ["--models", model_dir, "--dtype", "float32", "--suite", "article", "--repeats", "1",
+            "--max-new-tokens", "6", "--no-progress"]
+    assert bench_greedy.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| model | dtype | MiB/token | greedy tok/s ↑ | hf:greedy tok/s ↑ | ratio ↑" in out
+    assert "✓ exact" in out  # hf:greedy reproduces greedy token for token

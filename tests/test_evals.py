@@ -1,0 +1,280 @@
+"""The evaluator: suites, compare's result document, the losslessness check, leaderboards, and the accelerate split."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import decoders
+from conftest import tiny_lm, tiny_model, tiny_tokenizer
+from decoders.greedy import Greedy
+from evals import cli, lossless, report, suites
+from evals.peers import PEERS
+from evals.runner import CompareConfig, compare, needs_grammar, plan
+
+SUITE = [
+    {"id": "fib", "category": "code", "prompt": "def fibonacci(n):"},
+    {"id": "fox", "category": "prose", "prompt": "The quick brown fox"},
+    {"id": "index", "category": "article", "prompt": "Index: A B C"},
+    {"id": "pi", "category": "article", "prompt": "The digits of Pi are 3.14159", "max_new_tokens": 10},
+    {"id": "name", "category": "json", "prompt": '{"name": "',
+     "schema": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+]
+RUN_FIELDS = {
+    "strategy", "kind", "prompt_id", "category", "repeat", "prompt_tokens", "max_new_tokens", "new_tokens", "seconds",
+    "ttft_seconds", "target_calls", "draft_calls", "drafted", "accepted", "accepted_by_position",
+    "drafted_by_position", "draft_seconds", "peak_memory_bytes", "finish_reason", "tokens", "sources", "pieces",
+    "timeline", "grammar", "rank", "lossless", "tokens_per_second", "mean_accepted", "acceptance_rate", "draft_share",
+}
+SUMMARY_FIELDS = {
+    "strategy", "kind", "runs", "prompts", "tokens_per_second", "speedup", "ttft_seconds", "new_tokens",
+    "target_calls", "draft_calls", "mean_accepted", "acceptance_rate", "accepted_by_position",
+    "accepted_by_position_per_call", "acceptance_by_position", "draft_share", "peak_memory_bytes", "lossless",
+    "by_category",
+}
+
+
+def write_suite(path: Path, lines: list[dict] = SUITE) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster than two threads on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def suite_file(tmp_path_factory) -> Path:
+    return write_suite(tmp_path_factory.mktemp("suite") / "tiny.jsonl")
+
+
+@pytest.fixture(scope="module")
+def result(suite_file) -> dict:
+    """One compare on a tiny random Llama: every registered strategy and every peer, with a draft; two repeats."""
+    config = CompareConfig(strategies=(*decoders.available(), *PEERS, "outlines:json"), suite=str(suite_file),
+                           max_new_tokens=12, repeats=2, progress=False, bandwidth_megabytes=8)
+    return compare(tiny_lm("llama"), config, draft=tiny_lm("llama", seed=1))
+
+
+# ----------------------------------------------------------------------------------------------------------- suites
+def test_shipped_suites_cover_every_category_and_the_seed_prompts():
+    everything = suites.load("all")
+    assert {"code", "edit", "rag", "prose", "json", "article"} <= {p.category for p in everything}
+    assert all(p.schema for p in everything if p.category == "json")
+    assert {p.prompt for p in suites.load("article")} == {
+        "What is a tensor in machine learning?", "Index: A B C", "The digits of Pi are 3.14159"}
+    default = suites.load("default")
+    assert 6 <= len(default) <= 8 and {p.category for p in default} == {p.category for p in everything}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "not valid JSON"),
+    ('{"id": "x", "category": "c"}', "missing required field(s) prompt"),
+    ('{"id": "x", "category": "c", "prompt": 3}', "'prompt' must be a str"),
+    ('{"id": "x", "category": "c", "prompt": "p", "colour": 1}', "unknown field(s) colour"),
+    ('{"id": "fib", "category": "c", "prompt": "p"}', "duplicate id 'fib'"),
+    ('["a list"]', "expected a JSON object"),
+])
+def test_a_malformed_suite_line_names_the_file_and_line(tmp_path, bad, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(SUITE[0]) + "\n\n" + bad + "\n", encoding="utf-8")
+    with pytest.raises(suites.SuiteError) as error:
+        suites.load(path)
+    assert f"{path}:3:" in str(error.value) and message in str(error.value)
+
+
+def test_an_unknown_suite_suggests_the_nearest():
+    with pytest.raises(suites.SuiteError, match="Did you mean 'code'"):
+        suites.load("cod")
+    with pytest.raises(suites.SuiteError, match="not found"):
+        suites.load("missing/prompts.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------------------- compare
+def test_compare_result_has_every_field_and_a_markdown_table(result):
+    assert result["schema"] == "decodekit.compare/1"
+    top = {"environment", "model", "config", "prompts", "notes", "roofline", "summary", "runs", "errors"}
+    assert top <= set(result)
+    assert {"device", "device_name", "dtype", "torch", "transformers", "decodekit", "date", "host"} <= set(
+        result["environment"])
+    roofline = {"limit_tokens_per_second", "parameter_bytes", "bytes_per_token", "bandwidth_bytes_per_second",
+                "greedy_fraction"}
+    assert roofline <= set(result["roofline"])
+    for run in result["runs"]:
+        assert RUN_FIELDS <= set(run), RUN_FIELDS - set(run)
+        assert run["new_tokens"] == len(run["tokens"]) == len(run["sources"]) <= run["max_new_tokens"]
+    summary = {s["strategy"]: s for s in result["summary"]}
+    assert list(summary)[0] == "greedy" and set(summary) == {*decoders.available(), *PEERS}
+    assert any(n.startswith("outlines:json: not available") for n in result["notes"])
+    for run in result["runs"]:  # grammar-only strategies run just on the schema prompt, under its grammar
+        assert needs_grammar(run["strategy"]) == run["grammar"] == (run["grammar"] and run["prompt_id"] == "name")
+    for s in summary.values():
+        assert SUMMARY_FIELDS <= set(s), SUMMARY_FIELDS - set(s)
+        assert s["lossless"]["status"] in ("pass", "tie"), s["lossless"]
+        assert {"code", "prose", "article", "json"} >= set(s["by_category"])
+    assert summary["greedy"]["speedup"]["mean"] == pytest.approx(1.0)
+    assert summary["hf:assisted"]["draft_calls"] > 0 and summary["hf:assisted"]["draft_share"] > 0
+    assert len({(r["strategy"], r["prompt_id"], r["repeat"]) for r in result["runs"]}) == len(result["runs"])
+    assert next(r for r in result["runs"] if r["prompt_id"] == "pi")["max_new_tokens"] == 10  # the line's own cap
+    text = report.markdown(result)
+    assert "| strategy | lossless | tok/s ↑ | speed-up ↑ | TTFT ms ↓" in text and "reference" in text
+    assert "model: tiny-llama-0" in text and "dtype: float32" in text and "roofline:" in text
+    json.loads(json.dumps(result))  # JSON-ready throughout
+
+
+def test_html_report_and_plots(result, tmp_path):
+    from evals import html, plots
+
+    page = html.compare_report(result)
+    assert page.startswith("<!doctype html>") and "<svg" in page and "fib" in page
+    files = plots.write_all(result, tmp_path / "plots")
+    assert all(f.stat().st_size > 1000 for f in files)
+
+
+def test_leaderboard_merges_two_result_files(result, tmp_path, capsys):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    report.write_json(result, first)
+    other = json.loads(json.dumps(result))
+    other["model"]["name"] = "another-model"
+    report.write_json(other, second)
+    assert cli.main(["leaderboard", str(first), str(second)]) == 0
+    table = capsys.readouterr().out
+    assert "tiny-llama-0" in table and "another-model" in table and "speed-up ↑" in table
+    assert cli.main(["leaderboard", str(first), str(second), "--format", "json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert len(merged["rows"]) == 2 * len(result["summary"])
+    assert cli.main(["leaderboard", str(first), "--format", "html"]) == 0
+    assert "<table>" in capsys.readouterr().out
+    (tmp_path / "junk.json").write_text("{}")
+    assert cli.main(["leaderboard", str(first), str(tmp_path / "junk.json")]) == 2
+    assert "junk.json: not a decodekit compare result" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------- losslessness
+def test_a_strategy_that_changes_one_token_fails_and_a_correct_one_passes(suite_file):
+    @decoders.register("test_broken_fifth")
+    class BrokenFifth(Greedy):
+        """Greedy, except the 5th new token is the target's least likely one."""
+
+        def step(self, state):
+            if len(state.new_tokens) != 4:
+                return super().step(state)
+            logits = state.score()
+            state.accept([int(logits[-1].argmin())], ["target"])
+
+    @decoders.register("test_plain_copy")
+    class PlainCopy(Greedy):
+        """Greedy under another name."""
+
+    try:
+        config = CompareConfig(strategies=("test_broken_fifth", "test_plain_copy"), suite=str(suite_file),
+                               max_new_tokens=12, progress=False, bandwidth_megabytes=0, warmup=False)
+        result = compare(tiny_lm("qwen2"), config)
+    finally:
+        decoders.unregister("test_broken_fifth")
+        decoders.unregister("test_plain_copy")
+    summary = {s["strategy"]: s for s in result["summary"]}
+    broken = summary["test_broken_fifth"]["lossless"]
+    assert broken["status"] == "failed" and broken["first_failure"]["position"] == 4
+    assert broken["first_failure"]["gap"] > broken["first_failure"]["tolerance"]
+    assert summary["test_plain_copy"]["lossless"]["status"] == "pass"
+    assert "FAILED @4" in report.markdown(result)
+
+
+def test_first_divergence_counts_length_differences():
+    assert lossless.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert lossless.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert lossless.first_divergence([1, 2, 3], [1, 2]) == 2
+    assert lossless.first_divergence([1, 2], [1, 2, 3]) == 2
+    assert lossless.tolerance(torch.float32, 20.0) == pytest.approx(2e-3)
+    assert lossless.tolerance(torch.bfloat16, 0.5) == pytest.approx(2**-7)
+
+
+def test_an_exact_logit_tie_is_a_numeric_tie_and_a_far_token_is_a_failure():
+    model = tiny_model("llama", seed=3)
+    lm = decoders.wrap(model, tiny_tokenizer(), name="tie")
+    prompt = lm.encode("Index: A B C")
+    chosen = decoders.generate(lm, prompt, max_new_tokens=6).tokens
+    twin = (chosen[2] + 1) % lm.vocab_size
+    with torch.no_grad():  # make token `twin` score exactly like greedy's third token, at every position
+        model.lm_head.weight[twin] = model.lm_head.weight[chosen[2]]
+    reference = decoders.generate(lm, prompt, max_new_tokens=6).tokens
+    position = 2
+    other = twin if reference[position] != twin else chosen[2]
+    tie = lossless.verdict(lm, prompt, reference, reference[:position] + [other])
+    assert tie["status"] == "tie" and tie["position"] == position and tie["gap"] == 0.0
+    logits = lossless.margin_at(lm, prompt, reference, position)
+    far = lossless.verdict(lm, prompt, reference, reference[:position] + [int(logits.argmin())])
+    assert far["status"] == "failed" and far["gap"] > far["tolerance"]
+    short = lossless.verdict(lm, prompt, reference, reference[:-1])
+    assert short["status"] == "failed" and "length differs" in short["reason"]
+
+
+# --------------------------------------------------------------------------------------------------------- bad input
+def test_unknown_strategies_and_missing_drafts_are_refused_up_front():
+    @decoders.register("test_needs_draft")
+    class NeedsDraft(Greedy):
+        """A strategy that declares it needs a draft model."""
+
+        needs_draft = True
+
+    try:
+        with pytest.raises(ValueError, match="needs a draft model"):
+            plan(("test_needs_draft",), has_draft=False)
+        names, notes = plan((), has_draft=False)  # the default set skips it, with a note
+        assert "test_needs_draft" not in names and any("test_needs_draft: skipped" in n for n in notes)
+        assert "test_needs_draft" in plan((), has_draft=True)[0]
+    finally:
+        decoders.unregister("test_needs_draft")
+    with pytest.raises(ValueError, match="Did you mean 'greedy'"):
+        plan(("greedyy",), has_draft=False)
+    with pytest.raises(ValueError, match="unknown peer 'hf:greed'"):
+        plan(("hf:greed",), has_draft=False)
+    assert plan(("hf:assisted",), has_draft=True)[0] == ["greedy", "hf:assisted"]
+    with pytest.raises(ValueError, match="needs a draft model"):
+        plan(("hf:assisted",), has_draft=False)
+
+
+# ------------------------------------------------------------------------------------------------------- accelerate
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_with_two_cpu_processes_gives_the_same_table_as_one(tmp_path, suite_file):
+    folder = tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    args = ["compare", "--model", str(folder), "--suite", str(suite_file), "--strategies", "greedy,hf:greedy",
+            "--max-new-tokens", "12", "--no-progress", "--bandwidth-mb", "0", "--no-warmup"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), "-m", "evals"]
+    done = subprocess.run(launch + args + ["--out", str(tmp_path / "two.json")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert cli.main(args + ["--out", str(tmp_path / "one.json")]) == 0
+    two, one = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
+    assert two["config"]["processes"] == 2 and {r["rank"] for r in two["runs"]} == {0, 1}
+
+    def rows(result):
+        return [(r["strategy"], r["prompt_id"], r["repeat"], r["tokens"], r["lossless"]["status"])
+                for r in result["runs"]]
+
+    assert rows(two) == rows(one)
+    assert [s["strategy"] for s in two["summary"]] == [s["strategy"] for s in one["summary"]]
+    assert [report.lossless_cell(s) for s in two["summary"]] == [report.lossless_cell(s) for s in one["summary"]]
