@@ -11,7 +11,8 @@ from decoders.lm import LM, load, wrap
 from decoders.registry import available, register, unregister
 
 # Built-in strategies register themselves on import.
-from decoders import greedy, prompt_lookup, speculative, threshold  # noqa: E402,F401  isort: skip
+from decoders import greedy, lookahead, prompt_lookup, speculative, staged, threshold  # noqa: E402,F401  isort: skip
+from decoders import guided  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk",

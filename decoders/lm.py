@@ -63,6 +63,7 @@ class LM:
         cache: KVCache,
         positions: Sequence[int] | torch.Tensor | None = None,  # [T] position ids; default len(cache) + 0..T-1
         tree_mask: torch.Tensor | None = None,  # [T, T] bool, True where node i may attend to node j; default causal
+        # (or [T, len(cache) + T]: also hides cached positions, for a tree grown over several calls)
         keep: int = 0,  # compute logits for the last `keep` positions only (0 = all): skips the prompt's lm_head
     ) -> torch.Tensor:
         """Score `tokens` against `cache` (which grows by T) and return their logits: [T or keep, vocab]."""
@@ -100,11 +101,14 @@ class LM:
         """Additive 4D masks [1, 1, T, past + T]: the cached prefix is visible to every node, the nodes per `tree_mask`.
 
         Sliding-window layers also hide keys more than `sliding_window` positions behind the query. Models that mix
-        full and sliding layers get one mask per layer type (transformers accepts that mapping).
+        full and sliding layers get one mask per layer type (transformers accepts that mapping). A [T, past + T]
+        `tree_mask` sets the visibility of cached positions too; the window then takes a cached key's position to be
+        its cache index (exact for a plain prefix; for cached tree nodes the window may keep a few more keys, which only
+        a draft model's tree growth does).
         """
         length = tree_mask.shape[0]
         allowed = torch.ones(length, past + length, dtype=torch.bool, device=self.device)
-        allowed[:, past:] = tree_mask.to(self.device, torch.bool)
+        allowed[:, past + length - tree_mask.shape[1]:] = tree_mask.to(self.device, torch.bool)
         masks = {"full_attention": allowed}
         window = getattr(self.config, "sliding_window", None)
         if window:

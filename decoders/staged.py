@@ -1,0 +1,225 @@
+"""`staged`: staged speculative decoding - the draft model grows a token tree, and an n-gram lookup drafts for it.
+
+Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding". Two changes to `speculative`:
+
+1. **A tree, not a chain.** A long chain that diverged from the target early wastes its tail; a few alternatives at
+   each depth catch the target's other likely choices instead. The tree grows best-first by cumulative draft
+   probability: each draft call expands the `width` most probable leaves at once (one call, with a tree mask over
+   the draft's own cache), each expanded node gets up to `branching` children, until `budget` nodes or `max_depth`.
+   The target then checks the whole tree in one call (the shared loop in `decoders.speculation`).
+2. **A lower stage under the draft model.** In every draft call, prompt lookup (`decoders.prompt_lookup.lookup`,
+   on the context plus the path to the most probable leaf) proposes a chain under that leaf, which the draft model
+   verifies in the same call exactly as the target verifies drafts (greedy: its argmax; sampling: rejection sampling
+   against its own distribution). Copied text thus grows the tree's main branch by several levels per draft call:
+   on this CPU a draft call costs about half a target call, so draft calls are what staged saves.
+
+Children are the draft's top tokens in greedy mode. In sampling mode they are drawn one after another without
+replacement from the draft's distribution (under the grammar's mask, if any) and never dropped once drawn: what the
+multi-candidate rejection sampling in `samplers.verify` needs to stay exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from decoders.base import DecodeState
+from decoders.prompt_lookup import lookup
+from decoders.registry import register
+from decoders.speculation import Draft, DraftModel, DraftVerify
+from samplers.verify import verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class StagedOptions:
+    """Options of `staged`."""
+
+    branching: int = 2  # children per expanded node: the draft's top tokens, or draws without replacement
+    budget: int = 16  # the most tree nodes per target call
+    max_depth: int = 8  # the longest root-to-leaf path (draft tokens accepted per target call at most)
+    width: int = 2  # leaves expanded per draft call (the frontier), most probable first
+    min_prob: float = 0.02  # add a child only while P(parent's path) x the mass not drawn yet reaches this (cheap)
+    expand_prob: float = 0.3  # another draft call only if the most probable leaf's path has at least this probability
+    ngram: int = 3  # longest context suffix the lower stage (prompt lookup) matches; 0 turns the lower stage off
+
+    def __post_init__(self):
+        for name, least in (("branching", 1), ("budget", 1), ("max_depth", 1), ("width", 1), ("ngram", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+        for name in ("min_prob", "expand_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+
+
+@dataclass
+class Node:
+    """One node of the tree being grown; the root (index 0) stands for the last accepted token."""
+
+    token: int
+    parent: int  # index in the node list (-1 for the root)
+    depth: int  # 0 for the root's children
+    cum: float  # the draft's probability of the path from the root to here
+    drawn_from: torch.Tensor | None  # [vocab] the distribution this node was drawn from (its parent's `dist`)
+    matcher: Any = None  # the grammar after this node's path, or None
+    dist: torch.Tensor | None = None  # [vocab] the draft's distribution for its children, once known
+    slot: int | None = None  # its index in the draft cache, once the draft model has seen it
+    children: list[int] = field(default_factory=list)  # their tokens, in the order drawn
+
+
+def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int) -> list[Node]:
+    """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order).
+
+    Every draft call also carries the lower stage's lookup chain under its most probable leaf (the first call: under
+    the root, after the uncached tail), so copied text adds several levels per call. The draft cache ends up holding
+    the accepted tokens plus the nodes with a `slot` (and rejected chain tokens, which no mask ever shows again).
+    """
+    cap = min(o.max_depth, limit, o.budget)
+    nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
+    frontier: list[int] = []  # empty: the first call, which expands the root
+    while cap >= 1:
+        draft_call(model, state, o, nodes, frontier, cap)
+        for n in sorted((n for n in range(len(nodes)) if nodes[n].dist is not None), key=lambda n: -nodes[n].cum):
+            node = nodes[n]  # more children, most probable parent first, without replacement
+            while len(node.children) < o.branching and len(nodes) <= o.budget:
+                rest = node.dist.clone()
+                rest[node.children] = 0.0
+                if node.cum * float(rest.sum()) < o.min_prob or float(rest.max()) <= 0.0:
+                    break  # (decided on what was drawn before, never on the new draw: sampling stays exact)
+                if state.sampling.greedy:
+                    add_child(nodes, n, int(rest.argmax()))
+                else:
+                    add_child(nodes, n, int(torch.multinomial(rest, 1, generator=state.generator)))
+        leaves = [n for n in range(1, len(nodes)) if expandable(nodes[n], cap, state) and nodes[n].cum >= o.min_prob]
+        frontier = sorted(leaves, key=lambda n: -nodes[n].cum)[: o.width]  # more leaves in a call cost little
+        if not frontier or nodes[frontier[0]].cum < o.expand_prob or len(nodes) > o.budget:
+            break
+    return nodes
+
+
+def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
+               cap: int) -> None:
+    """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus a lookup chain under the
+    first leaf. Each new token sees the accepted tokens, its ancestors and itself. The draft verifies the chain
+    against its own distributions as a target would (argmax, or rejection sampling); the agreed part plus the draft's
+    next token join the tree under that leaf."""
+    leaves, base = frontier or [0], len(state.tokens)
+    head = leaves[0]
+    path = [nodes[n].token for n in reversed(ancestors(nodes, head))] + ([nodes[head].token] if head else [])
+    room = min(cap - nodes[head].depth - 2, o.budget - len(nodes))  # for the chain, then the draft's own token
+    chain = lookup(state.tokens + path, room, o.ngram, 1) if o.ngram and room > 0 else []
+    chain = chain[: next((i + 1 for i, t in enumerate(chain) if t in state.lm.eos_token_ids), len(chain))]
+    masks = None  # [leaves + chain, vocab]: the grammar's allowed tokens after each
+    if nodes[head].matcher is not None:
+        valid, along = nodes[head].matcher.masks_along(chain)  # [valid + 1, vocab], row 0 = the head's
+        chain = chain[:valid]
+        masks = torch.cat([torch.stack([nodes[n].matcher.allowed() for n in leaves]), along[1:]])
+    past, k, c = len(model.cache), len(frontier), len(chain)
+    if frontier:  # [k + c, past + k + c]: attention over the draft cache and the new tokens
+        mask = torch.zeros(k + c, past + k + c, dtype=torch.bool)
+        mask[:, :base] = True
+        for row, n in enumerate(frontier):
+            mask[row, [nodes[a].slot for a in ancestors(nodes, n)] + [past + row]] = True
+        mask[k:, [nodes[a].slot for a in ancestors(nodes, head)] + [past]] = True
+        mask[k:, past + k:] = torch.ones(c, c, dtype=torch.bool).tril()
+        positions = [base + nodes[n].depth for n in frontier] + [base + nodes[head].depth + 1 + i for i in range(c)]
+        logits = model.lm.forward([nodes[n].token for n in frontier] + chain, model.cache, positions, mask, keep=k + c)
+        slots = list(range(past, past + k + c))  # [k + c]
+    else:  # the root: the uncached tail and the chain, causal
+        logits = model.lm.forward(model.uncached() + chain, model.cache, keep=c + 1)  # [1 + c, vocab]
+        slots = [None] + list(range(base, base + c))
+    state.stats.draft_calls += 1
+    dists = distributions(state, model, logits, masks)  # [leaves + c, vocab]
+    for n, dist, slot in zip(leaves, dists, slots):
+        nodes[n].dist, nodes[n].slot = dist, slot
+    rows = torch.cat([dists[:1], dists[len(leaves):]])  # [c + 1, vocab]: after the head, after each chain token
+    drafted = torch.tensor(chain, dtype=torch.long)
+    if state.sampling.greedy:
+        m, token = verify_greedy(drafted, rows)
+    else:
+        m, token = verify_sampling(drafted, None, rows, state.generator)
+    model.cache.crop(len(model.cache) - (c - m))  # the rejected chain tokens, the last ones fed
+    for i, t in enumerate(chain[:m] + [token]):
+        add_child(nodes, head if i == 0 else len(nodes) - 1, t)
+        if i < m:
+            nodes[-1].dist, nodes[-1].slot = rows[i + 1], slots[len(leaves) + i]
+
+
+def ancestors(nodes: list[Node], n: int) -> list[int]:
+    """The nodes above n, the root excluded."""
+    found = []
+    while nodes[n].parent > 0:
+        n = nodes[n].parent
+        found.append(n)
+    return found
+
+
+def add_child(nodes: list[Node], parent: int, token: int) -> None:
+    """Append a node under `parent`; the grammar follows it on a fork of the parent's matcher."""
+    above = nodes[parent]
+    matcher = None
+    if above.matcher is not None:
+        matcher = above.matcher.fork()
+        matcher.advance([token])
+    nodes.append(Node(token, parent, above.depth + 1, above.cum * float(above.dist[token]), above.dist, matcher))
+    above.children.append(token)
+
+
+def expandable(node: Node, cap: int, state: DecodeState) -> bool:
+    """A leaf worth a draft call: room below it, not EOS, not the end of the grammar."""
+    return (node.dist is None and node.depth < cap - 1 and node.token not in state.lm.eos_token_ids
+            and (node.matcher is None or not node.matcher.is_complete()))
+
+
+def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, masks: torch.Tensor | None):
+    """[n, vocab] draft distributions from draft logits [n, draft vocab], zero-padded to the target's width.
+
+    Sampling mode: the run's filtered distribution (what children are drawn from). Greedy mode: the plain softmax,
+    whose order is the draft's argmax order and whose products rank the leaves.
+    """
+    logits = logits[:, : model.width].float()
+    if masks is not None:
+        logits = logits.masked_fill(~masks[:, : model.width].to(logits.device), float("-inf"))
+    probs = torch.zeros(logits.shape[0], state.lm.vocab_size, device=logits.device)  # [n, vocab]
+    probs[:, : model.width] = torch.softmax(logits, -1) if state.sampling.greedy else state.sampling.probs(logits)
+    return probs
+
+
+class TreeDrafter:
+    """The draft model and its cache for one run, plus where the last tree's nodes sit in that cache."""
+
+    def __init__(self, state: DecodeState, options: StagedOptions) -> None:
+        self.model, self.options = DraftModel(state), options
+        self.model.lm.check_tree_mask()
+        self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
+
+    def propose(self, state: DecodeState, limit: int) -> Draft:
+        nodes = grow_tree(self.model, state, self.options, limit)[1:]
+        self.start, self.slots = len(state.tokens), [n.slot for n in nodes]
+        probs = None if state.sampling.greedy or not nodes else torch.stack([n.drawn_from for n in nodes])
+        return Draft([n.token for n in nodes], probs, [n.parent - 1 for n in nodes])
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        path = draft.follow(state.tokens[self.start: self.start + accepted])
+        cached = [self.slots[n] for n in path if self.slots[n] is not None]  # a prefix of the path
+        cache = self.model.cache
+        if cached == list(range(self.start, self.start + len(cached))):
+            cache.crop(min(len(cache), self.start + len(cached)))  # the main branch: a crop is enough
+        else:  # keep the accepted tokens and the accepted path, drop the rest of the tree
+            cache.keep(list(range(self.start)) + cached)
+        self.model.rewind()
+
+
+@register("staged")
+class Staged(DraftVerify):
+    """Tree speculative decoding with a draft model, itself sped up by prompt lookup."""
+
+    Options = StagedOptions
+    needs_draft = True
+    needs_tree_mask = True
+
+    def new_drafter(self, state: DecodeState) -> TreeDrafter:
+        return TreeDrafter(state, self.options)
