@@ -104,3 +104,33 @@ def test_load_a_saved_folder_roundtrip(tmp_path):
     assert loaded.dtype == torch.float32 and loaded.eos_token_ids == lm.eos_token_ids
     want = decoders.generate(lm, PROMPTS[4], max_new_tokens=10).tokens
     assert decoders.generate(loaded, PROMPTS[4], max_new_tokens=10).tokens == want
+
+
+def test_strategies_register_through_the_entry_point_group(monkeypatch):
+    """A package's `decodekit.strategies` entry point is imported on first use; a broken one only warns."""
+    from decoders import registry
+
+    class Point:
+        def __init__(self, name, load):
+            self.name, self.value, self.load = name, f"plugin:{name}", load
+
+    def load_good():
+        @decoders.register("test_plugin_greedy")
+        class PluginGreedy(decoders.Decoder):
+            def step(self, state):
+                state.accept([state.choose(state.score()[-1])], ["target"])
+
+    def load_broken():
+        raise ImportError("missing dependency")
+
+    seen = []
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "entry_points",
+                        lambda group: seen.append(group) or [Point("good", load_good), Point("bad", load_broken)])
+    try:
+        with pytest.warns(UserWarning, match="could not load strategy plugin 'bad'"):
+            names = decoders.available()
+        assert seen == ["decodekit.strategies"] and "test_plugin_greedy" in names
+        assert decoders.available() == names and seen == ["decodekit.strategies"]  # loaded once
+    finally:
+        decoders.unregister("test_plugin_greedy")
