@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import decoders
 from conftest import tiny_model, tiny_tokenizer
@@ -13,15 +12,6 @@ from decoders.greedy import Greedy
 from evals import cli
 
 PROMPT = "Index: A B C"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and a busy 2-core machine makes two threads much slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -46,15 +46,6 @@ def write_suite(path: Path, lines: list[dict] = SUITE) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and far faster than two threads on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def suite_file(tmp_path_factory) -> Path:
     return write_suite(tmp_path_factory.mktemp("suite") / "tiny.jsonl")

@@ -12,6 +12,7 @@ import pytest
 import decoders
 import grammars
 from tests.conftest import tiny_lm
+from tests.test_grammars import CHARACTER
 
 # Bounded schemas, so that even a random model closes every structure quickly.
 SCHEMAS = {
@@ -190,17 +191,7 @@ def test_a_forbidden_token_cannot_join_the_output(lm):
 
 # ---------------------------------------------------------------------------------------------------- real model
 
-SEED_CHARACTER = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "age": {"type": "integer"},
-        "armor": {"enum": ["leather", "chainmail", "plate"]},
-        "weapon": {"enum": ["sword", "axe", "mace", "spear", "bow", "crossbow"]},
-        "strength": {"type": "integer"},
-    },
-    "required": ["name", "age", "armor", "weapon", "strength"],
-}
+SEED_CHARACTER = CHARACTER  # the seed article's Character / Weapon / Armor example
 
 
 @functools.cache
