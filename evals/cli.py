@@ -16,6 +16,7 @@ import decoders
 from decoders import registry
 from evals import peers, report, suites
 from evals.cli_parser import build_parser
+from evals.runner import parse_value
 
 ANSI = {"draft": "\033[32m", "lookup": "\033[36m", "lookahead": "\033[35m", "grammar": "\033[33m"}
 RESET = "\033[0m"
@@ -40,10 +41,7 @@ def _options(pairs: list[str], scoped: bool) -> dict:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"option {pair!r} must look like {'STRATEGY.KEY' if scoped else 'KEY'}=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
+        value = parse_value(raw)
         if scoped:
             strategy, dot, name = key.partition(".")
             if not dot or not name:

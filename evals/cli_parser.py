@@ -31,6 +31,8 @@ COMPARE_EPILOG = """examples:
       --suite edit --repeats 3 --out results.json --html report.html --plots plots/
   decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \\
       --strategies greedy,speculative,hf:assisted -o speculative.k=4
+  decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \
+      --strategies speculative@k=2,speculative@k=3,speculative@k=5,staged@max_depth=8   # settings side by side
   decodekit compare --model my/model --suite my_prompts.jsonl      # {"id","category","prompt"} per line
   accelerate launch --multi_gpu --num_processes 2 -m evals compare --model zoo:smollm2-135m --out results.json
   torchrun --nproc_per_node 2 -m evals compare --model zoo:smollm2-135m --out results.json
@@ -105,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="run strategies and peers side by side on a prompt suite",
                          epilog=COMPARE_EPILOG, formatter_class=formatter)
     _model_arguments(cmp)
-    cmp.add_argument("--strategies", help="comma-separated strategies and peers (default: every runnable strategy)")
+    cmp.add_argument("--strategies", help="comma-separated strategies and peers (default: every runnable strategy); "
+                     "STRATEGY@KEY=VALUE runs a strategy with other settings, next to its defaults")
     cmp.add_argument("--suite", default="default", help="a shipped suite (decodekit list) or a .jsonl file")
     cmp.add_argument("--max-new-tokens", type=_positive, default=128, help="cap for every prompt (default 128)")
     cmp.add_argument("--repeats", type=_positive, default=1, help="timed runs per (strategy, prompt)")

@@ -8,6 +8,7 @@ every process (`accelerate launch` / torchrun split the prompts) and summarize o
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -46,16 +47,42 @@ class CompareConfig:
             raise ValueError(f"max_new_tokens must be a whole number > 0, got {self.max_new_tokens!r}")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats must be a whole number >= 1, got {self.repeats!r}")
-        unknown = sorted(set(self.options) - set(self.strategies or registry.available()))
+        unknown = sorted(set(self.options) - {variant(n)[0] for n in self.strategies or registry.available()})
         if unknown:
             raise ValueError(f"options given for strategies that do not run: {', '.join(unknown)}")
 
 
+def parse_value(raw: str) -> Any:
+    """A command-line option value: JSON when it parses as JSON (4, 0.5, true, [1, 2]), else the string itself."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def variant(name: str) -> tuple[str, dict[str, Any]]:
+    """Split a method name with settings, `staged@max_depth=12@min_prob=0.05`, into its strategy and options.
+
+    Variants let one run rank several settings of a strategy side by side (`speculative@k=3,speculative@k=5`).
+    """
+    base, *pairs = name.split("@")
+    options = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"method {name!r}: settings must look like STRATEGY@KEY=VALUE (e.g. speculative@k=3)")
+        options[key] = parse_value(raw)
+    if options and peers.is_peer(base):
+        raise ValueError(f"method {name!r}: peers take no @settings")
+    return base, options
+
+
 def needs_grammar(name: str) -> bool:
     """Whether a strategy only makes sense under a grammar (runs only on prompts with a schema)."""
-    if peers.is_peer(name):
-        return name.startswith("outlines:")
-    return registry.get(name).needs_grammar
+    base = variant(name)[0]
+    if peers.is_peer(base):
+        return base.startswith("outlines:")
+    return registry.get(base).needs_grammar
 
 
 def plan(requested: tuple[str, ...], has_draft: bool) -> tuple[list[str], list[str]]:
@@ -65,7 +92,10 @@ def plan(requested: tuple[str, ...], has_draft: bool) -> tuple[list[str], list[s
     names = [metrics.BASELINE] + [n for n in dict.fromkeys(wanted) if n != metrics.BASELINE]
     chosen, notes = [], []
     for name in names:
-        needs_draft = peers.get(name).needs_draft if peers.is_peer(name) else registry.get(name).needs_draft
+        base, settings = variant(name)
+        if not peers.is_peer(base):
+            registry.get(base)(**settings)  # an unknown strategy or option raises here, before any model loads
+        needs_draft = peers.get(base).needs_draft if peers.is_peer(base) else registry.get(base).needs_draft
         if peers.is_peer(name) and peers.unavailable(name):
             notes.append(f"{name}: not available ({peers.unavailable(name)})")
         elif needs_draft and not has_draft:
@@ -150,8 +180,11 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | None = 
         where = dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, max_new_tokens=max_new_tokens)
         if peers.is_peer(name):
             return peers.run_peer(lm, tokens[prompt.id], name, draft=draft, **where)
-        options = dict(config.options.get(name, {}))
-        return run_decodekit(lm, tokens[prompt.id], name, draft=draft, grammar=grammar, options=options, **where)
+        base, settings = variant(name)
+        options = {**config.options.get(base, {}), **settings}
+        record = run_decodekit(lm, tokens[prompt.id], base, draft=draft, grammar=grammar, options=options, **where)
+        record.strategy = name
+        return record
 
     for name in names if config.warmup else []:
         first = next((p for p in mine if name in runs_for(p)), None)

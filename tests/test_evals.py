@@ -213,6 +213,18 @@ def test_an_exact_logit_tie_is_a_numeric_tie_and_a_far_token_is_a_failure():
     assert short["status"] == "failed" and "length differs" in short["reason"]
 
 
+def test_variants_rank_settings_of_one_strategy_side_by_side(suite_file):
+    config = CompareConfig(strategies=("prompt_lookup@k=1", "prompt_lookup@k=6@max_ngram=2"), suite=str(suite_file),
+                           max_new_tokens=12, progress=False, bandwidth_megabytes=0, warmup=False)
+    result = compare(tiny_lm("gpt2"), config)
+    summary = {s["strategy"]: s for s in result["summary"]}
+    assert list(summary) == ["greedy", "prompt_lookup@k=1", "prompt_lookup@k=6@max_ngram=2"]
+    assert all(summary[name]["lossless"]["status"] == "pass" for name in list(summary)[1:])
+    one = [r for r in result["runs"] if r["strategy"] == "prompt_lookup@k=1"]
+    assert one and all(len(r["drafted_by_position"]) <= 1 for r in one)
+    assert max(len(r["drafted_by_position"]) for r in result["runs"] if "k=6" in r["strategy"]) > 1
+
+
 # --------------------------------------------------------------------------------------------------------- bad input
 def test_unknown_strategies_and_missing_drafts_are_refused_up_front():
     @decoders.register("test_needs_draft")
@@ -236,6 +248,12 @@ def test_unknown_strategies_and_missing_drafts_are_refused_up_front():
     assert plan(("hf:assisted",), has_draft=True)[0] == ["greedy", "hf:assisted"]
     with pytest.raises(ValueError, match="needs a draft model"):
         plan(("hf:assisted",), has_draft=False)
+    with pytest.raises(TypeError, match="unknown option.*kk"):
+        plan(("prompt_lookup@kk=3",), has_draft=False)
+    with pytest.raises(ValueError, match="k must be"):
+        plan(("prompt_lookup@k=0",), has_draft=False)
+    with pytest.raises(ValueError, match="STRATEGY@KEY=VALUE"):
+        plan(("prompt_lookup@k",), has_draft=False)
 
 
 # ------------------------------------------------------------------------------------------------------- accelerate
