@@ -15,15 +15,21 @@ logits are read:
 The divergence is a **numeric tie** when both lists have a token at p and gap <= tolerance: a rounding difference
 between scoring several tokens in one call and one token per call can flip such a near-tie (reported, not a failure).
 Anything else - a gap beyond the tolerance, or a length difference - is a **failure**: the strategy is not lossless.
+
+Grammar peers (`outlines:json`) may spell the same JSON with other tokens than the tokenizer's own, so token equality
+is not asked of them: their output is **valid** when it parses and satisfies the prompt's schema, else a failure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 
+import jsonschema
 import torch
 
 import decoders
+import grammars
 
 REL_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
@@ -74,20 +80,50 @@ def verdict(lm: decoders.LM, prompt: Sequence[int], reference: Sequence[int], ca
     }
 
 
+def validity(lm: decoders.LM, run, schema: dict | bool, constraint) -> dict:
+    """A grammar peer's run: {"status": "valid"} when its output is JSON satisfying `schema`; an output cut off by
+    max_new_tokens is valid when every token keeps it a prefix of some valid output (checked with `constraint`, a
+    `grammars.JsonSchema`, under any tokenization). Anything else is a failure, with the reason."""
+    text = "".join(run.pieces)
+    if run.finish_reason == "length":
+        loose = grammars.json_schema(constraint.schema, whitespace=constraint.whitespace, canonical=False)
+        try:
+            loose.matcher(lm).advance([t for t in run.tokens if t not in lm.eos_token_ids])
+        except grammars.GrammarError as error:
+            reason = f"cut off at max_new_tokens, and not a prefix of a valid output: {error}"
+        else:
+            return {"status": "valid", "position": None, "complete": False}
+    else:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except json.JSONDecodeError as error:
+            reason = f"output is not JSON ({error.msg} at character {error.pos})"
+        except jsonschema.ValidationError as error:
+            reason = f"output violates the schema: {error.message}"
+        else:
+            return {"status": "valid", "position": None, "complete": True}
+    return {"status": "failed", "position": None, "margin": None, "gap": None, "tolerance": None, "reason": reason}
+
+
 def check(
     lm: decoders.LM,
     runs: list,
     prompts: dict[str, list[int]],
     reference: Callable[[str, bool], list[int]],
+    schemas: Mapping[str, tuple[dict, object]] | None = None,
 ) -> None:
     """Fill `run.lossless` for every run: the baseline's first repeat is the reference, everything else is checked.
 
     `prompts` maps a prompt id to its tokens; `reference(prompt_id, grammar)` returns greedy's tokens for it (under
-    the prompt's grammar when `grammar`).
+    the prompt's grammar when `grammar`); `schemas` maps a prompt id to (schema, its `grammars.JsonSchema`), for the
+    grammar peers' validity.
     """
     for run in runs:
         if run.strategy == "greedy" and run.repeat == 0 and not run.grammar:
             run.lossless = {"status": "reference", "position": None}
+            continue
+        if run.kind == "peer" and run.grammar:
+            run.lossless = validity(lm, run, *(schemas or {})[run.prompt_id])
             continue
         expected = reference(run.prompt_id, run.grammar)
         run.lossless = verdict(lm, prompts[run.prompt_id], expected, run.tokens)

@@ -59,7 +59,8 @@ def _by_repeat(runs: list[dict], baseline: list[dict]) -> tuple[list[float], lis
 def lossless_summary(runs: list[dict], errors: int = 0) -> dict:
     """How a strategy's runs fared in the losslessness check (`errors`: runs that raised instead of finishing)."""
     verdicts = [r.get("lossless") or {"status": "unchecked"} for r in runs]
-    counts = {s: sum(v["status"] == s for v in verdicts) for s in ("reference", "exact", "tie", "failed", "unchecked")}
+    counts = {s: sum(v["status"] == s for v in verdicts) for s in ("reference", "exact", "tie", "valid", "failed",
+                                                                 "unchecked")}
     failures = [(r, v) for r, v in zip(runs, verdicts) if v["status"] == "failed"]
     ties = [(r, v) for r, v in zip(runs, verdicts) if v["status"] == "tie"]
     if failures:
@@ -72,6 +73,8 @@ def lossless_summary(runs: list[dict], errors: int = 0) -> dict:
         status = "tie"
     elif counts["reference"] and not counts["exact"]:
         status = "reference"
+    elif counts["valid"] and not counts["exact"]:
+        status = "valid"  # a grammar peer: every output parsed and satisfied its schema
     else:
         status = "pass"
     first = lambda pairs: {"prompt_id": pairs[0][0]["prompt_id"], **pairs[0][1]} if pairs else None  # noqa: E731

@@ -3,14 +3,21 @@
 `hf:greedy`, `hf:assisted` (needs a draft) and `hf:prompt_lookup` call transformers' own `model.generate` with
 do_sample=False on the same model, prompt tokens, dtype and max_new_tokens, with every logits processor a model's
 generation config might switch on (repetition penalty, n-gram blocking) turned off. A streamer notes when tokens
-arrive (time to first token, the sparkline); torch forward hooks count target and draft calls. `outlines:` peers
-(grammar-constrained generation through outlines' logits processor) are listed but not implemented yet.
+arrive (time to first token, the sparkline); torch forward hooks count target and draft calls.
+
+`outlines:json` runs on prompts with a schema: the same `generate` call with outlines' JSON-schema logits processor
+(what `outlines.Generator(outlines.from_transformers(model, tokenizer), JsonSchema(...))` does, fed the same prompt
+tokens), built once per model and schema, outside the timed call. Its mask admits every tokenization of the allowed
+text, so its tokens may differ from `guided`'s (which keeps the tokenizer's own spelling); its output is checked for
+validity against the schema instead of token equality.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import transformers
@@ -29,6 +36,7 @@ class Peer:
     source: str = "target"  # what to call the tokens accepted with a target call's last token (all but that one)
     kwargs: dict = field(default_factory=dict)  # extra `generate` arguments
     description: str = ""
+    grammar: bool = False  # runs only on prompts with a schema, under outlines' logits processor
 
 
 PEERS = {
@@ -39,10 +47,11 @@ PEERS = {
              description="transformers assisted generation, generate(assistant_model=draft)"),
         Peer("hf:prompt_lookup", source="lookup", kwargs={"prompt_lookup_num_tokens": 10},
              description="transformers prompt lookup, generate(prompt_lookup_num_tokens=10)"),
+        Peer("outlines:json", grammar=True,
+             description="outlines' JSON-schema logits processor in transformers generate (prompts with a schema)"),
     )
 }
-UNAVAILABLE = {"outlines:": "the outlines peer is not implemented yet (its JSON-schema masks admit non-canonical "
-                            "tokenizations, so it needs its own greedy reference)"}
+UNAVAILABLE = {} if importlib.util.find_spec("outlines") else {"outlines:": "outlines is not installed"}
 
 
 def is_peer(name: str) -> bool:
@@ -63,7 +72,25 @@ def get(name: str) -> Peer:
         return Peer(name, description=unavailable(name))
     nearest = difflib.get_close_matches(name, list(PEERS), n=1, cutoff=0.5)
     hint = f" Did you mean {nearest[0]!r}?" if nearest else ""
-    raise ValueError(f"unknown peer {name!r}.{hint} Known peers: {', '.join(PEERS)}, outlines:<name>")
+    raise ValueError(f"unknown peer {name!r}.{hint} Known peers: {', '.join(PEERS)}")
+
+
+_PROCESSORS: dict[tuple, Any] = {}  # (model id, schema, whitespace) -> outlines' logits processor
+
+
+def _outlines_processor(lm: decoders.LM, grammar: Any):
+    """outlines' JSON-schema logits processor for `grammar` (a `grammars.JsonSchema`), built once per model."""
+    schema, whitespace = getattr(grammar, "schema", None), getattr(grammar, "whitespace", "")
+    if schema is None:
+        raise ValueError("outlines:json runs only under a JSON-schema grammar (a suite line with a \"schema\")")
+    key = (id(lm.model), schema, whitespace)
+    if key not in _PROCESSORS:
+        import outlines
+        from outlines.backends import get_json_schema_logits_processor
+
+        model = outlines.from_transformers(lm.model, lm.tokenizer)
+        _PROCESSORS[key] = get_json_schema_logits_processor(None, model, schema, whitespace_pattern=whitespace)
+    return _PROCESSORS[key]
 
 
 class _Arrivals(BaseStreamer):
@@ -102,6 +129,7 @@ def run_peer(
     *,
     max_new_tokens: int,
     draft: decoders.LM | None = None,
+    grammar: Any = None,
     prompt_id: str = "",
     category: str = "",
     repeat: int = 0,
@@ -122,6 +150,10 @@ def run_peer(
     )
     if peer.needs_draft:
         kwargs["assistant_model"] = draft.model
+    if peer.grammar:
+        processor = _outlines_processor(lm, grammar)
+        processor.reset()  # a fresh matcher state for this sequence
+        kwargs["logits_processor"] = transformers.LogitsProcessorList([processor])
     watch = Stopwatch(lm, draft if peer.needs_draft else None, count_target=True)
     arrivals = _Arrivals(watch)
     with watch:
@@ -139,5 +171,5 @@ def run_peer(
         drafted=None, accepted=accepted, accepted_by_position=[], drafted_by_position=[],
         draft_seconds=watch.draft.seconds if watch.draft_metered else None,
         peak_memory_bytes=watch.peak_bytes, finish_reason=finish,
-        tokens=tokens, sources=sources, pieces=pieces(lm, tokens), timeline=watch.marks,
+        tokens=tokens, sources=sources, pieces=pieces(lm, tokens), timeline=watch.marks, grammar=peer.grammar,
     )

@@ -33,11 +33,13 @@ def spread(figure: dict, spec: str = ".2f") -> str:
 
 
 def lossless_cell(summary: dict) -> str:
-    """reference / ✓ exact / ✓ n tie(s) / FAILED @position (prompt) / unchecked."""
+    """reference / ✓ exact / ✓ n tie(s) / ✓ valid / FAILED @position (prompt) / INVALID (prompt) / unchecked."""
     check = summary["lossless"]
     status = check["status"]
     if status == "failed":
         first = check["first_failure"]
+        if first["position"] is None:
+            return f"INVALID ({first['prompt_id']})"
         return f"FAILED @{first['position']} ({first['prompt_id']})"
     if status == "error":
         return f"ERROR ({check['errors']} run{'s' if check['errors'] > 1 else ''}, see notes)"
@@ -45,7 +47,7 @@ def lossless_cell(summary: dict) -> str:
         return f"✓ {check['tie']} tie{'s' if check['tie'] > 1 else ''}"
     if status == "pass" and summary["strategy"] == "greedy":
         return "reference"
-    return {"pass": "✓ exact"}.get(status, status)
+    return {"pass": "✓ exact", "valid": "✓ valid"}.get(status, status)
 
 
 def by_position(rates: list[float], depth: int = 5) -> str:
@@ -137,8 +139,9 @@ def notes(result: dict) -> list[str]:
         if check.get("status") in ("failed", "tie"):
             margin = "" if check.get("margin") is None else (
                 f", top-2 margin {check['margin']:.3g}, gap {check['gap']:.3g} vs tolerance {check['tolerance']:.3g}")
+            where = "" if check.get("position") is None else f" at token {check['position']}"
             out.append(f"{run['strategy']} on {run['prompt_id']} (repeat {run['repeat']}): "
-                       f"{check['status']} at token {check['position']} ({check['reason']}{margin})")
+                       f"{check['status']}{where} ({check['reason']}{margin})")
     return out
 
 

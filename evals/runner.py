@@ -179,7 +179,7 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | None = 
         grammar = grammars[prompt.id] if needs_grammar(name) else None
         where = dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, max_new_tokens=max_new_tokens)
         if peers.is_peer(name):
-            return peers.run_peer(lm, tokens[prompt.id], name, draft=draft, **where)
+            return peers.run_peer(lm, tokens[prompt.id], name, draft=draft, grammar=grammar, **where)
         base, settings = variant(name)
         options = {**config.options.get(base, {}), **settings}
         record = run_decodekit(lm, tokens[prompt.id], base, draft=draft, grammar=grammar, options=options, **where)
@@ -222,7 +222,7 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | None = 
                 grammar=grammars[prompt_id] if grammar else None).tokens
         return greedy_tokens[(prompt_id, grammar)]
 
-    lossless.check(lm, runs, tokens, reference)
+    lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, grammars[p.id]) for p in mine})
     gathered = processes.gather([{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes}])
     if not processes.is_main:
         return None

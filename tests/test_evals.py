@@ -8,11 +8,13 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import decoders
+import grammars
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
 from decoders.greedy import Greedy
 from evals import cli, lossless, report, suites
@@ -108,12 +110,14 @@ def test_compare_result_has_every_field_and_a_markdown_table(result):
         assert run["new_tokens"] == len(run["tokens"]) == len(run["sources"]) <= run["max_new_tokens"]
     summary = {s["strategy"]: s for s in result["summary"]}
     assert list(summary)[0] == "greedy" and set(summary) == {*decoders.available(), *PEERS}
-    assert any(n.startswith("outlines:json: not available") for n in result["notes"])
+    outlines_runs = [r for r in result["runs"] if r["strategy"] == "outlines:json"]
+    assert outlines_runs and all(r["lossless"]["status"] == "valid" for r in outlines_runs)
+    assert summary["outlines:json"]["lossless"]["status"] == "valid"
     for run in result["runs"]:  # grammar-only strategies run just on the schema prompt, under its grammar
         assert needs_grammar(run["strategy"]) == run["grammar"] == (run["grammar"] and run["prompt_id"] == "name")
     for s in summary.values():
         assert SUMMARY_FIELDS <= set(s), SUMMARY_FIELDS - set(s)
-        assert s["lossless"]["status"] in ("pass", "tie"), s["lossless"]
+        assert s["lossless"]["status"] in (("valid",) if s["strategy"] == "outlines:json" else ("pass", "tie"))
         assert {"code", "prose", "article", "json"} >= set(s["by_category"])
     assert summary["greedy"]["speedup"]["mean"] == pytest.approx(1.0)
     assert summary["hf:assisted"]["draft_calls"] > 0 and summary["hf:assisted"]["draft_share"] > 0
@@ -182,6 +186,25 @@ def test_a_strategy_that_changes_one_token_fails_and_a_correct_one_passes(suite_
     assert broken["first_failure"]["gap"] > broken["first_failure"]["tolerance"]
     assert summary["test_plain_copy"]["lossless"]["status"] == "pass"
     assert "FAILED @4" in report.markdown(result)
+
+
+def test_a_grammar_peer_is_checked_for_validity():
+    lm = tiny_lm("qwen2")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    constraint = grammars.json_schema(schema)
+
+    def run(text: str, finish: str) -> SimpleNamespace:  # the fields of a Run that the check reads
+        tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return SimpleNamespace(tokens=tokens, pieces=[text], finish_reason=finish)
+
+    assert lossless.validity(lm, run('{"n":7}', "eos"), schema, constraint)["status"] == "valid"
+    assert lossless.validity(lm, run('{"n":', "length"), schema, constraint) == {
+        "status": "valid", "position": None, "complete": False}
+    out_of_bounds = lossless.validity(lm, run('{"n":12}', "eos"), schema, constraint)
+    assert out_of_bounds["status"] == "failed" and "violates the schema" in out_of_bounds["reason"]
+    assert "not JSON" in lossless.validity(lm, run('{"n":', "eos"), schema, constraint)["reason"]
+    assert "not a prefix" in lossless.validity(lm, run('{"m":', "length"), schema, constraint)["reason"]
 
 
 def test_first_divergence_counts_length_differences():
