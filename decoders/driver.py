@@ -86,14 +86,14 @@ def _prepare(
     if grammar is not None:
         if not callable(getattr(grammar, "matcher", None)):
             raise TypeError(
-                f"grammar= takes a grammars constraint (grammars.json_schema, grammars.regex, grammars.choice), "
-                f"got {type(grammar).__name__}"
+                "grammar= takes a grammars constraint (grammars.json_schema, grammars.regex, grammars.choice, "
+                f"grammars.cfg), got {type(grammar).__name__}"
             )
-        matcher = grammar.matcher(lm)  # the index is built once per tokenizer and constraint, then cached
+        matcher = grammar.matcher(lm)  # the index or grammar is built once per tokenizer and constraint, then cached
     if decoder.needs_grammar and grammar is None:
         raise ValueError(
-            f"strategy {decoder.name!r} needs a grammar: pass grammar=grammars.json_schema(...), grammars.regex(...) "
-            "or grammars.choice(...)"
+            f"strategy {decoder.name!r} needs a grammar: pass grammar=grammars.json_schema(...), grammars.regex(...), "
+            "grammars.choice(...) or grammars.cfg(...)"
         )
     if decoder.needs_draft and draft is None:
         raise ValueError(f"strategy {decoder.name!r} needs a draft model: pass draft=<LM or model name>")

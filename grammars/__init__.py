@@ -1,29 +1,31 @@
-"""Grammar constraints (JSON schema, regex, choice) as matchers with explicit advance / rollback, on outlines-core.
+"""Grammar constraints (JSON schema, regex, choice, context-free grammar) as matchers with explicit advance / rollback.
 
     import decoders, grammars
     result = decoders.generate(lm, prompt, strategy="guided", grammar=grammars.json_schema(Character))
 
-A constraint is a small frozen object; `constraint.matcher(lm)` gives a `Matcher` for one run, built on an index of
-the constraint's regex over the tokenizer's vocabulary (built once per tokenizer and regex, then cached). The matcher
-answers `allowed()` (a mask over the logits), `forced()` (the tokens the grammar alone determines), `is_finished()`,
-`is_complete()` and `masks_along(tokens)`, and moves only by `advance(tokens)` and `rollback(n)`.
-
-Context-free grammars need a backend that the installed outlines-core lacks: `cfg()` says so.
+A constraint is a small frozen object; `constraint.matcher(lm)` gives a matcher for one run. The regular constraints
+(`json_schema`, `regex`, `choice`) give a `Matcher` on an outlines-core index of their regex over the tokenizer's
+vocabulary; `cfg` gives a `CfgMatcher` on an llguidance parser of its Lark grammar. Both are built once per tokenizer
+and constraint, then cached. A matcher answers `allowed()` (a mask over the logits), `forced()` (the tokens the grammar
+alone determines), `is_finished()`, `is_complete()` and `masks_along(tokens)`, and moves only by `advance(tokens)` and
+`rollback(n)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from grammars.constraints import Choice, Constraint, JsonSchema, Regex
+from grammars import cfg_index as _cfg_index
+from grammars import index as _index
+from grammars.cfg_matcher import CfgMatcher
+from grammars.constraints import Cfg, Choice, Constraint, JsonSchema, Regex
 from grammars.errors import GrammarError
-from grammars.index import clear_cache
 from grammars.matcher import Matcher
 from grammars.schema import schema_text
 
 __all__ = [
     "json_schema", "regex", "choice", "cfg",
-    "Constraint", "JsonSchema", "Regex", "Choice", "Matcher", "GrammarError", "clear_cache",
+    "Constraint", "JsonSchema", "Regex", "Choice", "Cfg", "Matcher", "CfgMatcher", "GrammarError", "clear_cache",
 ]
 
 
@@ -48,11 +50,30 @@ def choice(options: Iterable[str], *, canonical: bool = True) -> Choice:
     return Choice(tuple(options), canonical=canonical)
 
 
-def cfg(grammar: str):
-    """A context-free grammar (Lark syntax) - not available: the installed backend handles regular languages only."""
-    raise NotImplementedError(
-        "grammars.cfg() needs a context-free-grammar backend, and none is installed: outlines-core (the backend "
-        "here) compiles regular languages only (JSON schema, regex, choice), and outlines' CFG support goes through "
-        "the llguidance or xgrammar packages, which decodekit does not depend on. Use grammars.regex() or "
-        "grammars.json_schema() where the language is regular."
-    )
+def cfg(grammar: str) -> Cfg:
+    """Text in the language of a context-free grammar written in Lark syntax, as llguidance reads it.
+
+    Unlike a regex, a grammar can nest: balanced brackets, arithmetic, code. Rule `start` is the whole output:
+
+        grammars.cfg('''
+            start: expr
+            expr: term (("+" | "-") term)*
+            term: NUMBER | "(" expr ")"
+            NUMBER: /[0-9]+/
+        ''')
+
+    Rules are lowercase, terminals (lexemes, matched by regex) uppercase; `%ignore`, `%import common.X` and llguidance's
+    extensions (`%json {...}` schemas, `<|special|>` tokens) work too. An invalid grammar raises `GrammarError` with
+    llguidance's message.
+
+    Forced tokens are llguidance's fast-forward tokens: where the grammar determines the next text, only the first
+    token of the tokenizer's own spelling of it is allowed (canonical, like the regular constraints' default), except
+    near the end of that text, where a longer token could reach past it and every spelling stays allowed.
+    """
+    return Cfg(grammar)
+
+
+def clear_cache() -> None:
+    """Forget every compiled index and grammar (for tests and memory)."""
+    _index.clear_cache()
+    _cfg_index.clear_cache()

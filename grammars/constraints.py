@@ -1,7 +1,8 @@
-"""The constraints: small frozen objects that know their regex and build a `Matcher` for a model's tokenizer.
+"""The constraints: small frozen objects that know their grammar and build a matcher for a model's tokenizer.
 
-Each is checked when it is made (invalid schema or regex, unsupported schema feature), so a mistake shows up at
-`grammars.json_schema(...)`, not in the middle of a run.
+The regular ones (JSON schema, regex, choice) know their regex and build a `Matcher` on outlines-core; `Cfg` knows its
+Lark grammar and builds a `CfgMatcher` on llguidance. Each is checked when it is made (invalid schema, regex or
+grammar, unsupported schema feature), so a mistake shows up at `grammars.json_schema(...)`, not in the middle of a run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 
 from outlines_core import Index, Vocabulary
 
+from grammars.cfg_index import check_grammar, compile_grammar
+from grammars.cfg_matcher import CfgMatcher
 from grammars.errors import GrammarError
 from grammars.index import compile_index
 from grammars.matcher import Matcher
@@ -20,12 +23,13 @@ _RUST_META = set("\\.+*?()|[]{}^$#&-~")  # what Rust's regex_syntax::escape esca
 
 
 class Constraint:
-    """Base of the regular-language constraints: `pattern` (a regex over the output text) and `canonical`."""
+    """Base of the constraints; the regular-language ones have `pattern` (a regex over the output text) and
+    `canonical`, and build their matcher from them."""
 
     pattern: str
     canonical: bool
 
-    def matcher(self, lm) -> Matcher:
+    def matcher(self, lm) -> Matcher | CfgMatcher:
         """A fresh `Matcher` for `lm` (a `decoders.LM`), on the index cached for its tokenizer and this regex."""
         return Matcher(compile_index(self.pattern, lm, self.canonical, self.describe()))
 
@@ -87,6 +91,30 @@ class Choice(Constraint):
 
     def describe(self) -> str:
         return f"choice({list(self.options)!r})"
+
+
+@dataclass(frozen=True)
+class Cfg(Constraint):
+    """Text in the language of a context-free grammar, in Lark syntax as llguidance reads it (rule `start` first).
+
+    Not a regular language, so no `pattern`; forced tokens follow llguidance's canonical fast-forward (see
+    `grammars.cfg_index`), so no `canonical` switch either.
+    """
+
+    grammar: str
+
+    def __post_init__(self):
+        if not isinstance(self.grammar, str):
+            raise GrammarError(f"cfg() takes the grammar's text, got {type(self.grammar).__name__}")
+        check_grammar(self.grammar, self.describe())
+
+    def matcher(self, lm) -> CfgMatcher:
+        """A fresh `CfgMatcher` for `lm` (a `decoders.LM`), on the grammar compiled for its tokenizer and cached."""
+        return CfgMatcher(compile_grammar(self.grammar, lm, self.describe()))
+
+    def describe(self) -> str:
+        text = " ".join(self.grammar.split())
+        return f"cfg({text if len(text) <= 60 else text[:57] + '...'!r})"
 
 
 def escape(text: str) -> str:

@@ -173,11 +173,6 @@ def test_bad_choices_raise():
             grammars.choice(options)
 
 
-def test_cfg_says_what_is_missing():
-    with pytest.raises(NotImplementedError, match="llguidance"):
-        grammars.cfg('start: "a"+')
-
-
 def test_vocabulary_that_cannot_spell_the_grammar():
     backend = Tokenizer(models.WordLevel({"<eos>": 0, "a": 1, "b": 2}, unk_token="<eos>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
