@@ -38,7 +38,8 @@ COMPARE_EPILOG = """examples:
   torchrun --nproc_per_node 2 -m evals compare --model zoo:smollm2-135m --out results.json
 
 greedy (the baseline) always runs first. Without --strategies every registered strategy whose needs are met runs
-(draft strategies only with --draft). Peers: hf:greedy, hf:assisted (needs --draft), hf:prompt_lookup.
+(draft strategies only with --draft). Peers: hf:greedy, hf:assisted (needs --draft), hf:prompt_lookup, outlines:json
+(prompts with a schema: checked for validity, since outlines may spell the same JSON with other tokens).
 Every greedy-mode method is checked token for token against greedy; a divergence beyond the dtype's numeric-tie
 tolerance marks it FAILED with the first divergent position. Under accelerate on CPU-only machines pass --multi_gpu
 (accelerate's name for its torch.distributed launcher) or use torchrun: plain `--num_processes 2` starts one process.
