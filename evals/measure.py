@@ -21,15 +21,18 @@ def synchronize(device: torch.device) -> None:
 
 
 class ForwardMeter:
-    """Counts a model's forward calls and the seconds spent in them, via torch's public module hooks."""
+    """Counts a model's forward calls, the input tokens they scored and the seconds spent in them, via torch's public
+    module hooks."""
 
     def __init__(self, model: torch.nn.Module | None, device: torch.device) -> None:
         self.model, self.device = model, device
-        self.calls, self.seconds = 0, 0.0
+        self.calls, self.tokens, self.seconds = 0, 0, 0.0
         self._handles: list = []
         self._started = 0.0
 
-    def _before(self, module, args, kwargs=None) -> None:
+    def _before(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens += int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0
         synchronize(self.device)
         self._started = time.perf_counter()
 
@@ -41,7 +44,7 @@ class ForwardMeter:
     def __enter__(self) -> ForwardMeter:
         if self.model is not None:
             self._handles = [
-                self.model.register_forward_pre_hook(self._before),
+                self.model.register_forward_pre_hook(self._before, with_kwargs=True),
                 self.model.register_forward_hook(self._after),
             ]
         return self

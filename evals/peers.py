@@ -163,12 +163,14 @@ def run_peer(
     sources = (sources + ["target"] * len(tokens))[: len(tokens)]
     finish = "eos" if tokens and tokens[-1] in lm.eos_token_ids else "length"
     accepted = sum(n - 1 for n in arrivals.chunks) if peer.source != "target" else None
+    # every target call scores one token that is not a draft (the prompt, the first time) plus its draft tokens
+    drafted = watch.target.tokens - len(prompt) - (watch.target.calls - 1) if accepted is not None else None
     return Run(
         strategy=name, kind="peer", prompt_id=prompt_id, category=category, repeat=repeat,
         prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, new_tokens=len(tokens),
         seconds=watch.seconds, ttft_seconds=watch.ttft,
         target_calls=watch.target.calls, draft_calls=watch.draft.calls if watch.draft_metered else None,
-        drafted=None, accepted=accepted, accepted_by_position=[], drafted_by_position=[],
+        drafted=drafted, accepted=accepted, accepted_by_position=[], drafted_by_position=[],
         draft_seconds=watch.draft.seconds if watch.draft_metered else None,
         peak_memory_bytes=watch.peak_bytes, finish_reason=finish,
         tokens=tokens, sources=sources, pieces=pieces(lm, tokens), timeline=watch.marks, grammar=peer.grammar,

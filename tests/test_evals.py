@@ -121,6 +121,11 @@ def test_compare_result_has_every_field_and_a_markdown_table(result):
         assert {"code", "prose", "article", "json"} >= set(s["by_category"])
     assert summary["greedy"]["speedup"]["mean"] == pytest.approx(1.0)
     assert summary["hf:assisted"]["draft_calls"] > 0 and summary["hf:assisted"]["draft_share"] > 0
+    for run in result["runs"]:  # transformers' drafting peers: drafted tokens counted from the target calls' inputs
+        if run["strategy"] in ("hf:assisted", "hf:prompt_lookup"):
+            assert 0 <= run["accepted"] <= run["drafted"] and run["new_tokens"] == run["accepted"] + run["target_calls"]
+        elif run["strategy"] == "hf:greedy":
+            assert run["drafted"] is None and run["target_calls"] == run["new_tokens"]
     assert len({(r["strategy"], r["prompt_id"], r["repeat"]) for r in result["runs"]}) == len(result["runs"])
     assert next(r for r in result["runs"] if r["prompt_id"] == "pi")["max_new_tokens"] == 10  # the line's own cap
     text = report.markdown(result)
