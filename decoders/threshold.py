@@ -17,12 +17,16 @@ from decoders.speculation import Draft, DraftModel, DraftVerify, stack_probs
 
 @dataclass(frozen=True)
 class ThresholdOptions:
-    """Options of `threshold`."""
+    """Options of `threshold`. Defaults measured with qwen2.5-coder-1.5b / -0.5b, bfloat16, on a 2-core CPU, where a
+    draft call costs about 0.4 of a target call: a drafted token pays off only while its chance of acceptance stays
+    well above that, so the threshold is not let down below 0.3 (min_threshold 0.3 and step 0.05 gave 1.64x greedy
+    over code, editing and prose against 1.55x for 0.05 and 0.1). Where draft calls are relatively cheaper (a GPU, a
+    smaller draft), a lower min_threshold lets drafts run longer."""
 
     max_draft: int = 16  # the most draft tokens per target call
     threshold: float = 0.4  # initial cumulative-probability threshold
-    step: float = 0.1  # how far the threshold drops after a fully accepted draft
-    min_threshold: float = 0.05  # clamp bounds of the threshold
+    step: float = 0.05  # how far the threshold drops after a fully accepted draft
+    min_threshold: float = 0.3  # clamp bounds of the threshold
     max_threshold: float = 0.95
 
     def __post_init__(self):
