@@ -91,8 +91,9 @@ class TokenIndex:
         """Token ids the raw index allows in `state`, EOS and the end mark left out (array of int64)."""
         ids = self._allowed.get(state)
         if ids is None:
-            raw = self.index.get_allowed_tokens(state) if state != END else None
-            ids = array("q", (t for t in raw or () if t < self.vocab_size and t not in self.eos_ids))
+            raw = torch.tensor(self.index.get_allowed_tokens(state) if state != END else [], dtype=torch.long)
+            keep = (raw < self.vocab_size) & ~torch.isin(raw, self._eos)  # the end mark lies past vocab_size
+            ids = array("q", raw[keep].numpy().tobytes())
             self._allowed[state] = ids
         return ids
 
