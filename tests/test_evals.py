@@ -193,6 +193,29 @@ def test_a_strategy_that_changes_one_token_fails_and_a_correct_one_passes(suite_
     assert "FAILED @4" in report.markdown(result)
 
 
+def test_a_gap_that_greedys_own_scoring_does_not_see_is_a_numeric_tie(monkeypatch):
+    lm = tiny_lm("llama")
+    one_pass = torch.zeros(lm.vocab_size)
+    one_pass[[3, 4]] = torch.tensor([20.0, 20.5])  # the run's token 4 leads by 0.5 in the one-pass logits
+    monkeypatch.setattr(lossless, "margin_at", lambda *args: one_pass)
+    for greedy_view, status in ((20.0, "tie"), (19.0, "failed")):  # greedy's own scoring: a tie, or a clear lead
+        again = torch.zeros(lm.vocab_size)
+        again[[3, 4]] = torch.tensor([20.0, greedy_view])
+        monkeypatch.setattr(lossless, "incremental_logits", lambda *args, again=again: again)
+        found = lossless.verdict(lm, [1, 2], [5, 3], [5, 4])
+        assert found["status"] == status and found["position"] == 1 and found["gap"] == pytest.approx(0.5)
+        assert found["greedy_gap"] == pytest.approx(20.0 - greedy_view)
+
+
+def test_greedys_own_scoring_is_recomputed_exactly():
+    lm = tiny_lm("qwen2")
+    prompt = lm.encode("The quick brown fox")
+    reference = decoders.generate(lm, prompt, max_new_tokens=6).tokens
+    again = lossless.incremental_logits(lm, prompt, reference, 4)
+    assert int(again.argmax()) == reference[4]
+    torch.testing.assert_close(again, lossless.margin_at(lm, prompt, reference, 4), atol=1e-4, rtol=1e-4)
+
+
 def test_a_grammar_peer_is_checked_for_validity():
     lm = tiny_lm("qwen2")
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
