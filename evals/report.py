@@ -139,7 +139,7 @@ def notes(result: dict) -> list[str]:
         if check.get("status") in ("failed", "tie"):
             margin = "" if check.get("margin") is None else (
                 f", top-2 margin {check['margin']:.3g}, gap {check['gap']:.3g} vs tolerance {check['tolerance']:.3g}"
-                + ("" if check.get("greedy_gap") is None else f" there: {check['greedy_gap']:.3g}"))
+                + ("" if check.get("greedy_gap") is None else f", gap in greedy's scoring {check['greedy_gap']:.3g}"))
             where = "" if check.get("position") is None else f" at token {check['position']}"
             out.append(f"{run['strategy']} on {run['prompt_id']} (repeat {run['repeat']}): "
                        f"{check['status']}{where} ({check['reason']}{margin})")
