@@ -37,8 +37,8 @@ COMPARE_EPILOG = """examples:
   accelerate launch --multi_gpu --num_processes 2 -m evals compare --model zoo:smollm2-135m --out results.json
   torchrun --nproc_per_node 2 -m evals compare --model zoo:smollm2-135m --out results.json
 
-greedy (the baseline) always runs first. Without --strategies every registered strategy whose needs are met runs
-(draft strategies only with --draft). Peers: hf:greedy, hf:assisted (needs --draft), hf:prompt_lookup, outlines:json
+greedy (the baseline) always runs first. Without --strategies every registered strategy and peer whose needs are met
+runs (draft strategies and hf:assisted only with --draft). Peers: hf:greedy, hf:assisted (needs --draft), hf:prompt_lookup, outlines:json
 (prompts with a schema: checked for validity, since outlines may spell the same JSON with other tokens).
 Every greedy-mode method is checked token for token against greedy; a divergence beyond the dtype's numeric-tie
 tolerance marks it FAILED with the first divergent position. Under accelerate on CPU-only machines pass --multi_gpu
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="run strategies and peers side by side on a prompt suite",
                          epilog=COMPARE_EPILOG, formatter_class=formatter)
     _model_arguments(cmp)
-    cmp.add_argument("--strategies", help="comma-separated strategies and peers (default: every runnable strategy); "
+    cmp.add_argument("--strategies", help="comma-separated strategies and peers (default: every runnable one); "
                      "STRATEGY@KEY=VALUE runs a strategy with other settings, next to its defaults")
     cmp.add_argument("--suite", default="default", help="a shipped suite (decodekit list) or a .jsonl file")
     cmp.add_argument("--max-new-tokens", type=_positive, default=128, help="cap for every prompt (default 128)")

@@ -32,7 +32,7 @@ WARMUP_TOKENS = 16
 class CompareConfig:
     """What `compare` runs."""
 
-    strategies: tuple[str, ...] = ()  # empty: every registered strategy whose requirements are met; greedy always
+    strategies: tuple[str, ...] = ()  # empty: every registered strategy and peer whose needs are met; greedy always
     suite: str = "default"  # a shipped suite name or a JSONL file
     max_new_tokens: int = 128  # cap for every prompt (a suite line may ask for fewer)
     repeats: int = 1  # timed runs of each (strategy, prompt); the speed-up spread is over repeats
@@ -88,7 +88,7 @@ def needs_grammar(name: str) -> bool:
 def plan(requested: tuple[str, ...], has_draft: bool) -> tuple[list[str], list[str]]:
     """The methods to run (greedy first) and notes on what was skipped; an impossible explicit request raises."""
     explicit = bool(requested)
-    wanted = list(requested) if explicit else registry.available()
+    wanted = list(requested) if explicit else registry.available() + list(peers.PEERS)
     names = [metrics.BASELINE] + [n for n in dict.fromkeys(wanted) if n != metrics.BASELINE]
     chosen, notes = [], []
     for name in names:
