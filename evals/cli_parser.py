@@ -31,15 +31,15 @@ COMPARE_EPILOG = """examples:
       --suite edit --repeats 3 --out results.json --html report.html --plots plots/
   decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \\
       --strategies greedy,speculative,hf:assisted -o speculative.k=4
-  decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \
+  decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \\
       --strategies speculative@k=2,speculative@k=3,speculative@k=5,staged@max_depth=8   # settings side by side
   decodekit compare --model my/model --suite my_prompts.jsonl      # {"id","category","prompt"} per line
   accelerate launch --multi_gpu --num_processes 2 -m evals compare --model zoo:smollm2-135m --out results.json
   torchrun --nproc_per_node 2 -m evals compare --model zoo:smollm2-135m --out results.json
 
 greedy (the baseline) always runs first. Without --strategies every registered strategy and peer whose needs are met
-runs (draft strategies and hf:assisted only with --draft). Peers: hf:greedy, hf:assisted (needs --draft), hf:prompt_lookup, outlines:json
-(prompts with a schema: checked for validity, since outlines may spell the same JSON with other tokens).
+runs (draft strategies and hf:assisted only with --draft). Peers: hf:greedy, hf:assisted, hf:prompt_lookup and
+outlines:json (prompts with a schema; checked for validity, since outlines may spell the same JSON with other tokens).
 Every greedy-mode method is checked token for token against greedy; a divergence beyond the dtype's numeric-tie
 tolerance marks it FAILED with the first divergent position. Under accelerate on CPU-only machines pass --multi_gpu
 (accelerate's name for its torch.distributed launcher) or use torchrun: plain `--num_processes 2` starts one process.

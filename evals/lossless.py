@@ -84,11 +84,11 @@ def verdict(lm: decoders.LM, prompt: Sequence[int], reference: Sequence[int], ca
     expected, got = int(reference[position]), int(candidate[position])
     gap = abs(float(logits[expected] - logits[got]))
     limit = tolerance(lm.dtype, float(top[0]))
-    greedy_gap = None  # the gap as greedy's own one-token-per-call scoring sees it, when the one-pass gap is too wide
-    if gap > limit:
+    tie, greedy_gap = gap <= limit, None  # greedy_gap: the gap in greedy's own scoring, when the one-pass gap is wide
+    if not tie:
         again = incremental_logits(lm, prompt, reference, position)  # [vocab]
         greedy_gap = abs(float(again[expected] - again[got]))
-    tie = gap <= limit or greedy_gap <= tolerance(lm.dtype, float(again.max()))
+        tie = greedy_gap <= tolerance(lm.dtype, float(again.max()))
     return {
         "status": "tie" if tie else "failed",
         "position": position,
