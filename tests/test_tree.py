@@ -21,6 +21,7 @@ from decoders.speculation import Draft, Window, ancestry, restrict_to_grammar, s
 from samplers import SamplingConfig, make_generator
 from samplers.verify import tree_children, verify_tree_greedy, verify_tree_sampling
 from stats import chi_square_fits
+from test_verify import VOCAB, logits_preferring
 
 TREE_STRATEGIES = ["staged", "lookahead"]
 
@@ -129,14 +130,6 @@ def test_ngram_pool_prefers_the_longer_context():
 
 
 # ------------------------------------------------------------------------------------------ verifiers, no model
-
-VOCAB = 6
-
-
-def logits_preferring(*tokens):
-    logits = torch.zeros(len(tokens), VOCAB)
-    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
-    return logits
 
 
 def test_tree_greedy_follows_the_target_down_the_matching_branch():
