@@ -119,11 +119,7 @@ def cmd_generate(args) -> int:
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
     lm = _load(args.model, args.dtype, args.device)
     draft = _load(args.draft, args.dtype, args.device) if args.draft else None
-    grammar = None
-    if schema is not None:
-        grammar = grammar_for(schema)
-        if grammar is None:
-            raise UsageError("--json-schema needs grammars.json_schema, which this version of decodekit lacks")
+    grammar = grammar_for(schema)
     tokens = suites.render(lm, suites.Prompt("cli", "cli", prompt_text), chat_template=not args.no_chat_template)
     result = decoders.generate(
         lm, tokens, strategy=args.strategy, max_new_tokens=args.max_new_tokens, draft=draft,

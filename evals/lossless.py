@@ -27,6 +27,7 @@ is not asked of them: their output is **valid** when it parses and satisfies the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 
@@ -109,7 +110,7 @@ def validity(lm: decoders.LM, run, schema: dict | bool, constraint) -> dict:
     `grammars.JsonSchema`, under any tokenization). Anything else is a failure, with the reason."""
     text = "".join(run.pieces)
     if run.finish_reason == "length":
-        loose = grammars.json_schema(constraint.schema, whitespace=constraint.whitespace, canonical=False)
+        loose = dataclasses.replace(constraint, canonical=False)  # any tokenization of the same language
         try:
             loose.matcher(lm).advance([t for t in run.tokens if t not in lm.eos_token_ids])
         except grammars.GrammarError as error:

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 import decoders
+import grammars
 from decoders import registry
 from evals import lossless, metrics, peers, suites
 from evals.measure import environment, roofline
@@ -93,9 +94,12 @@ def plan(requested: tuple[str, ...], has_draft: bool) -> tuple[list[str], list[s
     chosen, notes = [], []
     for name in names:
         base, settings = variant(name)
-        if not peers.is_peer(base):
-            registry.get(base)(**settings)  # an unknown strategy or option raises here, before any model loads
-        needs_draft = peers.get(base).needs_draft if peers.is_peer(base) else registry.get(base).needs_draft
+        if peers.is_peer(base):
+            needs_draft = peers.get(base).needs_draft
+        else:
+            strategy = registry.get(base)
+            strategy(**settings)  # an unknown strategy or option raises here, before any model loads
+            needs_draft = strategy.needs_draft
         if peers.is_peer(name) and peers.unavailable(name):
             notes.append(f"{name}: not available ({peers.unavailable(name)})")
         elif needs_draft and not has_draft:
@@ -108,16 +112,9 @@ def plan(requested: tuple[str, ...], has_draft: bool) -> tuple[list[str], list[s
     return chosen, notes
 
 
-def grammar_for(schema: dict | None):
-    """A JSON-schema constraint from `grammars`, or None when there is no schema or no grammar support yet."""
-    if schema is None:
-        return None
-    try:
-        import grammars
-
-        return grammars.json_schema(schema)
-    except (ImportError, AttributeError, NotImplementedError):
-        return None
+def grammar_for(schema: dict | None) -> grammars.JsonSchema | None:
+    """The JSON-schema constraint of a prompt's schema, or None for a prompt without one."""
+    return None if schema is None else grammars.json_schema(schema)
 
 
 class Processes:
@@ -160,10 +157,9 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | None = 
     processes = processes or Processes(cpu=lm.device.type == "cpu")
     prompts = suites.load(config.suite)
     names, notes = plan(config.strategies, draft is not None)
-    grammars = {p.id: grammar_for(p.schema) for p in prompts}
-    for name in [n for n in names if needs_grammar(n) and not any(grammars.values())]:
-        why = "this suite has none" if not any(p.schema for p in prompts) else "grammars.json_schema is missing"
-        notes.append(f"{name}: runs only on prompts with a schema under its grammar; {why}")
+    constraints = {p.id: grammar_for(p.schema) for p in prompts}
+    for name in [n for n in names if needs_grammar(n) and not any(constraints.values())]:
+        notes.append(f"{name}: runs only on prompts with a schema under its grammar; this suite has none")
     mine = processes.split(prompts)
     tokens = {p.id: suites.render(lm, p, config.chat_template) for p in mine}
     limit = {p.id: min(config.max_new_tokens, p.max_new_tokens or config.max_new_tokens) for p in mine}
@@ -173,10 +169,10 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | None = 
     mine = [p for p in mine if p not in skipped]
 
     def runs_for(prompt):
-        return [n for n in names if not needs_grammar(n) or grammars[prompt.id] is not None]
+        return [n for n in names if not needs_grammar(n) or constraints[prompt.id] is not None]
 
     def run(name: str, prompt: suites.Prompt, repeat: int, max_new_tokens: int) -> Run:
-        grammar = grammars[prompt.id] if needs_grammar(name) else None
+        grammar = constraints[prompt.id] if needs_grammar(name) else None
         where = dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, max_new_tokens=max_new_tokens)
         if peers.is_peer(name):
             return peers.run_peer(lm, tokens[prompt.id], name, draft=draft, grammar=grammar, **where)
@@ -219,10 +215,10 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | None = 
         if (prompt_id, grammar) not in greedy_tokens:  # greedy under the prompt's grammar (or if it raised), untimed
             greedy_tokens[(prompt_id, grammar)] = decoders.generate(
                 lm, tokens[prompt_id], max_new_tokens=limit[prompt_id],
-                grammar=grammars[prompt_id] if grammar else None).tokens
+                grammar=constraints[prompt_id] if grammar else None).tokens
         return greedy_tokens[(prompt_id, grammar)]
 
-    lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, grammars[p.id]) for p in mine})
+    lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, constraints[p.id]) for p in mine})
     gathered = processes.gather([{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes}])
     if not processes.is_main:
         return None

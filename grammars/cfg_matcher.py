@@ -18,8 +18,7 @@ import torch
 
 from grammars.cfg_index import CompiledGrammar
 from grammars.errors import GrammarError
-
-_FORCED_LIMIT = 1024  # longest forced run returned at once
+from grammars.matcher import FORCED_LIMIT
 _MASKS_AHEAD = 64  # masks remembered from one look-ahead ([vocab_size] bools each)
 
 Step = tuple[int, torch.Tensor | None]  # a token and the allowed mask after it (None: not kept)
@@ -119,7 +118,7 @@ class CfgMatcher:
         vocabulary). Does not move the matcher: accept them with `advance` (through `DecodeState.accept`).
         """
         if self._forced is None:
-            steps = self._look_ahead(self._only, _FORCED_LIMIT, keep=_MASKS_AHEAD)
+            steps = self._look_ahead(self._only, FORCED_LIMIT, keep=_MASKS_AHEAD)
             self._forced = [token for token, _ in steps]
         return list(self._forced)
 

@@ -15,7 +15,7 @@ import torch
 from grammars.errors import GrammarError
 from grammars.index import END, TokenIndex
 
-_FORCED_LIMIT = 1024  # longest forced run returned at once
+FORCED_LIMIT = 1024  # longest forced run returned at once
 
 
 class Matcher:
@@ -96,7 +96,7 @@ class Matcher:
 
         Does not move the matcher: accept them with `advance` (through `DecodeState.accept`).
         """
-        return self.index.forced_run(self.state, _FORCED_LIMIT) if self.state != END else []
+        return self.index.forced_run(self.state, FORCED_LIMIT) if self.state != END else []
 
     def masks_along(self, tokens: Sequence[int]) -> tuple[int, torch.Tensor]:
         """Walk `tokens` from here without moving: (n, masks) with n the count of leading allowed tokens and masks
