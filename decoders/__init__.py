@@ -2,19 +2,30 @@
 
     lm = decoders.load("zoo:smollm2-135m")
     result = decoders.generate(lm, "The capital of France is", strategy="greedy", max_new_tokens=32)
+
+Layout: strategies/ holds one file per strategy (the place to add one); drafting/ the draft-then-verify machinery
+they share; models/ the model wrapper, cache, zoo and quantization; base.py, driver.py, registry.py and
+capabilities.py the run itself.
 """
 
 from decoders.base import Chunk, DecodeState, Decoder, Result, Stats
-from decoders.cache import KVCache
+from decoders.drafting import Draft, DraftVerify
 from decoders.driver import generate, stream
-from decoders.lm import LM, load, wrap
+from decoders.models.cache import KVCache
+from decoders.models.lm import LM, load, wrap
 from decoders.registry import available, register, unregister
 
-# Built-in strategies register themselves on import.
-from decoders import greedy, lookahead, prompt_lookup, speculative, staged, threshold  # noqa: E402,F401  isort: skip
-from decoders import guided  # noqa: E402,F401  isort: skip
+
+def quantize(lm: LM, scheme: str = "int8") -> LM:
+    """A new `LM` whose linear layers run weight-only `scheme` (e.g. "int8"): a cheap draft; `lm` is left untouched."""
+    from decoders.models.quantize import quantize as quantized
+
+    return quantized(lm, scheme)
+
+
+from decoders import strategies  # noqa: E402,F401  isort: skip  (the built-in strategies register on import)
 
 __all__ = [
-    "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk",
-    "load", "wrap", "available", "register", "unregister", "generate", "stream",
+    "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk", "Draft", "DraftVerify",
+    "load", "wrap", "quantize", "available", "register", "unregister", "generate", "stream",
 ]

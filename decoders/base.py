@@ -1,7 +1,7 @@
 """What every strategy shares: the `Decoder` base class, the per-run `DecodeState`, and the `Result` it produces.
 
 A strategy is stateless apart from its frozen options. Everything that changes during a run - tokens, caches, the
-random generator, counters, a strategy's own per-run helpers - lives in the `DecodeState` the driver passes to
+random generator, counters, a drafting strategy's drafter - lives in the `DecodeState` the driver passes to
 `Decoder.step`. Each step appends one or more tokens with `state.accept`, which applies every stopping rule.
 """
 
@@ -10,13 +10,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from decoders.cache import KVCache
-from decoders.lm import LM
+from decoders.models.cache import KVCache
+from decoders.models.lm import LM
 from samplers import SamplingConfig, sample
+
+if TYPE_CHECKING:
+    from decoders.drafting.draft import Drafter
+    from grammars import GrammarMatcher
 
 SOURCES = ("target", "draft", "lookup", "lookahead", "grammar")  # where a new token came from
 
@@ -31,8 +35,12 @@ class Decoder:
 
     name: ClassVar[str] = ""  # set by @register
     Options: ClassVar[type] = NoOptions
-    needs_draft: ClassVar[bool] = False  # capabilities, checked once before the run by the driver
-    needs_grammar: ClassVar[bool] = False
+    # What the strategy needs, declared once and checked before the clock starts (`decoders.capabilities`):
+    needs_draft: ClassVar[bool] = False  # a draft model is required
+    takes_draft: ClassVar[bool] = False  # a draft model is used when given (always True when needs_draft)
+    needs_grammar: ClassVar[bool] = False  # runs only under a grammar
+    needs_tree_mask: ClassVar[bool] = False  # the target scores token trees in one call (custom 4D attention masks)
+    draft_needs_tree_mask: ClassVar[bool] = False  # the draft model grows token trees in one call
 
     def __init__(self, **options: Any) -> None:
         names = [f.name for f in dataclasses.fields(self.Options)]
@@ -46,7 +54,7 @@ class Decoder:
         return f"{type(self).__name__}({self.options})"
 
     def start(self, state: DecodeState) -> None:
-        """Set up per-run helpers (kept in `state.scratch`) before the first step."""
+        """Set up per-run helpers (a drafter, in `state.drafter`) before the first step."""
 
     def step(self, state: DecodeState) -> None:
         """Append at least one token to the run with `state.accept`."""
@@ -86,13 +94,15 @@ class Stats:
         derived = {k: getattr(self, k) for k in ("acceptance_rate", "mean_accepted", "tokens_per_second")}
         return {**dataclasses.asdict(self), **derived}
 
-    def count_accepted(self, drafted: int, accepted: int) -> None:
-        """Record one verification: `drafted` tokens proposed, the first `accepted` of them kept."""
+    def count_accepted(self, drafted: int, accepted: int, levels: int | None = None) -> None:
+        """Record one verification: `drafted` tokens proposed (a tree's node count), `accepted` of them kept (a chain's
+        prefix, a tree's path), `levels` deep (default `drafted`: a chain)."""
+        levels = drafted if levels is None else levels
         self.drafted += drafted
         self.accepted += accepted
         self.draft_lengths.append(drafted)
-        if len(self.accepted_by_position) < drafted:
-            self.accepted_by_position.extend([0] * (drafted - len(self.accepted_by_position)))
+        if len(self.accepted_by_position) < levels:
+            self.accepted_by_position.extend([0] * (levels - len(self.accepted_by_position)))
         for depth in range(accepted):
             self.accepted_by_position[depth] += 1
 
@@ -109,12 +119,12 @@ class DecodeState:
     generator: torch.Generator | None  # seeded; None in greedy mode
     draft: LM | None = None
     stop: tuple[str, ...] = ()
-    grammar: Any = None  # a grammar matcher (grammars/), advanced with accepted tokens only
+    grammar: GrammarMatcher | None = None  # advanced with accepted tokens only
     cache: KVCache = field(init=False)  # target cache; holds tokens[:len(cache)]
     sources: list[str] = field(default_factory=list)  # one per new token
     stats: Stats = field(default_factory=Stats)
     finish_reason: str | None = None  # "eos", "stop" or "length" once finished
-    scratch: dict[str, Any] = field(default_factory=dict)  # a strategy's per-run helpers (draft caches, drafters)
+    drafter: Drafter | None = None  # a drafting strategy's per-run drafter (its draft cache, adaptive settings)
 
     def __post_init__(self) -> None:
         self.cache = self.lm.new_cache()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from numbers import Integral
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from decoders import registry
 from decoders.base import Chunk, DecodeState, Decoder, Result
-from decoders.lm import LM, load
+from decoders.capabilities import check_models, check_request
+from decoders.models.lm import LM, load
+from decoders.options import whole
 from samplers import SamplingConfig, make_generator
 
 Prompt = str | Sequence[int]
@@ -29,7 +32,8 @@ def generate(lm: LM, prompt: Prompt, **kwargs) -> Result:
         prompt: text (tokenized with the model's tokenizer) or a list of token ids.
         strategy: a registered name (`decoders.available()`) or a `Decoder` instance. Default "greedy".
         max_new_tokens: the most tokens to add (> 0). Default 128.
-        draft: the draft model (an `LM` or a name for `decoders.load`) for strategies that need one.
+        draft: the draft model for strategies that take one: an `LM`, a name for `decoders.load`, or "self:int8"
+            (the target's own int8 copy).
         temperature, top_k, top_p, min_p: sampling settings; temperature 0 (the default) is greedy.
         seed: seeds the sampling generator.
         grammar: a `grammars` constraint.
@@ -74,8 +78,7 @@ def _prepare(
         decoder = strategy
     else:
         decoder = registry.get(strategy)(**options)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a whole number > 0, got {max_new_tokens!r}")
+    whole("max_new_tokens", max_new_tokens)
     tokens = _prompt_tokens(lm, prompt)
     if lm.context_length is not None and len(tokens) + max_new_tokens > lm.context_length:
         raise ValueError(
@@ -90,16 +93,10 @@ def _prepare(
                 f"grammars.cfg), got {type(grammar).__name__}"
             )
         matcher = grammar.matcher(lm)  # the index or grammar is built once per tokenizer and constraint, then cached
-    if decoder.needs_grammar and grammar is None:
-        raise ValueError(
-            f"strategy {decoder.name!r} needs a grammar: pass grammar=grammars.json_schema(...), grammars.regex(...), "
-            "grammars.choice(...) or grammars.cfg(...)"
-        )
-    if decoder.needs_draft and draft is None:
-        raise ValueError(f"strategy {decoder.name!r} needs a draft model: pass draft=<LM or model name>")
-    if isinstance(draft, (str,)):
-        draft = load(draft, dtype=lm.dtype, device=lm.device)
     sampling = SamplingConfig(temperature, top_k, top_p, min_p)
+    check_request(decoder, has_draft=draft is not None, has_grammar=grammar is not None)
+    draft = resolve_draft(lm, draft)
+    check_models(decoder, lm, draft)  # before the clock: probes are cached on the LMs
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not isinstance(s, str) or not s for s in stops):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
@@ -117,21 +114,39 @@ def _prepare(
     return state, decoder
 
 
+def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
+    """The draft model: an `LM` as given, "self:int8" for the target's own int8 copy (made once per target and
+    kept on it), or a name for `decoders.load` in the target's dtype and device."""
+    if draft is None or isinstance(draft, LM):
+        return draft
+    if not isinstance(draft, str):
+        raise TypeError(f"draft= takes a decoders.LM, a model name or 'self:int8', got {type(draft).__name__}")
+    if draft.startswith("self:"):
+        return lm.self_draft(draft.removeprefix("self:"))
+    return load(draft, dtype=lm.dtype, device=lm.device)
+
+
 def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
+    """The prompt as a list of token ids: text, or one sequence of ids (list, tuple, numpy array, [T] or [1, T]
+    tensor). A batch of several prompts is refused: decoding here is batch 1."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty; give some text or token ids to continue")
         tokens = lm.encode(prompt)
-    elif isinstance(prompt, torch.Tensor):
-        tokens = prompt.reshape(-1).tolist()
     else:
-        tokens = list(prompt)
+        shape = tuple(getattr(prompt, "shape", ()))
+        if len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):
+            raise ValueError(f"got a batch of prompts (shape {list(shape)}); decodekit decodes one prompt at a time: "
+                             "pass one sequence of token ids, e.g. input_ids[0]")
+        tokens = prompt.reshape(-1).tolist() if shape else list(prompt)
+        if any(isinstance(t, (list, tuple)) or getattr(t, "ndim", 0) for t in tokens):
+            raise ValueError("got a batch of prompts (a list of sequences); decodekit decodes one prompt at a time")
     if not tokens:
         raise ValueError("the prompt is empty; give some text or token ids to continue")
-    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lm.vocab_size]
+    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < lm.vocab_size]
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {lm.vocab_size}); got {bad[:5]}")
-    return tokens
+    return [int(t) for t in tokens]
 
 
 def _synchronize(lm: LM) -> None:

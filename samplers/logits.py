@@ -6,6 +6,7 @@ from exactly one well-defined target distribution.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,8 @@ class SamplingConfig:
     min_p: float | None = None  # keep tokens whose probability is at least min_p times the most probable one
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature < 0):
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
             raise ValueError(f"top_k must be a whole number >= 1 or None, got {self.top_k!r}")

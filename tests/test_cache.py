@@ -62,7 +62,7 @@ def test_every_tiny_architecture_takes_a_tree_mask(arch):
 def test_a_model_that_ignores_the_mask_gets_a_clear_error(monkeypatch):
     import pytest
 
-    from decoders import lm as lm_module
+    from decoders.models import lm as lm_module
 
     lm = lm_module.wrap(tiny_lm("llama").model, tiny_lm("llama").tokenizer)
     monkeypatch.setattr(lm_module.LM, "_tree_attention_mask", lambda self, tree, positions, past: None)

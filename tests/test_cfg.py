@@ -401,7 +401,7 @@ def test_cfg_with_the_same_model_as_draft_accepts_drafts(lm):
 
 @pytest.mark.real_model
 def test_cfg_on_smollm2():
-    zoo = pytest.importorskip("decoders.zoo")
+    zoo = pytest.importorskip("decoders.models.zoo")
     if zoo.local_path("smollm2-135m") is None:
         pytest.skip("zoo:smollm2-135m is not pulled (decodekit models pull smollm2-135m)")
     lm = decoders.load("zoo:smollm2-135m", dtype="float32", device="cpu")

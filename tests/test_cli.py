@@ -8,7 +8,7 @@ import pytest
 
 import decoders
 from conftest import tiny_model, tiny_tokenizer
-from decoders.greedy import Greedy
+from decoders.strategies.greedy import Greedy
 from evals import cli
 
 PROMPT = "Index: A B C"

@@ -9,7 +9,7 @@ import transformers
 import decoders
 from conftest import PROMPTS, VOCAB, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.driver import _prepare
-from decoders.threshold import ThresholdOptions, adapt_threshold
+from decoders.strategies.threshold import ThresholdOptions, adapt_threshold
 from samplers import SamplingConfig
 from stats import chi_square_fits
 
@@ -69,7 +69,7 @@ def test_target_cache_always_holds_the_accepted_tokens(strategy):
         while not state.finished:
             decoder.step(state)
             assert len(state.cache) == len(state.tokens) - 1
-            model = state.scratch["drafter"].__dict__.get("model")
+            model = state.drafter.__dict__.get("model")
             if model is not None:  # the draft cache is always a prefix of the accepted tokens
                 assert len(model.cache) <= len(state.tokens) - 1
 

@@ -16,7 +16,7 @@ import torch
 import decoders
 import grammars
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
-from decoders.greedy import Greedy
+from decoders.strategies.greedy import Greedy
 from evals import cli, lossless, report, suites
 from evals.peers import PEERS
 from evals.runner import CompareConfig, compare, needs_grammar, plan

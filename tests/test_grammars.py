@@ -313,7 +313,7 @@ def test_matches_can_go_on_past_a_complete_match(lm):
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-1.5b", "gemma3-270m"])
 def test_token_bytes_of_real_tokenizers(name):
     """Byte-level BPE (SmolLM2, Qwen2.5) and SentencePiece-style byte fallback (Gemma 3)."""
-    zoo = pytest.importorskip("decoders.zoo")
+    zoo = pytest.importorskip("decoders.models.zoo")
     folder = zoo.local_path(name)
     if folder is None:
         pytest.skip(f"zoo:{name} is not pulled (decodekit models pull {name})")

@@ -196,7 +196,7 @@ SEED_CHARACTER = CHARACTER  # the seed article's Character / Weapon / Armor exam
 
 @functools.cache
 def smollm2() -> decoders.LM:
-    pytest.importorskip("decoders.zoo")
+    pytest.importorskip("decoders.models.zoo")
     return decoders.load("zoo:smollm2-135m", dtype="float32")
 
 

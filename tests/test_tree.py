@@ -16,8 +16,10 @@ import decoders
 import grammars
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.driver import _prepare
-from decoders.lookahead import NgramPool, prefix_tree, window_mask
-from decoders.speculation import Draft, Window, ancestry, restrict_to_grammar, score_tree
+from decoders.strategies.lookahead import NgramPool, prefix_tree, window_mask
+from decoders.drafting import Draft, Window
+from decoders.drafting.grammar import restrict_to_grammar
+from decoders.drafting.tree import ancestry, score_tree
 from samplers import SamplingConfig, make_generator
 from samplers.verify import tree_children, verify_tree_greedy, verify_tree_sampling
 from stats import chi_square_fits
@@ -217,7 +219,7 @@ def steps(state, decoder):
     """Run a prepared state step by step; yields (the step's draft, the accepted path's nodes) after each."""
     with torch.inference_mode():
         decoder.start(state)
-        drafter = state.scratch["drafter"]
+        drafter = state.drafter
         propose, seen = drafter.propose, []
         drafter.propose = lambda state, limit: seen.append(propose(state, limit)) or seen[-1]
         while not state.finished:
@@ -255,7 +257,7 @@ def test_target_and_draft_caches_hold_exactly_the_accepted_tokens(strategy):
         assert len(state.cache) == len(state.tokens) - 1
         assert holds(lm, state.cache, state.tokens)
         if draft is not None:
-            draft_cache = state.scratch["drafter"].model.cache
+            draft_cache = state.drafter.model.cache
             assert len(draft_cache) <= len(state.tokens) - 1
             assert holds(draft, draft_cache, state.tokens)
         side_branches += side_branch_taken(step_draft, path)
@@ -278,7 +280,7 @@ def test_staged_grows_a_tree_within_its_budget_and_reports_it():
 
 def test_staged_lower_stage_saves_draft_calls(monkeypatch):
     """When the n-gram stage proposes what the draft model would say, its chain is accepted in one draft call."""
-    from decoders import staged
+    from decoders.strategies import staged
 
     lm = tiny_lm("gpt2")
     prompt = lm.encode(PROMPTS[3])
@@ -311,7 +313,7 @@ def test_sampling_mode_first_token_follows_the_target_distribution(strategy, mon
     if strategy == "staged":
         options = dict(draft=near_draft(), branching=3, min_prob=0.0, expand_prob=0.0, max_depth=3)
     else:
-        from decoders.lookahead import NgramPool
+        from decoders.strategies.lookahead import NgramPool
 
         likeliest = [(t, 5) for t in target.topk(3).indices.tolist()]
         monkeypatch.setattr(NgramPool, "candidates", lambda self, before, key, count: likeliest)
@@ -366,12 +368,13 @@ def test_grammar_drops_forbidden_tree_nodes_with_their_subtrees():
 
 @pytest.mark.parametrize("strategy", TREE_STRATEGIES)
 def test_a_model_without_tree_masks_fails_fast(strategy, monkeypatch):
-    from decoders import lm as lm_module
+    from decoders.models import lm as lm_module
 
     lm = lm_module.wrap(tiny_model("llama"), tiny_tokenizer())
     monkeypatch.setattr(lm_module.LM, "_tree_attention_mask", lambda self, tree, positions, past: None)
     with pytest.raises(TypeError, match="LlamaForCausalLM cannot score a token tree"):
-        decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=lm, max_new_tokens=5)
+        draft = lm if decoders.registry.get(strategy).takes_draft else None
+        decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=draft, max_new_tokens=5)
 
 
 @pytest.mark.parametrize(
@@ -391,8 +394,9 @@ def test_a_model_without_tree_masks_fails_fast(strategy, monkeypatch):
 )
 def test_bad_options_are_refused(strategy, options, message):
     lm = tiny_lm("llama")
+    draft = lm if decoders.registry.get(strategy).takes_draft else None
     with pytest.raises(ValueError, match=message):
-        decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=lm, **options)
+        decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=draft, **options)
 
 
 def test_staged_needs_a_draft():

@@ -10,8 +10,8 @@ import zipfile
 
 import pytest
 
-from decoders import zoo
-from decoders.zoo import ZooError, ZooModel
+from decoders.models import zoo
+from decoders.models.zoo import ZooError, ZooModel
 
 PARTS = 12  # enough that "part10" would sort before "part2" as text
 

@@ -1,7 +1,7 @@
 """`lookahead`: lookahead decoding - no draft model; the target guesses n-grams and checks them in the same call.
 
 Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". Each target call scores,
-after the uncached tail, two branches side by side under one mask (`decoders.speculation.score_tree`):
+after the uncached tail, two branches side by side under one mask (`decoders.drafting.tree.score_tree`):
 
 - the **verification branch**: up to `guesses` candidate n-grams (N - 1 tokens each) from an n-gram pool that
   continue the last accepted token, merged into a prefix tree and verified like any draft (source "lookahead");
@@ -27,7 +27,8 @@ import torch
 
 from decoders.base import DecodeState
 from decoders.registry import register
-from decoders.speculation import Draft, DraftVerify, Window
+from decoders.drafting import Draft, DraftVerify, Window
+from decoders.options import check_whole
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,7 @@ class LookaheadOptions:
     guesses: int = 4  # G: candidate n-grams verified per call (and kept per key in the pool)
 
     def __post_init__(self):
-        for name, least in (("window", 0), ("ngram", 2), ("guesses", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+        check_whole(self, window=0, ngram=2, guesses=1)
 
 
 class NgramPool:
@@ -151,7 +149,5 @@ class Lookahead(DraftVerify):
     """Draft-free decoding: n-grams from a Jacobi window and the context, verified as a tree in the same call."""
 
     Options = LookaheadOptions
+    drafter = LookaheadDrafter
     needs_tree_mask = True
-
-    def new_drafter(self, state: DecodeState) -> LookaheadDrafter:
-        return LookaheadDrafter(state, self.options)

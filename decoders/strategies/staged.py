@@ -6,8 +6,8 @@ Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding"
    each depth catch the target's other likely choices instead. The tree grows best-first by cumulative draft
    probability: each draft call expands the `width` most probable leaves at once (one call, with a tree mask over
    the draft's own cache), each expanded node gets up to `branching` children, until `budget` nodes or `max_depth`.
-   The target then checks the whole tree in one call (the shared loop in `decoders.speculation`).
-2. **A lower stage under the draft model.** In every draft call, prompt lookup (`decoders.prompt_lookup.lookup`,
+   The target then checks the whole tree in one call (the shared loop in `decoders.drafting`).
+2. **A lower stage under the draft model.** In every draft call, prompt lookup (`decoders.strategies.prompt_lookup.lookup`,
    on the context plus the path to the most probable leaf) proposes a chain under that leaf, which the draft model
    verifies in the same call exactly as the target verifies drafts (greedy: its argmax; sampling: rejection sampling
    against its own distribution). Copied text thus grows the tree's main branch by several levels per draft call:
@@ -26,9 +26,11 @@ from typing import Any
 import torch
 
 from decoders.base import DecodeState
-from decoders.prompt_lookup import lookup
+from decoders.drafting import Draft, DraftModel, DraftVerify
+from decoders.drafting.tree import keep_path, visibility
+from decoders.options import check_whole, probability
 from decoders.registry import register
-from decoders.speculation import Draft, DraftModel, DraftVerify
+from decoders.strategies.prompt_lookup import lookup
 from samplers.verify import verify_greedy, verify_sampling
 
 
@@ -48,14 +50,9 @@ class StagedOptions:
     ngram: int = 3  # longest context suffix the lower stage (prompt lookup) matches; 0 turns the lower stage off
 
     def __post_init__(self):
-        for name, least in (("branching", 1), ("budget", 1), ("max_depth", 1), ("width", 1), ("ngram", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
-        for name in ("min_prob", "expand_prob"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"{name} must be a probability in [0, 1), got {value!r}")
+        check_whole(self, branching=1, budget=1, max_depth=1, width=1, ngram=0)
+        probability("min_prob", self.min_prob, high_open=True)
+        probability("expand_prob", self.expand_prob, high_open=True)
 
 
 @dataclass
@@ -105,50 +102,64 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
 
 def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
                cap: int) -> None:
-    """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus a lookup chain under the
-    first leaf. Each new token sees the accepted tokens, its ancestors and itself. The draft verifies the chain
-    against its own distributions as a target would (argmax, or rejection sampling); the agreed part plus the draft's
-    next token join the tree under that leaf."""
-    leaves, base = frontier or [0], len(state.tokens)
-    head = leaves[0]
-    path = [nodes[n].token for n in reversed(ancestors(nodes, head))] + ([nodes[head].token] if head else [])
-    room = min(cap - nodes[head].depth - 2, o.budget - len(nodes))  # for the chain, then the draft's own token
-    chain = lookup(state.tokens + path, room, o.ngram, 1) if o.ngram and room > 0 else []
-    chain = chain[: next((i + 1 for i, t in enumerate(chain) if t in state.lm.eos_token_ids), len(chain))]
+    """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus the lower stage's chain under
+    the first leaf. The draft checks that chain against its own distributions as a target checks a draft (argmax, or
+    rejection sampling); the agreed part plus the draft's next token join the tree under that leaf."""
+    leaves = frontier or [0]
+    head = leaves[0]  # the most probable leaf
+    chain = lower_stage(state, o, nodes, head, cap)
     masks = None  # [leaves + chain, vocab]: the grammar's allowed tokens after each
     if nodes[head].matcher is not None:
         valid, along = nodes[head].matcher.masks_along(chain)  # [valid + 1, vocab], row 0 = the head's
         chain = chain[:valid]
         masks = torch.cat([torch.stack([nodes[n].matcher.allowed() for n in leaves]), along[1:]])
-    past, k, c = len(model.cache), len(frontier), len(chain)
-    if frontier:  # [k + c, past + k + c]: attention over the draft cache and the new tokens
-        mask = torch.zeros(k + c, past + k + c, dtype=torch.bool)
-        mask[:, :base] = True
-        for row, n in enumerate(frontier):
-            mask[row, [nodes[a].slot for a in ancestors(nodes, n)] + [past + row]] = True
-        mask[k:, [nodes[a].slot for a in ancestors(nodes, head)] + [past]] = True
-        mask[k:, past + k:] = torch.ones(c, c, dtype=torch.bool).tril()
-        positions = [base + nodes[n].depth for n in frontier] + [base + nodes[head].depth + 1 + i for i in range(c)]
-        logits = model.lm.forward([nodes[n].token for n in frontier] + chain, model.cache, positions, mask, keep=k + c)
-        slots = list(range(past, past + k + c))  # [k + c]
-    else:  # the root: the uncached tail and the chain, causal
-        logits = model.lm.forward(model.uncached() + chain, model.cache, keep=c + 1)  # [1 + c, vocab]
-        slots = [None] + list(range(base, base + c))
-    state.stats.draft_calls += 1
-    dists = distributions(state, model, logits, masks)  # [leaves + c, vocab]
+    logits, slots = feed(model, state, nodes, frontier, chain)  # [leaves + chain, draft vocab], their cache slots
+    dists = distributions(state, model, logits, masks)  # [leaves + chain, vocab]
     for n, dist, slot in zip(leaves, dists, slots):
         nodes[n].dist, nodes[n].slot = dist, slot
-    rows = torch.cat([dists[:1], dists[len(leaves):]])  # [c + 1, vocab]: after the head, after each chain token
+    rows = torch.cat([dists[:1], dists[len(leaves):]])  # [chain + 1, vocab]: after the head, after each chain token
     drafted = torch.tensor(chain, dtype=torch.long)
     if state.sampling.greedy:
-        m, token = verify_greedy(drafted, rows)
+        agreed, token = verify_greedy(drafted, rows)
     else:
-        m, token = verify_sampling(drafted, None, rows, state.generator)
-    model.cache.crop(len(model.cache) - (c - m))  # the rejected chain tokens, the last ones fed
-    for i, t in enumerate(chain[:m] + [token]):
-        add_child(nodes, head if i == 0 else len(nodes) - 1, t)
-        if i < m:
-            nodes[-1].dist, nodes[-1].slot = rows[i + 1], slots[len(leaves) + i]
+        agreed, token = verify_sampling(drafted, None, rows, state.generator)
+    model.cache.crop(len(model.cache) - (len(chain) - agreed))  # the chain tokens it did not agree with, fed last
+    parent = head
+    for i, t in enumerate(chain[:agreed]):
+        add_child(nodes, parent, t)
+        parent = len(nodes) - 1
+        nodes[parent].dist, nodes[parent].slot = rows[i + 1], slots[len(leaves) + i]
+    add_child(nodes, parent, token)
+
+
+def lower_stage(state: DecodeState, o: StagedOptions, nodes: list[Node], head: int, cap: int) -> list[int]:
+    """Prompt lookup on the context plus the path to `head`: a chain to try under it, with room left below it for
+    the draft's own token, and never reaching an EOS (whose children the draft could not score)."""
+    room = min(cap - nodes[head].depth - 2, o.budget - len(nodes))
+    if not o.ngram or room <= 0:
+        return []
+    path = [nodes[n].token for n in reversed(ancestors(nodes, head))] + ([nodes[head].token] if head else [])
+    chain = lookup(state.tokens + path, room, o.ngram, 1)
+    return chain[: next((i for i, t in enumerate(chain) if t in state.lm.eos_token_ids), len(chain))]
+
+
+def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: list[int], chain: list[int]
+         ) -> tuple[torch.Tensor, list[int | None]]:
+    """Score the frontier leaves and the chain under the first one in one draft call: each sees the accepted tokens,
+    its ancestors' cache slots and itself. Returns their logits and their slots in the draft cache."""
+    base, past = len(state.tokens), len(model.cache)
+    if not frontier:  # the root: the uncached tail, then the chain, causal
+        logits = model.forward(model.uncached() + chain, keep=len(chain) + 1)  # [1 + chain, vocab]
+        return logits, [None] + list(range(base, base + len(chain)))
+    head, k = frontier[0], len(frontier)
+    above = {n: [nodes[a].slot for a in ancestors(nodes, n)] for n in frontier}
+    seen = [above[n] + [past + row] for row, n in enumerate(frontier)]
+    seen += [above[head] + [past] + list(range(past + k, past + k + i + 1)) for i in range(len(chain))]
+    positions = [base + nodes[n].depth for n in frontier] + [base + nodes[head].depth + 1 + i for i in range(len(chain))]
+    mask = visibility(seen, prefix=base, width=past + k + len(chain))  # [k + chain, past + k + chain]
+    logits = model.forward([nodes[n].token for n in frontier] + chain, positions=positions, tree_mask=mask,
+                           keep=k + len(chain))
+    return logits, list(range(past, past + k + len(chain)))
 
 
 def ancestors(nodes: list[Node], n: int) -> list[int]:
@@ -196,23 +207,17 @@ class TreeDrafter:
 
     def __init__(self, state: DecodeState, options: StagedOptions) -> None:
         self.model, self.options = DraftModel(state), options
-        self.model.lm.check_tree_mask()
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
-        nodes = grow_tree(self.model, state, self.options, limit)[1:]
+        nodes = grow_tree(self.model, state, self.options, self.model.room(limit))[1:]
         self.start, self.slots = len(state.tokens), [n.slot for n in nodes]
         probs = None if state.sampling.greedy or not nodes else torch.stack([n.drawn_from for n in nodes])
         return Draft([n.token for n in nodes], probs, [n.parent - 1 for n in nodes])
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         path = draft.follow(state.tokens[self.start: self.start + accepted])
-        cached = [self.slots[n] for n in path if self.slots[n] is not None]  # a prefix of the path
-        cache = self.model.cache
-        if cached == list(range(self.start, self.start + len(cached))):
-            cache.crop(min(len(cache), self.start + len(cached)))  # the main branch: a crop is enough
-        else:  # keep the accepted tokens and the accepted path, drop the rest of the tree
-            cache.keep(list(range(self.start)) + cached)
+        keep_path(self.model.cache, self.start, [self.slots[n] for n in path if self.slots[n] is not None])
         self.model.rewind()
 
 
@@ -221,8 +226,6 @@ class Staged(DraftVerify):
     """Tree speculative decoding with a draft model, itself sped up by prompt lookup."""
 
     Options = StagedOptions
-    needs_draft = True
-    needs_tree_mask = True
-
-    def new_drafter(self, state: DecodeState) -> TreeDrafter:
-        return TreeDrafter(state, self.options)
+    drafter = TreeDrafter
+    needs_draft = takes_draft = True
+    needs_tree_mask = draft_needs_tree_mask = True

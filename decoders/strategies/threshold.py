@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from decoders.base import DecodeState
 from decoders.registry import register
-from decoders.speculation import Draft, DraftModel, DraftVerify, stack_probs
+from decoders.drafting import Draft, DraftModel, DraftVerify, stack_probs
+from decoders.options import probability, whole
 
 
 @dataclass(frozen=True)
@@ -30,16 +31,15 @@ class ThresholdOptions:
     max_threshold: float = 0.95
 
     def __post_init__(self):
-        if isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int) or self.max_draft < 1:
-            raise ValueError(f"max_draft must be a whole number >= 1, got {self.max_draft!r}")
+        whole("max_draft", self.max_draft)
+        for name in ("threshold", "step", "min_threshold", "max_threshold"):
+            probability(name, getattr(self, name))
         if not 0.0 <= self.min_threshold <= self.max_threshold <= 1.0:
             raise ValueError(
                 f"need 0 <= min_threshold <= max_threshold <= 1, got {self.min_threshold} and {self.max_threshold}"
             )
         if not self.min_threshold <= self.threshold <= self.max_threshold:
             raise ValueError(f"threshold {self.threshold} must lie in [min_threshold, max_threshold]")
-        if not 0.0 <= self.step <= 1.0:
-            raise ValueError(f"step must be in [0, 1], got {self.step!r}")
 
 
 def adapt_threshold(threshold: float, cumulative: list[float], accepted: int, options: ThresholdOptions) -> float:
@@ -59,7 +59,7 @@ class ThresholdDrafter:
 
     def __init__(self, state: DecodeState, options: ThresholdOptions) -> None:
         self.model, self.options = DraftModel(state), options
-        self.threshold = options.threshold  # per run: this object lives in state.scratch
+        self.threshold = options.threshold  # per run: this object lives in state.drafter
         self.cumulative: list[float] = []  # [k] the last draft's cumulative probabilities
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
@@ -78,7 +78,5 @@ class Threshold(DraftVerify):
     """Speculative decoding with an adaptive, confidence-driven draft length."""
 
     Options = ThresholdOptions
-    needs_draft = True
-
-    def new_drafter(self, state: DecodeState) -> ThresholdDrafter:
-        return ThresholdDrafter(state, self.options)
+    drafter = ThresholdDrafter
+    needs_draft = takes_draft = True

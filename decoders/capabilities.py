@@ -1,0 +1,46 @@
+"""What a strategy needs, checked once, up front: before any model loads where possible, always before the clock.
+
+A strategy declares its needs as class attributes of `decoders.Decoder` (needs_draft, takes_draft, needs_grammar,
+needs_tree_mask, draft_needs_tree_mask). `check_request` needs no model (the CLI and `compare` call it before loading
+one); `check_models` probes the loaded models (a shared vocabulary, tree masks), each probe cached on the `LM`.
+`generate`, `stream`, `compare` and the CLI all go through these two functions.
+"""
+
+from __future__ import annotations
+
+from decoders.base import Decoder
+from decoders.models.lm import LM
+
+
+def check_request(strategy: type[Decoder] | Decoder, has_draft: bool, has_grammar: bool | None = None) -> None:
+    """Raise ValueError when a draft model or grammar is missing, or a draft is given to a strategy that takes none.
+    `has_grammar=None`: not known yet (e.g. a suite decides per prompt)."""
+    name = strategy.name
+    if strategy.needs_draft and not has_draft:
+        raise ValueError(f"strategy {name!r} needs a draft model: pass draft=<LM, model name or 'self:int8'> "
+                         "(--draft on the command line)")
+    if has_draft and not (strategy.takes_draft or strategy.needs_draft):
+        raise ValueError(f"strategy {name!r} takes no draft model, but one was given; drop draft= (--draft), or "
+                         "pick a strategy that drafts with a model (speculative, threshold, staged ...)")
+    if strategy.needs_grammar and has_grammar is False:
+        raise ValueError(
+            f"strategy {name!r} needs a grammar: pass grammar=grammars.json_schema(...), grammars.regex(...), "
+            "grammars.choice(...) or grammars.cfg(...) (--json-schema FILE on the command line)"
+        )
+
+
+def check_models(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = None) -> None:
+    """Raise when the loaded models cannot serve `strategy`: a draft of another vocabulary, or a model class that
+    cannot score a token tree in one call."""
+    if draft is not None:
+        lm.check_draft(draft)
+    if strategy.needs_tree_mask:
+        lm.check_tree_mask()
+    if draft is not None and strategy.draft_needs_tree_mask:
+        draft.check_tree_mask()
+
+
+def check(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = None, has_grammar: bool = False) -> None:
+    """Both checks, for a run whose models are loaded."""
+    check_request(strategy, draft is not None, has_grammar)
+    check_models(strategy, lm, draft)

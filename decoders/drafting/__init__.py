@@ -1,0 +1,9 @@
+"""The draft-then-verify machinery every drafting strategy shares: `Draft` and the `Drafter` protocol (draft.py), token
+trees (tree.py), the loop (draft_verify.py), drafts under a grammar (grammar.py) and the draft model (draft_model.py).
+"""
+
+from decoders.drafting.draft import Draft, Drafter, Window
+from decoders.drafting.draft_model import DraftModel, stack_probs
+from decoders.drafting.draft_verify import DraftVerify
+
+__all__ = ["Draft", "Drafter", "Window", "DraftModel", "DraftVerify", "stack_probs"]

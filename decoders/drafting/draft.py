@@ -1,0 +1,92 @@
+"""What a drafter proposes and the protocol every drafter follows.
+
+A `Draft` is a chain or a tree of proposed tokens, with the distributions they were drawn from (None for drafters
+without one: prompt lookup, lookahead, suffix, grammar-forced runs, which the verifier treats as one-hot). A `Window`
+rides along in the same target call without being verified (lookahead's Jacobi window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from decoders.base import DecodeState
+
+
+@dataclass
+class Window:
+    """Tokens scored in the same target call as a draft but never verified (lookahead's Jacobi window).
+
+    They see the accepted tokens and each other per `mask`, never the draft; the cache drops them after the call.
+    """
+
+    tokens: list[int]  # [w]
+    offsets: list[int]  # [w] each one's position minus len(state.tokens)
+    mask: torch.Tensor  # [w, w] bool, True where window token i sees window token j
+    logits: torch.Tensor | None = None  # [w, vocab] set by the target call: what the target predicts after each
+
+
+@dataclass
+class Draft:
+    """Proposed tokens: a chain, or a tree when `parents` is given (nodes in topological order, siblings in the order
+    they were drawn, holding distinct tokens)."""
+
+    tokens: list[int]  # [k]
+    probs: torch.Tensor | None = None  # [k, vocab] the draft distributions they were sampled from; None = one-hot
+    # (in a tree, row i is the distribution node i and its siblings were drawn from, without replacement)
+    parents: list[int] | None = None  # [k] index of each node's parent in `tokens`, -1 for the root's children
+    source: str = "draft"  # what `result.sources` calls an accepted draft token
+    window: Window | None = None  # scored alongside, not verified
+
+    @property
+    def links(self) -> list[int]:
+        """`parents`, with a chain spelled out as [-1, 0, 1, ...]."""
+        return self.parents if self.parents is not None else list(range(-1, len(self.tokens) - 1))
+
+    @property
+    def is_chain(self) -> bool:
+        """True when it can take the fast path: no tree, no window."""
+        return self.window is None and self.links == list(range(-1, len(self.tokens) - 1))
+
+    def subset(self, nodes: list[int]) -> Draft:
+        """The draft with only `nodes` (increasing, each one's parent kept too): a chain's prefix, a pruned tree."""
+        if len(nodes) == len(self.tokens):
+            return self
+        index = {node: i for i, node in enumerate(nodes)}
+        parents = None if self.parents is None else [index.get(self.parents[n], -1) for n in nodes]
+        probs = None if self.probs is None else self.probs[nodes]
+        return Draft([self.tokens[n] for n in nodes], probs, parents, self.source, self.window)
+
+    def until(self, stop: frozenset[int]) -> Draft:
+        """The draft without whatever follows a `stop` token (EOS): the run would end there."""
+        links, dropped = self.links, set()
+        for node, parent in enumerate(links):
+            if parent in dropped or (parent >= 0 and self.tokens[parent] in stop):
+                dropped.add(node)
+        return self.subset([n for n in range(len(self.tokens)) if n not in dropped])
+
+    def follow(self, tokens: list[int]) -> list[int]:
+        """The nodes spelling `tokens` from the root (siblings hold distinct tokens): an accepted path."""
+        path: list[int] = []
+        for token in tokens:
+            above = path[-1] if path else -1
+            node = next((i for i, p in enumerate(self.links) if p == above and self.tokens[i] == token), None)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+
+class Drafter(Protocol):
+    """Proposes drafts for one run. Built per run from the run's state and the strategy's options
+    (`Drafter(state, options)`) and kept in `state.drafter`, so it may hold per-run state."""
+
+    def propose(self, state: DecodeState, limit: int) -> Draft:
+        """Up to `limit` tokens that continue `state.tokens` (may be empty); a tree at most `limit` deep."""
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        """Called after verification with how many drafted tokens were accepted (for a tree: the path's length;
+        `draft.follow(the accepted tokens)` gives its nodes)."""

@@ -1,0 +1,104 @@
+"""`DraftModel`: a draft LM with its own KV cache, following the run's accepted tokens.
+
+The draft never decides what is emitted (the target verifies every token), so whatever the draft cannot do is simply
+not drafted: past its own context length it stops proposing, and a token id its embedding lacks (a target with a
+padded vocabulary) is fed to it as a stand-in id.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from decoders.base import DecodeState
+from decoders.models.lm import LM
+
+
+class DraftModel:
+    """A draft LM with its own KV cache, following the run's accepted tokens one draft token at a time."""
+
+    def __init__(self, state: DecodeState) -> None:
+        draft: LM | None = state.draft
+        if draft is None:  # checked before the run by decoders.capabilities; kept for drafters built by hand
+            raise ValueError("this strategy needs a draft model: pass draft=<LM or model name>")
+        self.state, self.lm, self.cache = state, draft, draft.new_cache()
+        self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
+        self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read
+        self.warned = False
+
+    def room(self, limit: int) -> int:
+        """How many of `limit` tokens the draft may propose before its next position would pass its context."""
+        context = self.lm.context_length
+        if context is None:
+            return limit
+        room = max(0, min(limit, context - len(self.state.tokens)))
+        if room < limit and not self.warned:
+            self.warned = True
+            warnings.warn(f"draft model {self.lm.name!r} reaches its context of {context} tokens; "
+                          "the target goes on without drafts", stacklevel=2)
+        return room
+
+    def readable(self, tokens: list[int]) -> list[int]:
+        """`tokens` with ids the draft cannot embed replaced by a stand-in (its drafts there are then just guesses)."""
+        return [t if t < self.embeds else 0 for t in tokens]
+
+    def forward(self, tokens: list[int], **kwargs) -> torch.Tensor:
+        """One draft call on `tokens` (counted in the run's stats); the arguments as for `LM.forward`."""
+        self.state.stats.draft_calls += 1
+        return self.lm.forward(self.readable(tokens), self.cache, **kwargs)
+
+    def next_token(self, feed: list[int], allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None, float]:
+        """Feed tokens to the draft model; returns (token, its distribution [vocab] or None, its probability).
+
+        Greedy mode takes the argmax; sampling mode draws from the run's filtered distribution, zero-padded to the
+        target's vocabulary width. `allowed` [vocab] (a grammar's mask) restricts both.
+        """
+        state = self.state
+        logits = self.forward(feed, keep=1)[-1, : self.width]  # [width]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[: self.width].to(logits.device), float("-inf"))
+        if state.sampling.greedy:
+            token = int(logits.argmax())
+            return token, None, float(torch.softmax(logits.float(), -1)[token])
+        probs = torch.zeros(state.lm.vocab_size, device=state.lm.device)  # [vocab]
+        probs[: self.width] = state.sampling.probs(logits).to(probs.device)
+        token = int(torch.multinomial(probs, 1, generator=state.generator))
+        return token, probs, float(probs[token])
+
+    def uncached(self) -> list[int]:
+        """The run's tokens this draft model has not seen yet."""
+        return self.state.tokens[len(self.cache):]
+
+    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
+        """Draft up to `limit` tokens one call at a time, under the run's grammar if any, while `keep_going(p)` holds
+        for p = the draft's probability of the chain so far. Returns (tokens, distributions, cumulative probs)."""
+        grammar = self.state.grammar.fork() if self.state.grammar is not None else None
+        tokens, rows, cumulative = [], [], []
+        feed, running = self.uncached(), 1.0
+        for _ in range(self.room(limit)):
+            if grammar is not None and grammar.is_complete():
+                break
+            allowed = grammar.allowed() if grammar is not None else None
+            token, probs, prob = self.next_token(feed, allowed)
+            running *= prob
+            tokens.append(token)
+            rows.append(probs)
+            cumulative.append(running)
+            if token in self.state.lm.eos_token_ids or not keep_going(running):
+                break
+            if grammar is not None:
+                grammar.advance([token])
+            feed = [token]
+        return tokens, rows, cumulative
+
+    def rewind(self) -> None:
+        """Forget drafted positions the target did not accept: keep only a prefix of the run's tokens."""
+        self.cache.crop(min(len(self.cache), len(self.state.tokens) - 1))
+
+
+def stack_probs(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """[k, vocab] from per-token draft distributions, or None in greedy mode (or for an empty draft)."""
+    if not rows or rows[0] is None:
+        return None
+    return torch.stack(rows)

@@ -1,0 +1,78 @@
+"""The one draft-then-verify loop that every drafting strategy shares, for chains and trees.
+
+A step: the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft in one call; a
+verifier (`samplers.verify`, which defines drafted / accepted / rejected / bonus / recovered) keeps a path of it and
+adds one target token; the target cache is cut back to the accepted tokens; the drafter learns how far it got.
+
+A chain is the fast path: scored causally, no mask, and the accepted path is a prefix (a crop). A tree (`parents`)
+is scored in the same single call with a tree mask (`decoders.drafting.tree`), and the cache keeps the prefix plus the
+accepted path. A draft may also carry a `Window`: tokens scored in that call but never verified (lookahead's Jacobi
+window), whose logits go back to the drafter.
+
+A drafting strategy is a `DraftVerify` subclass that names its drafter class and options.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from decoders.base import DecodeState, Decoder
+from decoders.drafting.draft import Draft, Drafter
+from decoders.drafting.grammar import restrict_to_grammar
+from decoders.drafting.tree import depth, keep_path, score_tree
+from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
+
+
+class DraftVerify(Decoder):
+    """Base class of the drafting strategies: subclasses set `drafter`, a class built as `drafter(state, options)`."""
+
+    drafter: ClassVar[type[Drafter]]
+
+    def start(self, state: DecodeState) -> None:
+        state.drafter = self.drafter(state, self.options)
+
+    def step(self, state: DecodeState) -> None:
+        drafter = state.drafter
+        grammar = state.grammar
+        if grammar is not None and (forced := grammar.forced()):
+            # free, always-accepted drafts: appended now, scored as part of the next target call
+            state.accept(forced, ["grammar"] * len(forced))
+            if state.finished:
+                return
+        draft = drafter.propose(state, limit=state.remaining - 1)  # leave room for the target's own token
+        draft = draft.until(state.lm.eos_token_ids)  # nothing after an EOS is ever emitted
+        masks = None
+        if grammar is not None:
+            draft, masks = restrict_to_grammar(grammar, draft, type(drafter).__name__, state.lm.eos_token_ids)  # masks: [k + 1, vocab]
+        start = len(state.tokens)  # where the draft begins in the target cache after the call
+        path, token = verify(state, draft, masks)
+        added = state.accept([draft.tokens[i] for i in path] + [token], [draft.source] * len(path) + ["target"])
+        kept = min(len(path), added)  # fewer when the run ended (EOS, stop string) inside the accepted draft
+        drafted = len(draft.tokens) if kept == len(path) else kept  # a run that ended counts what it used
+        state.stats.count_accepted(drafted, kept, levels=drafted if draft.is_chain else depth(draft))
+        keep_path(state.cache, start, [start + i for i in path[:kept]])  # the rest of the tree and any window go
+        state.cache.crop(min(len(state.cache), len(state.tokens) - 1))
+        drafter.update(state, draft, len(path))
+
+
+def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None) -> tuple[list[int], int]:
+    """One target call on the uncached tail plus the draft; returns (accepted node indices, next token).
+
+    `masks` [k + 1, vocab] (a grammar's allowed tokens at each scored position) restrict the target first.
+    """
+    logits = state.score(draft.tokens) if draft.is_chain else score_tree(state, draft)  # [k + 1, vocab]
+    if masks is not None:
+        logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
+    greedy = state.sampling.greedy
+    if draft.is_chain:
+        drafted = torch.tensor(draft.tokens, dtype=torch.long)  # [k]
+        if greedy:
+            accepted, token = verify_greedy(drafted, logits)
+        else:
+            accepted, token = verify_sampling(drafted, draft.probs, state.sampling.probs(logits), state.generator)
+        return list(range(accepted)), token
+    if greedy:
+        return verify_tree_greedy(draft.tokens, draft.links, logits)
+    return verify_tree_sampling(draft.tokens, draft.links, draft.probs, state.sampling.probs(logits), state.generator)

@@ -1,0 +1,77 @@
+"""Token trees: ancestry masks, scoring a tree (plus a window) in one target call, and rolling a cache back to the
+accepted path. Shared by the draft-then-verify loop (the target's cache) and `staged` (the draft model's cache).
+
+A tree is flattened in topological order after the uncached tail: each node sees the accepted tokens, its ancestors
+and itself, at position len(tokens) + its depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from decoders.drafting.draft import Draft, Window
+from decoders.models.cache import KVCache
+
+if TYPE_CHECKING:
+    from decoders.base import DecodeState
+
+
+def ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+    """(mask [k, k] bool: node i sees node j iff j is i or one of its ancestors, depth of each node: 0 at the root's
+    children). Nodes must come after their parents."""
+    k = len(parents)
+    mask = torch.eye(k, dtype=torch.bool)  # [k, k]
+    depths: list[int] = []
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] |= mask[parent]
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return mask, depths
+
+
+def visibility(rows: Sequence[Sequence[int]], prefix: int, width: int) -> torch.Tensor:
+    """[len(rows), width] bool: row i sees the first `prefix` positions and the positions listed in rows[i]."""
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    mask[:, :prefix] = True
+    for row, seen in enumerate(rows):
+        mask[row, list(seen)] = True
+    return mask
+
+
+def score_tree(state: DecodeState, draft: Draft) -> torch.Tensor:
+    """One target call on tail + tree + window with the combined mask; returns [k + 1, vocab] (row 0 after the last
+    accepted token, row 1 + i after node i) and hands the window its logits."""
+    tail = state.uncached()
+    window = draft.window or Window([], [], torch.zeros(0, 0, dtype=torch.bool))
+    t, k, w = len(tail), len(draft.tokens), len(window.tokens)
+    tree, depths = ancestry(draft.links)
+    mask = torch.zeros(t + k + w, t + k + w, dtype=torch.bool)  # [T, T]
+    mask[:t, :t] = torch.ones(t, t, dtype=torch.bool).tril()  # the tail is a causal chain
+    mask[t:, :t] = True  # every node and window token sees the whole tail
+    mask[t: t + k, t: t + k] = tree
+    mask[t + k:, t + k:] = window.mask
+    base = len(state.tokens)  # the position right after the last accepted token
+    positions = list(range(len(state.cache), base)) + [base + d for d in depths] + [base + o for o in window.offsets]
+    state.stats.target_calls += 1
+    logits = state.lm.forward(tail + draft.tokens + window.tokens, state.cache, positions, mask, keep=k + w + 1)
+    if draft.window is not None:
+        draft.window.logits = logits[k + 1:]  # [w, vocab]
+    return logits[: k + 1]
+
+
+def keep_path(cache: KVCache, start: int, slots: Sequence[int]) -> None:
+    """Keep the cache's first `start` positions plus `slots` (the accepted path's cache indices, increasing): a crop
+    when the path is the run right after `start` (a chain, or a tree's first branch), else a gather."""
+    slots = list(slots)
+    if slots == list(range(start, start + len(slots))):
+        cache.crop(min(len(cache), start + len(slots)))
+    else:
+        cache.keep(list(range(start)) + slots)
+
+
+def depth(draft: Draft) -> int:
+    """How many levels the draft has: its length for a chain, the longest root-to-leaf path for a tree."""
+    return len(draft.tokens) if draft.parents is None else max(ancestry(draft.links)[1], default=-1) + 1

@@ -1,0 +1,27 @@
+"""Validators for strategy and run options, so every frozen options dataclass checks its fields the same way."""
+
+from __future__ import annotations
+
+import math
+
+
+def whole(name: str, value, least: int = 1) -> int:
+    """`value` if it is a whole number >= `least` (bools are not numbers here), else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
+    return value
+
+
+def probability(name: str, value, high_open: bool = False) -> float:
+    """`value` if it is a real number in [0, 1] (or [0, 1) when `high_open`), else a ValueError naming `name`."""
+    inside = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              and 0 <= value and (value < 1 if high_open else value <= 1))
+    if not inside:
+        raise ValueError(f"{name} must be a probability in [0, 1{')' if high_open else ']'}, got {value!r}")
+    return float(value)
+
+
+def check_whole(options, **least: int) -> None:
+    """Check several whole-number fields of `options` at once: `check_whole(self, k=1, ngram=0)`."""
+    for name, bound in least.items():
+        whole(name, getattr(options, name), bound)

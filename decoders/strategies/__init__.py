@@ -1,0 +1,7 @@
+"""The built-in strategies, one file each; importing this package registers them all.
+
+Add a strategy: a new file here (or in your own package) with a `Decoder` or `DraftVerify` subclass decorated with
+`@decoders.register("name")` - see speculative.py for the smallest complete example.
+"""
+
+from decoders.strategies import greedy, guided, lookahead, prompt_lookup, speculative, staged, threshold  # noqa: F401
