@@ -28,7 +28,7 @@ class UsageError(ValueError):
 
 def _zoo():
     try:
-        from decoders import zoo
+        from decoders.models import zoo
     except ImportError:
         return None
     return zoo
@@ -212,7 +212,7 @@ def cmd_leaderboard(args) -> int:
 def cmd_models(args) -> int:
     zoo = _zoo()
     if zoo is None:
-        raise UsageError("the model zoo (decoders.zoo) is not available in this version of decodekit")
+        raise UsageError("the model zoo (decoders.models.zoo) is not available in this version of decodekit")
     if args.action == "list":
         for name in zoo.names():
             print(f"{name:<20} {str(zoo.local_path(name) or 'not pulled'):<60} {zoo.ZOO[name].description}")
