@@ -3,6 +3,7 @@
 outlines-core's `build_regex_from_schema` drops some keywords without a word (`minimum`, `multipleOf`,
 `uniqueItems` ...), which would let outputs violate the schema. Bounds are supported here: each bounded integer or
 number is swapped for a placeholder constant, and the placeholder in the regex for a range regex (grammars/numbers.py).
+Composition (`allOf`, `oneOf`, keywords beside `anyOf` / `enum` ...) is rewritten first (grammars/composition.py).
 The other keywords raise a `GrammarError` that names them and where they are.
 """
 
@@ -15,6 +16,7 @@ from decimal import Decimal
 
 from outlines_core.json_schema import build_regex_from_schema
 
+from grammars.composition import Composer
 from grammars.errors import GrammarError
 from grammars.numbers import integer_range, number_range
 
@@ -53,32 +55,34 @@ def schema_regex(text: str, whitespace: str | None) -> str:
     """The regex of every JSON text that the schema `text` accepts (`whitespace`: the pattern between tokens)."""
     schema = json.loads(text)
     nonce = next(n for n in itertools.count() if f"dkRange{n}n" not in text)  # never a string of the user's schema
-    ranges = _Ranges(nonce)
+    ranges = _Walk(Composer(schema), nonce)
     prepared = _prepare(schema, "#", ranges)
     try:
         regex = build_regex_from_schema(json.dumps(prepared), whitespace)
     except (ValueError, TypeError) as error:
         raise GrammarError(f"unsupported or invalid JSON schema: {error}".rstrip()) from None
-    for i, range_regex in enumerate(ranges.regexes):
-        quoted = '"' + _MARKER.format(nonce, i) + '"'
-        if quoted not in regex:
-            raise GrammarError(f"internal error: the range placeholder {i} is missing from the schema's regex")
-        regex = regex.replace(quoted, f"({range_regex})")
+    for i, range_regex in enumerate(ranges.regexes):  # a placeholder only in an unused $defs entry is not in it
+        regex = regex.replace('"' + _MARKER.format(nonce, i) + '"', f"({range_regex})")
+    if f"dkRange{nonce}n" in regex:
+        raise GrammarError("internal error: a range placeholder is left in the schema's regex")
     return regex
 
 
 @dataclass
-class _Ranges:
-    """The range regexes found so far, in placeholder order."""
+class _Walk:
+    """What the walk over one schema carries: the composer of its document, the range regexes found so far."""
 
+    composer: Composer
     nonce: int
     regexes: list[str] = field(default_factory=list)
 
 
-def _prepare(node, where: str, ranges: _Ranges):
-    """A copy of the schema with numeric bounds replaced by placeholders; raises on keywords that would be ignored."""
+def _prepare(node, where: str, ranges: _Walk):
+    """A copy of the schema with composition rewritten and numeric bounds replaced by placeholders; raises on keywords
+    that would be ignored."""
     if not isinstance(node, dict):
         return node
+    node = ranges.composer.normalize(node, where)
     for key, harmless in _IGNORED.items():
         if key in node and node[key] != harmless and not (key == "maxProperties" and _max_ok(node)):
             raise GrammarError(
@@ -87,6 +91,8 @@ def _prepare(node, where: str, ranges: _Ranges):
             )
     if key := _min_properties_problem(node):
         raise GrammarError(f"unsupported JSON schema feature 'minProperties' at {where}: {key}")
+    if problem := _string_problem(node):
+        raise GrammarError(f"unsupported JSON schema at {where}: {problem}")
     if any(b in node for b in _BOUNDS):
         return _bounded(node, where, ranges)
     out = dict(node)
@@ -102,7 +108,7 @@ def _prepare(node, where: str, ranges: _Ranges):
     return out
 
 
-def _bounded(node: dict, where: str, ranges: _Ranges) -> dict:
+def _bounded(node: dict, where: str, ranges: _Walk) -> dict:
     """A placeholder constant for an integer or number schema with bounds, its range regex appended to `ranges`."""
     kind = node.get("type")
     if isinstance(kind, list):  # e.g. ["integer", "null"]: one branch per type, the bounds on the numeric ones
@@ -153,6 +159,17 @@ def _max_ok(node: dict) -> bool:
     """maxProperties is harmless when the object cannot hold more properties than it allows."""
     closed = node.get("additionalProperties") is False or ("additionalProperties" not in node and "properties" in node)
     return closed and len(node.get("properties", {})) <= node["maxProperties"]
+
+
+def _string_problem(node: dict) -> str | None:
+    """outlines-core reads one of a string's length, `pattern` and `format`, in that order, and drops the others."""
+    given = [k for k in ("minLength", "maxLength", "pattern", "format") if k in node]
+    if "pattern" in given and given[0] != "pattern":
+        return (f"'pattern' together with {given[0]!r}: the grammar backend (outlines-core) would ignore the pattern; "
+                "write the length into the pattern instead (e.g. {1,10})")
+    if "format" in given and given[0] != "format":
+        return f"'format' together with {given[0]!r}: the grammar backend (outlines-core) would ignore the format"
+    return None
 
 
 def _min_properties_problem(node: dict) -> str | None:
