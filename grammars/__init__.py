@@ -6,9 +6,10 @@
 A constraint is a small frozen object; `constraint.matcher(lm)` gives a matcher for one run. The regular constraints
 (`json_schema`, `regex`, `choice`) give a `Matcher` on an outlines-core index of their regex over the tokenizer's
 vocabulary; `cfg` gives a `CfgMatcher` on an llguidance parser of its Lark grammar. Both are built once per tokenizer
-and constraint, then cached. A matcher answers `allowed()` (a mask over the logits), `forced()` (the tokens the grammar
-alone determines), `is_finished()`, `is_complete()` and `masks_along(tokens)`, and moves only by `advance(tokens)` and
-`rollback(n)`.
+and constraint, then cached. Both follow `GrammarMatcher`, the protocol a decoding loop relies on: a matcher answers
+`allowed()` (a mask over the logits), `forced()` (the tokens the grammar alone determines), `is_finished()`,
+`is_complete()` and `masks_along(tokens)`, gives an independent copy with `fork()`, and moves only by `advance(tokens)`
+and `rollback(n)`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from grammars.cfg_matcher import CfgMatcher
 from grammars.constraints import Cfg, Choice, Constraint, JsonSchema, Regex
 from grammars.errors import GrammarError
 from grammars.matcher import Matcher
+from grammars.protocol import GrammarMatcher
 from grammars.schema import schema_text
 
 __all__ = [
     "json_schema", "regex", "choice", "cfg",
-    "Constraint", "JsonSchema", "Regex", "Choice", "Cfg", "Matcher", "CfgMatcher", "GrammarError", "clear_cache",
+    "Constraint", "JsonSchema", "Regex", "Choice", "Cfg", "GrammarMatcher", "Matcher", "CfgMatcher", "GrammarError",
+    "clear_cache",
 ]
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -31,13 +30,14 @@ from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.hf import from_tokenizer
 
 from grammars.errors import GrammarError
+from grammars.lru import Lru
 from grammars.vocabulary import token_bytes
 
 _GRAMMARS_KEPT = 16  # compiled grammars cached per process
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _tokenizers
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # HF tokenizer -> {EOS ids: LLTokenizer}
-_grammars: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
+_grammars: Lru[CompiledGrammar] = Lru(_GRAMMARS_KEPT)
 
 
 @functools.lru_cache(maxsize=64)
@@ -56,23 +56,16 @@ def compile_grammar(text: str, lm, describe: str) -> CompiledGrammar:
     eos_ids = frozenset(int(e) for e in lm.eos_token_ids)
     tokenizer = llguidance_tokenizer(lm.tokenizer, eos_ids)
     key = (id(tokenizer), int(lm.vocab_size), eos_ids, text)
-    with _lock:
-        compiled = _grammars.get(key)
-        if compiled is not None and compiled.tokenizer is tokenizer:
-            _grammars.move_to_end(key)
-            return compiled
-    compiled = CompiledGrammar(check_grammar(text, describe), tokenizer, int(lm.vocab_size), eos_ids, describe)
-    with _lock:
-        _grammars[key] = compiled
-        while len(_grammars) > _GRAMMARS_KEPT:
-            _grammars.popitem(last=False)
-    return compiled
+    return _grammars.get(
+        key,
+        lambda: CompiledGrammar(check_grammar(text, describe), tokenizer, int(lm.vocab_size), eos_ids, describe),
+        valid=lambda compiled: compiled.tokenizer is tokenizer,  # not another tokenizer that got the same id()
+    )
 
 
 def clear_cache() -> None:
     """Forget every compiled grammar (the llguidance tokenizers go with their transformers tokenizers)."""
-    with _lock:
-        _grammars.clear()
+    _grammars.clear()
 
 
 def llguidance_tokenizer(tokenizer, eos_ids: Iterable[int]) -> LLTokenizer:

@@ -1,4 +1,4 @@
-"""`CfgMatcher`: one run's position in a context-free grammar, with the interface of `grammars.matcher.Matcher`.
+"""`CfgMatcher`: one run's position in a context-free grammar, on an llguidance parser; a `grammars.GrammarMatcher`.
 
 llguidance's matcher is a parser with a history: it consumes tokens and rolls them back. A `CfgMatcher` keeps one
 parser at the run's accepted tokens and the allowed mask there. Every token is checked against that mask before the
@@ -18,37 +18,29 @@ import torch
 
 from grammars.cfg_index import CompiledGrammar
 from grammars.errors import GrammarError
-from grammars.matcher import FORCED_LIMIT
+from grammars.protocol import FORCED_LIMIT, MatcherBase
+
 _MASKS_AHEAD = 64  # masks remembered from one look-ahead ([vocab_size] bools each)
 
 Step = tuple[int, torch.Tensor | None]  # a token and the allowed mask after it (None: not kept)
 
 
-class CfgMatcher:
+class CfgMatcher(MatcherBase):
     """Where a run stands in a context-free grammar: `allowed()` before each token, `advance` with each accepted one."""
 
     def __init__(self, grammar: CompiledGrammar) -> None:
-        self.grammar = grammar
+        super().__init__(grammar)
         self._parser = grammar.new_matcher()  # llguidance's matcher, at the non-EOS tokens of `_tokens`
-        self._tokens: list[int] = []  # the tokens advanced so far
         self._mask: torch.Tensor | None = None  # the allowed mask here, computed when first needed
         self._ahead: list[Step] = []  # the last look-ahead's steps from here, to reuse while advancing along them
         self._forced: list[int] | None = None  # forced() here, once computed
         if not self.allowed().any():
-            raise GrammarError(f"{grammar.describe} allows no first token in this tokenizer's vocabulary")
-
-    def __repr__(self) -> str:
-        return f"CfgMatcher({self.grammar.describe}, after {self.text!r})"
+            raise self._no_first_token()
 
     @property
-    def tokens(self) -> list[int]:
-        """The tokens advanced so far (a copy)."""
-        return list(self._tokens)
-
-    @property
-    def text(self) -> str:
-        """The text advanced so far."""
-        return self.grammar.text(self._tokens)
+    def grammar(self) -> CompiledGrammar:
+        """The compiled grammar (the same as `compiled`)."""
+        return self.compiled
 
     def allowed(self) -> torch.Tensor:
         """The allowed mask [vocab_size] bool for the next token; EOS ids are set exactly where the grammar can finish.
@@ -72,9 +64,7 @@ class CfgMatcher:
                 on_memo = on_memo and position < len(memo) and memo[position][0] == token
                 after = self._consume(token, memo[position][1] if on_memo else None)
                 if after is None:
-                    text = self.grammar.text(self._tokens + tokens[: position + 1])
-                    raise GrammarError(f"{self.grammar.describe} reaches a state with no allowed token in this "
-                                       f"vocabulary after {text!r}")
+                    raise self._dead_end(tokens[: position + 1])
                 consumed += token not in self.grammar.eos_ids
                 mask = after
         except GrammarError:
@@ -86,8 +76,7 @@ class CfgMatcher:
 
     def rollback(self, n: int) -> None:
         """Undo the last `n` advanced tokens."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self._tokens):
-            raise ValueError(f"can roll back 0..{len(self._tokens)} tokens, not {n!r}")
+        self._check_rollback(n)
         if n:
             undone = self._tokens[-n:]
             del self._tokens[-n:]
@@ -104,11 +93,6 @@ class CfgMatcher:
             return True
         mask = self.allowed()
         return self._parser.is_accepting() and int(mask.sum()) == int(mask[self.grammar.eos_tensor].sum())
-
-    @property
-    def done(self) -> bool:
-        """Same as `is_complete()`."""
-        return self.is_complete()
 
     def forced(self) -> list[int]:
         """The next tokens the grammar alone determines (one allowed token, repeatedly), EOS never included.
@@ -134,8 +118,8 @@ class CfgMatcher:
 
     def fork(self) -> CfgMatcher:
         """An independent matcher at the same position (its advances and rollbacks do not touch this one)."""
-        twin = object.__new__(CfgMatcher)
-        twin.grammar, twin._parser = self.grammar, self._parser.deep_copy()
+        twin = object.__new__(type(self))
+        twin.compiled, twin._parser = self.compiled, self._parser.deep_copy()
         twin._tokens, twin._mask, twin._ahead = list(self._tokens), self._mask, list(self._ahead)
         twin._forced = None if self._forced is None else list(self._forced)
         return twin
@@ -202,10 +186,3 @@ class CfgMatcher:
             self._parser.consume_tokens([t for t in self._tokens if t not in self.grammar.eos_ids])
         elif consumed:
             self._parser.rollback(consumed)
-
-    def _refuse(self, before: list[int], token: int) -> None:
-        text = self.grammar.text(self._tokens + before)
-        piece = self.grammar.text([token]) if 0 <= token < self.grammar.width else "?"
-        eos = token in self.grammar.eos_ids
-        why = "EOS before the grammar can finish" if eos else f"token {token} ({piece!r})"
-        raise GrammarError(f"{self.grammar.describe} does not allow {why} after {text!r}")

@@ -17,6 +17,7 @@ from grammars.cfg_matcher import CfgMatcher
 from grammars.errors import GrammarError
 from grammars.index import compile_index
 from grammars.matcher import Matcher
+from grammars.protocol import GrammarMatcher
 from grammars.schema import schema_regex, schema_text
 
 _RUST_META = set("\\.+*?()|[]{}^$#&-~")  # what Rust's regex_syntax::escape escapes
@@ -29,7 +30,7 @@ class Constraint:
     pattern: str
     canonical: bool
 
-    def matcher(self, lm) -> Matcher | CfgMatcher:
+    def matcher(self, lm) -> GrammarMatcher:
         """A fresh `Matcher` for `lm` (a `decoders.LM`), on the index cached for its tokenizer and this regex."""
         return Matcher(compile_index(self.pattern, lm, self.canonical, self.describe()))
 

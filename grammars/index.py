@@ -14,14 +14,13 @@ spelling the vocabulary allows.
 
 from __future__ import annotations
 
-import threading
 from array import array
-from collections import OrderedDict
 
 import torch
 from outlines_core import Index
 
 from grammars.errors import GrammarError
+from grammars.lru import Lru
 from grammars.vocabulary import TokenBytes, token_bytes
 
 END = -1  # the state after an accepted EOS: nothing more is allowed
@@ -30,8 +29,7 @@ _MAX_DETERMINED = 512  # bytes of determined text looked at from one state
 _MASKS_KEPT = 256  # allowed masks cached per index ([vocab] bools each)
 _INDEXES_KEPT = 16  # compiled indexes cached per process
 
-_lock = threading.Lock()
-_indexes: OrderedDict[tuple, TokenIndex] = OrderedDict()
+_indexes: Lru[TokenIndex] = Lru(_INDEXES_KEPT)
 
 
 def compile_index(pattern: str, lm, canonical: bool, describe: str) -> TokenIndex:
@@ -39,22 +37,14 @@ def compile_index(pattern: str, lm, canonical: bool, describe: str) -> TokenInde
     tokens = token_bytes(lm.tokenizer)
     eos_ids = frozenset(int(e) for e in lm.eos_token_ids)
     key = (tokens.digest, int(lm.vocab_size), eos_ids, pattern, canonical)
-    with _lock:
-        if key in _indexes:
-            _indexes.move_to_end(key)
-            return _indexes[key]
-    index = TokenIndex(pattern, tokens, lm.tokenizer, int(lm.vocab_size), eos_ids, canonical, describe)
-    with _lock:
-        _indexes[key] = index
-        while len(_indexes) > _INDEXES_KEPT:
-            _indexes.popitem(last=False)
-    return index
+    return _indexes.get(
+        key, lambda: TokenIndex(pattern, tokens, lm.tokenizer, int(lm.vocab_size), eos_ids, canonical, describe)
+    )
 
 
 def clear_cache() -> None:
     """Forget every compiled index (for tests and memory)."""
-    with _lock:
-        _indexes.clear()
+    _indexes.clear()
 
 
 class TokenIndex:
@@ -71,6 +61,7 @@ class TokenIndex:
         self.eos_ids = eos_ids
         self.canonical = canonical
         self.describe = describe
+        self.width = len(tokens.table)  # ids with known text
         self.mark = vocab_size  # a pseudo-token for the end mark, beyond the logits: the model never picks it
         try:
             vocabulary = tokens.outlines_vocabulary(vocab_size, self.mark)
@@ -84,8 +75,11 @@ class TokenIndex:
         self._allowed: dict[int, array] = {}  # state -> allowed ids, EOS left out
         self._only: dict[int, int | None] = {}  # state -> the one token allowed there (None: several, or EOS too)
         self._determined: dict[int, bytes] = {}  # state -> the bytes the grammar alone determines from there
-        self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self._lock = threading.Lock()
+        self._masks: Lru[torch.Tensor] = Lru(_MASKS_KEPT)
+
+    def text(self, tokens) -> str:
+        """The text of `tokens` (EOS and other special tokens have none)."""
+        return self.tokens.text(tokens)
 
     def allowed_ids(self, state: int) -> array:
         """Token ids the raw index allows in `state`, EOS and the end mark left out (array of int64)."""
@@ -151,11 +145,9 @@ class TokenIndex:
 
     def mask(self, state: int) -> torch.Tensor:
         """The allowed mask [vocab_size] bool of `state` (cached and shared: do not modify it)."""
-        with self._lock:
-            mask = self._masks.get(state)
-            if mask is not None:
-                self._masks.move_to_end(state)
-                return mask
+        return self._masks.get(state, lambda: self._build_mask(state))
+
+    def _build_mask(self, state: int) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         if state != END:
             only = self.only(state)
@@ -167,10 +159,6 @@ class TokenIndex:
                     mask[torch.frombuffer(ids, dtype=torch.int64)] = True
                 if self.is_final(state):
                     mask[self._eos] = True
-        with self._lock:
-            self._masks[state] = mask
-            while len(self._masks) > _MASKS_KEPT:
-                self._masks.popitem(last=False)
         return mask
 
     def determined(self, state: int) -> bytes:

@@ -1,9 +1,8 @@
-"""`Matcher`: one run's position in a grammar, with explicit state that only the decoding loop moves.
+"""`Matcher`: one run's position in a regular grammar (JSON schema, regex, choice), on an outlines-core index.
 
-outlines infers its grammar state from the last input token, which breaks under speculation (drafted tokens are not
-accepted tokens). A matcher instead keeps the stack of states it went through: `advance` pushes the states of accepted
-tokens, `rollback` pops them, and the look-ahead helpers (`forced`, `masks_along`) walk from the current state
-without changing it.
+The matcher keeps the stack of automaton states it went through: `advance` pushes the states of accepted tokens,
+`rollback` pops them, and the look-ahead helpers (`forced`, `masks_along`) walk from the current state without
+changing it. It follows `grammars.GrammarMatcher`.
 """
 
 from __future__ import annotations
@@ -12,39 +11,28 @@ from collections.abc import Sequence
 
 import torch
 
-from grammars.errors import GrammarError
 from grammars.index import END, TokenIndex
+from grammars.protocol import FORCED_LIMIT, MatcherBase
 
-FORCED_LIMIT = 1024  # longest forced run returned at once
 
-
-class Matcher:
+class Matcher(MatcherBase):
     """Where a run stands in its grammar: `allowed()` before each token, `advance` with each accepted one."""
 
     def __init__(self, index: TokenIndex) -> None:
-        self.index = index
+        super().__init__(index)
         self._states = [index.initial]  # [n + 1]: the state before any token, then after each advanced token
-        self._tokens: list[int] = []  # the n tokens advanced so far
         if index.is_dead(index.initial):
-            raise GrammarError(f"{index.describe} allows no first token in this tokenizer's vocabulary")
+            raise self._no_first_token()
 
-    def __repr__(self) -> str:
-        return f"Matcher({self.index.describe}, after {self.text!r})"
+    @property
+    def index(self) -> TokenIndex:
+        """The compiled grammar (the same as `compiled`)."""
+        return self.compiled
 
     @property
     def state(self) -> int:
         """The current automaton state (an outlines-core state id; -1 after EOS)."""
         return self._states[-1]
-
-    @property
-    def tokens(self) -> list[int]:
-        """The tokens advanced so far (a copy)."""
-        return list(self._tokens)
-
-    @property
-    def text(self) -> str:
-        """The text advanced so far."""
-        return self.index.tokens.text(self._tokens)
 
     def allowed(self) -> torch.Tensor:
         """The allowed mask [vocab_size] bool for the next token; EOS ids are set exactly where the grammar can finish.
@@ -60,11 +48,9 @@ class Matcher:
         for position, token in enumerate(tokens):
             following = self.index.next_state(state, int(token))
             if following is None:
-                self._refuse(list(tokens[:position]), int(token))
+                self._refuse([int(t) for t in tokens[:position]], int(token))
             if self.index.is_dead(following):
-                text = self.index.tokens.text(self._tokens + [int(t) for t in tokens[: position + 1]])
-                raise GrammarError(f"{self.index.describe} reaches a state with no allowed token in this vocabulary "
-                                   f"after {text!r}")
+                raise self._dead_end([int(t) for t in tokens[: position + 1]])
             states.append(following)
             state = following
         self._states.extend(states)
@@ -72,8 +58,7 @@ class Matcher:
 
     def rollback(self, n: int) -> None:
         """Undo the last `n` advanced tokens."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self._tokens):
-            raise ValueError(f"can roll back 0..{len(self._tokens)} tokens, not {n!r}")
+        self._check_rollback(n)
         if n:
             del self._states[-n:]
             del self._tokens[-n:]
@@ -85,11 +70,6 @@ class Matcher:
     def is_complete(self) -> bool:
         """True if nothing but EOS can follow: the grammar has ended the output."""
         return self.state == END or (self.index.is_final(self.state) and not self.index.allowed_ids(self.state))
-
-    @property
-    def done(self) -> bool:
-        """Same as `is_complete()`."""
-        return self.is_complete()
 
     def forced(self) -> list[int]:
         """The next tokens the grammar alone determines (one allowed token, repeatedly), EOS never included.
@@ -114,12 +94,6 @@ class Matcher:
 
     def fork(self) -> Matcher:
         """An independent matcher at the same state (its advances and rollbacks do not touch this one)."""
-        twin = object.__new__(Matcher)
-        twin.index, twin._states, twin._tokens = self.index, list(self._states), list(self._tokens)
+        twin = object.__new__(type(self))
+        twin.compiled, twin._states, twin._tokens = self.compiled, list(self._states), list(self._tokens)
         return twin
-
-    def _refuse(self, before: list[int], token: int) -> None:
-        text = self.index.tokens.text(self._tokens + [int(t) for t in before])
-        piece = self.index.tokens.text([token]) if 0 <= token < len(self.index.tokens.table) else "?"
-        why = "EOS before the grammar can finish" if token in self.index.eos_ids else f"token {token} ({piece!r})"
-        raise GrammarError(f"{self.index.describe} does not allow {why} after {text!r}")

@@ -209,7 +209,7 @@ def test_eos_allowed_exactly_when_finished(lm):
     matcher.advance(encode(lm, "("))
     assert not matcher.allowed()[eos] and not matcher.is_finished()
     matcher.advance(encode(lm, ")"))
-    assert matcher.is_finished() and matcher.is_complete() and matcher.done
+    assert matcher.is_finished() and matcher.is_complete() and not hasattr(matcher, "done")
     assert matcher.allowed().nonzero().flatten().tolist() == sorted(lm.eos_token_ids)
     matcher.advance([eos])
     assert not matcher.allowed().any() and matcher.is_complete() and matcher.text == "()"

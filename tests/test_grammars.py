@@ -200,7 +200,7 @@ def test_eos_allowed_exactly_when_finished(lm):
     matcher.advance(lm.tokenizer.encode("a", add_special_tokens=False))
     assert matcher.allowed()[eos] and matcher.is_finished() and not matcher.is_complete()
     matcher.advance(lm.tokenizer.encode("b", add_special_tokens=False))
-    assert matcher.is_complete() and matcher.done
+    assert matcher.is_complete() and not hasattr(matcher, "done")  # one name per question
     assert matcher.allowed().nonzero().flatten().tolist() == sorted(lm.eos_token_ids)
     matcher.advance([eos])
     assert not matcher.allowed().any()
@@ -289,6 +289,18 @@ def test_fork_is_independent(lm, character):
     assert len(twin.tokens) == len(matcher.tokens) + 1
     twin.rollback(len(twin.tokens))
     assert len(matcher.tokens) > 0
+
+
+def test_matchers_follow_the_protocol(lm, character):
+    """Both matchers are `GrammarMatcher`s, and every method of the protocol documents its parameters."""
+    for matcher in (character.matcher(lm), grammars.cfg('start: "a" "b"+').matcher(lm)):
+        assert isinstance(matcher, grammars.GrammarMatcher)
+    for name in ("allowed", "forced", "advance", "rollback", "masks_along", "fork", "is_finished", "is_complete"):
+        doc = getattr(grammars.GrammarMatcher, name).__doc__
+        assert doc, name
+        if name in ("advance", "rollback", "masks_along"):
+            assert "Args:" in doc, name
+    assert not isinstance(object(), grammars.GrammarMatcher)
 
 
 def test_index_built_once_per_tokenizer_and_constraint(lm, character):
