@@ -1,0 +1,164 @@
+"""Weight-only int8 quantization: the layer against a float reference, the copy as a lossless draft on every tiny
+architecture, the original untouched, sharing, tied heads and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_model, tiny_tokenizer
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+import decoders
+from decoders.models.quantize import Int8Linear, is_quantized, quantize, quantize_rows
+
+
+def _float_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, Conv1D))]
+
+
+def _error_bound(x: torch.Tensor, layer: Int8Linear, y: torch.Tensor) -> torch.Tensor:
+    """Per output: sum_i |x_i| * scale / 2 from the int8 weights, plus the rounding of the kernel's output dtype."""
+    from_weights = x.abs().sum(-1, keepdim=True) * layer.scales.float() / 2  # [rows, out]
+    from_output = y.abs() * torch.finfo(layer.scales.dtype).eps
+    return from_weights + from_output + 1e-6
+
+
+def test_quantize_rows_error_is_at_most_half_a_scale():
+    weight = torch.tensor([[1.0, -0.5, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0], [-7.0, 1e-3, 2.5, 6.9]])
+    for dtype in (torch.float32, torch.bfloat16):
+        q, scales = quantize_rows(weight, dtype)
+        assert q.dtype == torch.int8 and scales.dtype == dtype and q.abs().max() <= 127
+        error = (q.float() * scales.float()[:, None] - weight).abs()
+        assert (error <= scales.float()[:, None] / 2).all()
+        assert (q[1] == 0).all()  # a zero row stays zero
+
+
+@pytest.mark.parametrize("in_features", [48, 40])  # the CPU kernel takes multiples of 16; 40 uses the fallback
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_layer_matches_float_reference_within_the_scale_bound(kind, bias, in_features):
+    torch.manual_seed(0)
+    out_features = 24
+    weight = torch.randn(out_features, in_features) * torch.linspace(0.1, 3.0, out_features)[:, None]  # [out, in]
+    if kind == "linear":
+        layer = nn.Linear(in_features, out_features, bias=bias)
+        layer.weight.data.copy_(weight)
+    else:  # GPT-2's Conv1D keeps its weight as [in, out]
+        layer = Conv1D(out_features, in_features)
+        layer.weight.data.copy_(weight.T)
+        if not bias:
+            layer.bias = None
+    if layer.bias is not None:
+        layer.bias.data.copy_(torch.randn(out_features))
+    int8 = Int8Linear.from_float(layer)
+    assert int8.fused == (in_features % 16 == 0)
+    x = torch.randint(-8, 9, (1, 5, in_features)) / 4  # [1, T, in], exact in bfloat16
+    with torch.no_grad():
+        y, reference = int8(x), x @ weight.T  # [1, T, out]
+    assert y.shape == (1, 5, out_features) and y.dtype == x.dtype
+    if layer.bias is not None:
+        y = y - layer.bias
+    assert ((y - reference).abs() <= _error_bound(x, int8, y)).all()
+    int8.fused = False  # the dequantize-in-matmul fallback also rounds each dequantized weight to the kernel's dtype
+    with torch.no_grad():
+        fallback = int8(x) - (0 if layer.bias is None else layer.bias)
+        dequantized = int8.weight_int8.float() * int8.scales.float()[:, None]  # [out, in]
+        from_dequantizing = x.abs() @ dequantized.abs().T * torch.finfo(int8.scales.dtype).eps
+    assert ((fallback - reference).abs() <= _error_bound(x, int8, fallback) + from_dequantizing).all()
+
+
+def test_weights_that_are_multiples_of_their_scale_come_back_exactly():
+    weight = torch.tensor([[127.0, -3.0, 0.0, 5.0], [1.0, 2.0, -127.0, 64.0]]) / 64  # scales are exactly 1/64
+    layer = nn.Linear(4, 2, bias=False)
+    layer.weight.data.copy_(weight)
+    int8 = Int8Linear.from_float(layer)
+    x = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
+    assert torch.equal(int8.scales.float(), torch.full((2,), 1 / 64))
+    assert torch.equal(int8(x), x @ weight.T)
+    assert int8(x[0]).shape == (2,)  # no leading dimensions
+
+
+def test_int8_layer_takes_an_unaligned_bfloat16_input():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 8).to(torch.bfloat16)
+    int8 = Int8Linear.from_float(layer)
+    assert int8.fused
+    x = torch.randn(3 * 64 + 1, dtype=torch.bfloat16)[1:].reshape(1, 3, 64)  # starts 2 bytes into its storage
+    assert x.data_ptr() % 64 and torch.equal(int8(x), int8(x.clone()))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_int8_copy_as_draft_is_lossless(arch):
+    lm = tiny_lm(arch)
+    draft = quantize(lm)
+    assert not _float_layers(draft.model)  # every linear layer, the LM head included
+    for prompt in PROMPTS[:2]:
+        greedy = decoders.generate(lm, prompt, strategy="greedy", max_new_tokens=30)
+        speculative = decoders.generate(lm, prompt, strategy="speculative", draft=draft, max_new_tokens=30)
+        assert speculative.tokens == greedy.tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_int8_logits_are_close_to_the_original(arch, dtype):
+    lm = decoders.wrap(tiny_model(arch, dtype=dtype), tiny_tokenizer(), name=f"tiny-{arch}")
+    draft = quantize(lm)
+    assert draft.dtype == dtype and draft.vocab_size == lm.vocab_size
+    tokens = lm.encode(PROMPTS[1])
+    with torch.inference_mode():
+        expected = lm.forward(tokens, lm.new_cache()).float()  # [T, vocab]
+        logits = draft.forward(tokens, draft.new_cache()).float()
+    assert logits.shape == expected.shape
+    assert nn.functional.cosine_similarity(logits, expected, dim=-1).min() > 0.99
+
+
+def test_original_is_untouched_and_untouched_parameters_are_shared():
+    lm = decoders.wrap(tiny_model("llama"), tiny_tokenizer(), name="tiny-llama")
+    before = {name: t.clone() for name, t in lm.model.state_dict().items()}
+    layers = _float_layers(lm.model)
+    draft = quantize(lm)
+    after = lm.model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert _float_layers(lm.model) == layers and is_quantized(lm) is None
+    assert draft.tokenizer is lm.tokenizer and draft.name == "tiny-llama:int8" and is_quantized(draft) == "int8"
+    assert draft.model.get_input_embeddings().weight is lm.model.get_input_embeddings().weight
+    assert draft.model.model.norm.weight is lm.model.model.norm.weight
+    assert draft.model.model.layers[0].input_layernorm.weight is lm.model.model.layers[0].input_layernorm.weight
+    # What the copy adds: the int8 weights and their scales, nothing else.
+    original = {t.data_ptr() for t in (*lm.model.parameters(), *lm.model.buffers())}
+    added = [t for t in (*draft.model.parameters(), *draft.model.buffers()) if t.data_ptr() not in original]
+    int8_layers = [m for m in draft.model.modules() if isinstance(m, Int8Linear)]
+    assert len(added) == 2 * len(int8_layers) == 2 * len(layers)
+    linear_bytes = sum(m.weight.numel() for m in layers)  # int8: one byte a weight
+    assert sum(t.numel() * t.element_size() for t in added) < 1.05 * linear_bytes
+
+
+def test_tied_head_gets_its_own_int8_copy():
+    config = transformers.LlamaConfig(**ARCHITECTURES["llama"][2], initializer_range=0.2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    lm = decoders.wrap(model, tiny_tokenizer())
+    embedding = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is embedding
+    before = embedding.clone()
+    draft = quantize(lm)
+    head = draft.model.get_output_embeddings()
+    assert isinstance(head, Int8Linear) and head.weight_int8.shape == embedding.shape
+    assert draft.model.get_input_embeddings().weight is embedding and torch.equal(embedding, before)
+    assert model.get_output_embeddings().weight is embedding  # the original stays tied
+    tokens = lm.encode(PROMPTS[0])
+    with torch.inference_mode():
+        expected, logits = lm.forward(tokens, lm.new_cache()), draft.forward(tokens, draft.new_cache())
+    assert nn.functional.cosine_similarity(logits, expected, dim=-1).min() > 0.99
+
+
+def test_bad_scheme_and_quantizing_twice_raise():
+    lm = tiny_lm("llama")
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int3'; known: int8"):
+        quantize(lm, "int3")
+    draft = lm.self_draft("int8")
+    assert lm.self_draft("int8") is draft and is_quantized(draft) == "int8"
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize(draft)
