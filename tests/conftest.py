@@ -17,6 +17,8 @@ import decoders
 
 # Tiny models run fastest on one thread, and a busy 2-core machine makes two threads fight.
 torch.set_num_threads(1)
+# Every test that builds a model puts it here, so the same suite runs on a GPU unchanged.
+DEVICE = torch.device(os.environ.get("DECODEKIT_TEST_DEVICE", "cpu"))
 
 VOCAB = 384
 CORPUS = [
@@ -81,10 +83,15 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     config_name, model_name, kwargs = ARCHITECTURES[arch]
     config = getattr(transformers, config_name)(**kwargs, initializer_range=0.2, tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(dtype).eval()
+    model = getattr(transformers, model_name)(config).to(DEVICE, dtype).eval()
     model.generation_config.eos_token_id = 0
     model.generation_config.pad_token_id = 0
     return model
+
+
+def on_device(model):
+    """A model built in a test, moved to the test device and put in evaluation mode."""
+    return model.to(DEVICE).eval()
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import decoders
-from conftest import PROMPTS, VOCAB, tiny_lm, tiny_model, tiny_tokenizer
+from conftest import PROMPTS, VOCAB, on_device, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.driver import _prepare
 from decoders.strategies.threshold import ThresholdOptions, adapt_threshold
 from samplers import SamplingConfig
@@ -62,7 +62,7 @@ def test_prompt_lookup_copies_from_the_prompt():
 def test_target_cache_always_holds_the_accepted_tokens(strategy):
     """After every step the target cache holds exactly the accepted tokens but the last (which is fed next)."""
     lm = tiny_lm("mistral")  # sliding window 8: rollback across the window too
-    draft = tiny_lm("mistral", seed=5)
+    draft = tiny_lm("mistral", seed=5) if decoders.registry.get(strategy).takes_draft else None
     state, decoder = _prepare(lm, PROMPTS[1], strategy=strategy, draft=draft, max_new_tokens=60)
     with torch.inference_mode():
         decoder.start(state)
@@ -77,7 +77,8 @@ def test_target_cache_always_holds_the_accepted_tokens(strategy):
 @pytest.mark.parametrize("strategy", DRAFTING)
 def test_sampling_mode_first_token_follows_the_target_distribution(strategy):
     lm = tiny_lm("llama")
-    draft = tiny_lm("llama", seed=99)  # a different distribution: recovered tokens must fix it
+    # a different distribution: recovered tokens must fix it
+    draft = tiny_lm("llama", seed=99) if decoders.registry.get(strategy).takes_draft else None
     prompt = lm.encode(PROMPTS[4]) * 2
     settings = dict(temperature=1.0, top_k=12)
     with torch.inference_mode():
@@ -101,7 +102,7 @@ def test_a_draft_with_a_padded_vocabulary_works():
     lm = tiny_lm("llama")
     config = transformers.LlamaConfig(**{**lm.model.config.to_dict(), "vocab_size": VOCAB + 64})
     torch.manual_seed(3)
-    padded = decoders.wrap(transformers.LlamaForCausalLM(config).eval(), tiny_tokenizer())
+    padded = decoders.wrap(on_device(transformers.LlamaForCausalLM(config)), tiny_tokenizer())
     assert padded.vocab_size != lm.vocab_size
     for strategy in ("speculative", "threshold"):
         got = decoders.generate(lm, PROMPTS[1], strategy=strategy, draft=padded, max_new_tokens=30)
@@ -135,8 +136,9 @@ def test_a_draft_with_another_tokenizer_is_refused():
 )
 def test_bad_options_are_refused(strategy, options, message):
     lm = tiny_lm("llama")
+    draft = lm if decoders.registry.get(strategy).takes_draft else None
     with pytest.raises(ValueError, match=message):
-        decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=lm, **options)
+        decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=draft, **options)
 
 
 @pytest.mark.parametrize("strategy", ["speculative", "threshold"])
