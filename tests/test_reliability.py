@@ -132,3 +132,16 @@ def test_the_target_keeps_no_draft_alive():
     del draft
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("name, message", [
+    ("nosuchmodel", "no local folder, zoo name or cached hub model called 'nosuchmodel'.*zoo:smollm2-135m"),
+    ("./no/such/dir", "no such local folder"),
+])
+def test_an_unknown_model_name_is_answered_at_once_offline(name, message, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=message):
+        decoders.load(name)

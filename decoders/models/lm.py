@@ -11,8 +11,10 @@ import functools
 import hashlib
 import json
 import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -227,6 +229,13 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     if Path(source).is_dir():
         if "gguf_file" not in kwargs and not (Path(source) / "config.json").is_file():
             raise OSError(f"could not load model {name!r}: the folder {source} has no config.json")
+    elif source.startswith((".", "/", "~")) or source.count("/") > 1 or source.endswith(".gguf"):
+        raise OSError(f"could not load model {name!r}: no such local folder or .gguf file")
+    elif not _hub_may_have(source):
+        from decoders.models import zoo
+
+        raise OSError(f"no local folder, zoo name or cached hub model called {name!r} (and the Hugging Face hub is "
+                      f"not reachable from here); zoo models: {', '.join('zoo:' + n for n in zoo.names())}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
@@ -241,6 +250,22 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     from decoders.models.quantize import quantize as quantized
 
     return quantized(lm, quantize)
+
+
+def _hub_may_have(name: str) -> bool:
+    """Whether hub id `name` can be loaded: it is in the local hub cache, or the hub is reachable (answered at once
+    when HF_HUB_OFFLINE is set, instead of after transformers' retries)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return True
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        socket.create_connection((urlparse(constants.ENDPOINT).hostname, 443), timeout=3).close()
+    except OSError:
+        return False
+    return True
 
 
 def wrap(model, tokenizer, name: str | None = None) -> LM:
