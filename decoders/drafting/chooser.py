@@ -1,0 +1,176 @@
+"""`Chooser`: what to draft this step, and how much, to maximize the expected new tokens per second.
+
+A proposer ("grammar", "lookup", "suffix", "draft", ...) offers a `Candidate`: up to k drafted levels (the tokens of a
+chain, or the levels of a tree) with p_i = P(level i accepted | levels before it accepted) and what drafting costs.
+Verifying its first i levels in one target call, after L cached tokens, gains and costs
+
+    E(i) = 1 + sum_{j=1..i} prod_{l<=j} p_l               tokens (the target's own next token included)
+    S(i) = extra(i) + t(1 + nodes(i), L)                   seconds, extra(i) = fixed + i * per_token (extra(0) = 0)
+
+and the plan is the candidate and i of highest E / S; i = 0 is a plain step (one token per target call), which wins
+ties. E's increments prod p never grow, so E is concave in i; where S is convex in i (measured costs are: flat, then
+rising) E / S rises, then falls, and stopping at the first i >= 1 where one more level lowers it is optimal. That is
+`should_continue`, for a draft model that drafts one token at a time. Whether to start drafting at all is for
+`choose`, which sees every prefix: a fixed cost (e.g. catching up) makes S jump at i = 1, so one level may not pay
+where three do.
+
+The p_i are learned online per proposer and depth (depths past `max_depth` share one estimate) as Beta posteriors
+with forgetting; a drafter that knows its probability for a drafted token also gets one estimate per probability
+bucket. Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens,
+so that estimates it lost can recover.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from decoders.drafting.cost import CostModel
+from decoders.options import probability, whole
+
+
+@dataclass(frozen=True)
+class ChooserOptions:
+    """Options of the `Chooser`; defaults chosen for runs of a few hundred tokens (tens of steps)."""
+
+    max_depth: int = 4  # depths past this share one estimate: few steps reach them, and p barely changes there
+    confidence_edges: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)  # draft-probability bucket bounds
+    prior_mean: float = 0.5  # prior acceptance without a draft probability (with one: the bucket's middle)
+    prior_strength: float = 2.0  # pseudo-observations of the prior: two steps of evidence outweigh it
+    decay: float = 0.99  # per observation of a cell, old evidence fades: about the last 100 count
+    probe_after: int = 16  # declined steps in a row before a proposer is probed; 1 probe in 17 costs little
+    probe_tokens: int = 2  # levels of a probe: a small draft that also teaches depth 2
+
+    def __post_init__(self):
+        for name in ("max_depth", "probe_after", "probe_tokens"):
+            whole(name, getattr(self, name))
+        probability("prior_mean", self.prior_mean)
+        probability("decay", self.decay)
+        for edge in self.confidence_edges:
+            probability("each of confidence_edges", edge)
+        if list(self.confidence_edges) != sorted(set(self.confidence_edges)):
+            raise ValueError(f"confidence_edges must increase, got {self.confidence_edges}")
+        if not self.prior_strength > 0:
+            raise ValueError(f"prior_strength must be > 0 pseudo-observations, got {self.prior_strength}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A draft that could be verified this step, or its first levels."""
+
+    proposer: str  # who drafts it: the key of its acceptance estimates
+    accept: tuple[float, ...]  # [k] p_i = P(level i accepted | levels < i accepted)
+    per_token_seconds: float = 0.0  # drafting cost per level: one draft-model call each; lookup and grammar: 0
+    fixed_seconds: float = 0.0  # drafting cost of any nonempty prefix (e.g. a draft model catching up)
+    nodes: tuple[int, ...] = ()  # [k] tree nodes in levels 1..i, scored by the target; empty: a chain (i nodes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to verify this step: the first `k` levels of `proposer`'s draft (None, 0: a plain step)."""
+
+    proposer: str | None
+    k: int
+    expected_tokens: float  # E(k), the target's own token included
+    seconds: float  # S(k): drafting plus the target call
+    probe: bool = False  # taken by the break-even guard, not for its rate: draft exactly k levels
+
+    @property
+    def rate(self) -> float:
+        """Expected new tokens per second."""
+        return self.expected_tokens / self.seconds
+
+
+def expected_tokens(accept: Sequence[float]) -> float:
+    """E = 1 + sum_i prod_{j<=i} p_j: expected tokens from verifying a draft with these acceptance probabilities."""
+    total, running = 1.0, 1.0
+    for p in accept:
+        running *= p
+        total += running
+    return total
+
+
+class Chooser:
+    """Per-run acceptance estimates and the choice of a plan against a `CostModel`."""
+
+    def __init__(self, cost: CostModel, options: ChooserOptions | None = None) -> None:
+        self.cost, self.options = cost, options or ChooserOptions()
+        self.counts: dict[tuple[str, int, int | None], list[float]] = {}  # (proposer, depth, bucket) -> [acc, rej]
+        self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
+
+    def _cell(self, proposer: str, depth: int, confidence: float | None) -> tuple[tuple, float]:
+        """The key of an estimate and its prior mean."""
+        if confidence is None:
+            return (proposer, min(depth, self.options.max_depth), None), self.options.prior_mean
+        edges = self.options.confidence_edges
+        bucket = bisect.bisect_right(edges, confidence)
+        low, high = ((0.0, *edges)[bucket], (*edges, 1.0)[bucket])
+        return (proposer, min(depth, self.options.max_depth), bucket), (low + high) / 2
+
+    def acceptance(self, proposer: str, depth: int, confidence: float | None = None) -> float:
+        """Estimated P(level `depth` (from 1) accepted | the levels before it accepted), given the drafter's
+        probability for that token when known (else pooled over all probabilities)."""
+        key, prior = self._cell(proposer, depth, confidence)
+        accepted, rejected = self.counts.get(key, (0.0, 0.0))
+        strength = self.options.prior_strength
+        return (accepted + strength * prior) / (accepted + rejected + strength)
+
+    def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None) -> tuple[float, ...]:
+        """[k] estimates for levels 1..k (`confidences` [k]: the drafter's probability of each drafted token)."""
+        given = confidences if confidences is not None else [None] * k
+        return tuple(self.acceptance(proposer, d + 1, given[d]) for d in range(k))
+
+    def candidate(self, proposer: str, k: int, confidences: Sequence[float] | None = None, **costs) -> Candidate:
+        """A `Candidate` of k levels with this chooser's estimates; `costs`: per_token_seconds, fixed_seconds, nodes."""
+        return Candidate(proposer, self.chain(proposer, k, confidences), **costs)
+
+    def update(self, proposer: str, drafted: int, accepted: int, confidences: Sequence[float] | None = None) -> None:
+        """Learn from a verification that accepted `accepted` of `drafted` levels: levels 1..accepted were accepted,
+        the next one rejected, later ones tell nothing (they were conditional on it)."""
+        decay = self.options.decay
+        for depth in range(1, min(accepted + 1, drafted) + 1):
+            confidence = None if confidences is None else confidences[depth - 1]
+            for conf in {None, confidence}:  # the pooled estimate always, the bucket's too when known
+                counts = self.counts.setdefault(self._cell(proposer, depth, conf)[0], [0.0, 0.0])
+                counts[0], counts[1] = decay * counts[0], decay * counts[1]
+                counts[0 if depth <= accepted else 1] += 1.0
+
+    def evaluate(self, candidate: Candidate | None, k: int, context: int) -> Plan:
+        """E(k) and S(k) of verifying the first `k` levels of `candidate` after `context` cached tokens."""
+        if candidate is None or k == 0:
+            return Plan(None, 0, 1.0, self.cost.target_seconds(1, context))
+        nodes = candidate.nodes[k - 1] if candidate.nodes else k
+        extra = candidate.fixed_seconds + k * candidate.per_token_seconds
+        seconds = extra + self.cost.target_seconds(1 + nodes, context)
+        return Plan(candidate.proposer, k, expected_tokens(candidate.accept[:k]), seconds)
+
+    def best(self, candidate: Candidate, context: int) -> Plan:
+        """The prefix of `candidate` (at least one level) of highest rate; the shortest on ties."""
+        return max((self.evaluate(candidate, k, context) for k in range(1, len(candidate.accept) + 1)),
+                   key=lambda plan: plan.rate)
+
+    def choose(self, candidates: Sequence[Candidate], context: int) -> Plan:
+        """The plan of highest expected tokens per second among `candidates` and a plain step, except that a proposer
+        declined `probe_after` steps in a row is probed with `probe_tokens` levels."""
+        offered = [c for c in candidates if c.accept]
+        plan = max([self.evaluate(None, 0, context), *(self.best(c, context) for c in offered)], key=lambda p: p.rate)
+        due = [c for c in offered if c.proposer != plan.proposer
+               and self.declined.get(c.proposer, 0) >= self.options.probe_after]
+        if due:
+            probe = max(due, key=lambda c: self.declined[c.proposer])
+            plan = replace(self.evaluate(probe, min(self.options.probe_tokens, len(probe.accept)), context), probe=True)
+        for c in offered:
+            self.declined[c.proposer] = 0 if c.proposer == plan.proposer else self.declined.get(c.proposer, 0) + 1
+        return plan
+
+    def should_continue(self, accept: Sequence[float], p_next: float, context: int,
+                        per_token_seconds: float | None = None, fixed_seconds: float = 0.0) -> bool:
+        """Whether drafting one more level (acceptance `p_next`) after the levels `accept` [k] raises the expected
+        tokens per second: the marginal rule, for k >= 1 (`choose` decides k >= 1 or not). `per_token_seconds`
+        defaults to one draft-model call; `fixed_seconds` counts in both rates, as in `evaluate`."""
+        if per_token_seconds is None:
+            per_token_seconds = self.cost.draft_seconds(1, context) if self.cost.draft is not None else 0.0
+        candidate = Candidate("", (*accept, p_next), per_token_seconds, fixed_seconds)
+        k = len(accept)
+        return self.evaluate(candidate, k + 1, context).rate > self.evaluate(candidate, k, context).rate

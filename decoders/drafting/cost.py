@@ -1,0 +1,243 @@
+"""A cost model of this device: how many seconds a target or draft call takes, measured once and refined online.
+
+One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) + per_position * L) seconds, f
+piecewise linear in n through a few measured sizes (on a CPU a 16-token call costs 1.2-1.5x a one-token call, on a GPU
+almost the same; a few knots fit both). `calibrate` measures a handful of calls at start-up and caches the fit per
+model, dtype, device, thread count and torch version under `cache_dir()/calibration/`; `observe` then keeps a running
+correction factor from the calls a run makes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+VERSION = 1  # of the cache file format and the measuring plan: files of another version are measured again
+TARGET_SIZES = (1, 8, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1); beyond 32:
+# extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter, drafts
+DRAFT_SIZES = (1, 8)  # a draft call scores one token, more when it catches up after steps it sat out
+SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
+BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least one), so only cheap calls repeat
+WEIGHT = 0.1  # how far one observation moves the correction factor (in log space): about the last 10 calls count
+Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
+
+
+@dataclass
+class CallCost:
+    """Seconds of one forward call of one model in one role, t(n, L) = scale * (f(n) + per_position * L)."""
+
+    sizes: tuple[int, ...]  # n at the knots of f, increasing, from 1
+    seconds: tuple[float, ...]  # f at the knots: seconds at L = 0, nondecreasing
+    per_position: float = 0.0  # seconds per cached position (attention over the context), >= 0
+    scale: float = 1.0  # online correction: a running geometric mean of observed / fitted seconds
+    samples: tuple[Sample, ...] = ()  # the measurements it was fitted to, kept for reports and plots
+
+    def fitted(self, n: int, context: int) -> float:
+        """Seconds of the calibrated fit, before the online correction."""
+        i, r = _segment(self.sizes, n)
+        f = self.seconds[i] + r * (self.seconds[i + 1] - self.seconds[i]) if r else self.seconds[i]
+        return f + self.per_position * context
+
+    def predict(self, n: int, context: int) -> float:
+        """Expected seconds of a call scoring `n` tokens after `context` cached ones."""
+        return self.scale * self.fitted(n, context)
+
+    def observe(self, n: int, context: int, seconds: float) -> None:
+        """Move the correction factor toward a measured call (one outlier moves it at most WEIGHT * log 4)."""
+        ratio = min(max(seconds / self.fitted(n, context), 0.25), 4.0)
+        self.scale = math.exp((1 - WEIGHT) * math.log(self.scale) + WEIGHT * math.log(ratio))
+
+    def to_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,
+                "scale": self.scale, "samples": [list(s) for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CallCost:
+        return cls(tuple(data["sizes"]), tuple(data["seconds"]), data["per_position"], data.get("scale", 1.0),
+                   tuple((int(n), int(L), float(s)) for n, L, s in data.get("samples", ())))
+
+
+def _segment(sizes: tuple[int, ...], n: int) -> tuple[int, float]:
+    """(i, r): f(n) = f(sizes[i]) + r * (f(sizes[i + 1]) - f(sizes[i])); the last segment extends past the last knot."""
+    if len(sizes) == 1 or n <= sizes[0]:
+        return 0, 0.0
+    i = min(bisect.bisect_right(sizes, n), len(sizes) - 1) - 1
+    return i, (n - sizes[i]) / (sizes[i + 1] - sizes[i])
+
+
+def _hat(sizes: tuple[int, ...], n: int) -> list[float]:
+    """Weights of the knots in f(n), for the least-squares fit."""
+    i, r = _segment(sizes, n)
+    weights = [0.0] * len(sizes)
+    weights[i] += 1 - r
+    if r:
+        weights[i + 1] += r
+    return weights
+
+
+def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
+    """Least-squares fit of f at `sizes` and per_position to measured calls; f made nondecreasing, per_position >= 0."""
+    rows = torch.tensor([_hat(sizes, n) + [float(L)] for n, L, _ in samples], dtype=torch.float64)  # [S, knots + 1]
+    times = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)  # [S, 1]
+    solution = torch.linalg.lstsq(rows, times, driver="gelsd").solution[:, 0]  # [knots + 1]
+    if solution[-1] < 0 or len({L for _, L, _ in samples}) == 1:  # no context term when noise makes it negative or
+        # when one context length was measured
+        solution = torch.cat([torch.linalg.lstsq(rows[:, :-1], times, driver="gelsd").solution[:, 0], torch.zeros(1)])
+    knots, running = [], 1e-9
+    for value in solution[:-1].tolist():
+        running = max(running, value)  # a call never gets cheaper by scoring more tokens
+        knots.append(running)
+    return CallCost(tuple(sizes), tuple(knots), float(solution[-1]), 1.0, tuple(samples))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _resize(cache, length: int) -> None:
+    """Make `cache` hold `length` positions: crop it, or tile its keys and values (timing does not read them)."""
+    if len(cache) >= length:
+        cache.crop(length)
+        return
+    for layer in cache.hf.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            reps = -(-length // layer.keys.shape[-2])
+            layer.keys = layer.keys.repeat_interleave(reps, dim=-2)[..., :length, :]  # [1, heads, length, head_dim]
+            layer.values = layer.values.repeat_interleave(reps, dim=-2)[..., :length, :]
+
+
+def measure(lm, role: str = "target", sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> list[Sample]:
+    """Time a few calls of `lm` as a target (logits of every position) or a draft (logits of the last position).
+
+    Two warm-up calls (the SHORT prompt, then one token), then a round of every size at SHORT context and the smallest
+    and largest at LONG (5 calls for the target, 4 for a draft), repeated until `budget` seconds have passed; each
+    point keeps its fastest time, since a busy machine only ever adds time. A 1.5B model on a CPU gets one round.
+    """
+    long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
+    ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
+    plan = [(n, SHORT) for n in sizes] + [(n, long) for n in sorted({sizes[0], sizes[-1]}) if long > SHORT]
+    best = [math.inf] * len(plan)
+    begin = time.perf_counter()
+    with torch.inference_mode():
+        cache = lm.new_cache()
+        lm.forward(ids[:SHORT], cache, keep=1)
+        lm.forward(ids[:1], cache, keep=1)
+        while best[-1] == math.inf or time.perf_counter() - begin < budget:
+            for i, (n, context) in enumerate(plan):
+                _resize(cache, context)
+                _synchronize(lm.device)
+                start = time.perf_counter()
+                lm.forward(ids[:n], cache, keep=n if role == "target" else 1)
+                _synchronize(lm.device)
+                best[i] = min(best[i], time.perf_counter() - start)
+    return [(n, context, seconds) for (n, context), seconds in zip(plan, best)]
+
+
+def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
+    """What a calibration depends on: the model (name, config, parameter shapes and dtypes), dtype, device, threads,
+    torch version, role and measured sizes. Another key means another cache file."""
+    model = lm.model
+    try:
+        config = model.config.to_json_string(use_diff=False)
+    except (TypeError, ValueError):  # a config holding something JSON cannot write
+        config = repr(model.config)
+    tensors = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in (*model.named_parameters(), *model.named_buffers())]
+    fingerprint = hashlib.sha256("\n".join([type(model).__name__, config, *tensors]).encode()).hexdigest()[:16]
+    device = str(lm.device)
+    if lm.device.type == "cuda":
+        device += f" {torch.cuda.get_device_name(lm.device)}"
+    return {"role": role, "name": lm.name, "model": fingerprint, "dtype": str(lm.dtype), "device": device,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "sizes": list(sizes)}
+
+
+def cache_file(key: dict, folder: Path | None = None) -> Path:
+    """The JSON file of a calibration key: `<folder or cache_dir()/calibration>/<role>-<name>-<hash>.json`."""
+    if folder is None:
+        from decoders.models.zoo import cache_dir
+
+        folder = cache_dir() / "calibration"
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", key["name"])[-60:]
+    return Path(folder) / f"{key['role']}-{name}-{digest}.json"
+
+
+def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = False, folder: Path | None = None,
+              budget: float = BUDGET) -> CallCost:
+    """The cost of `lm`'s calls in `role` ("target" or "draft"): from the cache file when it matches, else measured
+    (and written unless `cache=False`; `refresh=True` measures again)."""
+    if role not in ("target", "draft"):
+        raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
+    sizes = TARGET_SIZES if role == "target" else DRAFT_SIZES
+    key = calibration_key(lm, role, sizes)
+    path = cache_file(key, folder)
+    if cache and not refresh and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == VERSION and data.get("key") == key:
+                return CallCost.from_dict(data["cost"])
+        except (ValueError, KeyError, TypeError):  # a damaged file is measured again and overwritten
+            pass
+    cost = fit(measure(lm, role, sizes, budget), sizes)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one `accelerate launch` may race here
+        partial.write_text(json.dumps({"version": VERSION, "key": key, "cost": cost.to_dict()}, indent=1))
+        partial.replace(path)
+    return cost
+
+
+@dataclass
+class CostModel:
+    """Seconds of this run's target and draft calls."""
+
+    target: CallCost
+    draft: CallCost | None = None  # None: no draft model
+    observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
+
+    def target_seconds(self, n: int, context: int) -> float:
+        """One target call scoring `n` tokens (a draft of n - 1 plus one) after `context` cached ones."""
+        return self.target.predict(n, context)
+
+    def draft_seconds(self, calls: int, context: int, catch_up: int = 1) -> float:
+        """A draft model's chain of `calls` tokens after `context`: its first call feeds the `catch_up` tokens the
+        draft has not seen (1 after a step that drafted with it, more after steps it sat out), the others one each."""
+        if calls == 0:
+            return 0.0
+        if self.draft is None:
+            raise ValueError("this cost model has no draft model: calibrate(lm, draft=...) to cost draft calls")
+        return self.draft.predict(catch_up, context) + (calls - 1) * self.draft.predict(1, context)
+
+    def observe(self, kind: str, n: int, context: int, seconds: float) -> None:
+        """Refine the `kind` ("target" or "draft") cost with a measured call of `n` tokens after `context`."""
+        part = self.target if kind == "target" else self.draft
+        if kind not in ("target", "draft") or part is None:
+            raise ValueError(f"cannot observe a {kind!r} call: kinds are 'target' and, with a draft model, 'draft'")
+        part.observe(n, context, seconds)
+        self.observed[kind] = self.observed.get(kind, 0) + 1
+
+    def to_dict(self) -> dict:
+        return {"target": self.target.to_dict(), "draft": None if self.draft is None else self.draft.to_dict(),
+                "observed": dict(self.observed)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
+        return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})))
+
+
+def calibrate(lm, draft=None, *, cache: bool = True, refresh: bool = False, folder: Path | None = None,
+              budget: float = BUDGET) -> CostModel:
+    """The cost model of `lm` as the target and `draft` (an LM or None) as the draft, measured or from the cache."""
+    options = dict(cache=cache, refresh=refresh, folder=folder, budget=budget)
+    drafts = None if draft is None else call_cost(draft, "draft", **options)
+    return CostModel(call_cost(lm, "target", **options), drafts)

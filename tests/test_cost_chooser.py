@@ -1,0 +1,247 @@
+"""The cost model (fit, online correction, calibration cache) and the chooser (plans, marginal rule, learning, guard).
+
+The chooser runs on synthetic cost models with hand-computed answers; calibration runs on tiny models and is checked
+for shape (positive, monotone) and for its cache, never for wall-clock values.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import decoders
+from decoders.drafting import cost as cost_module
+from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, expected_tokens
+from decoders.drafting.cost import CallCost, CostModel, calibrate, fit
+
+from conftest import tiny_lm, tiny_model, tiny_tokenizer
+
+
+def linear(a: float, b: float, c: float = 0.0) -> CallCost:
+    """t(n, L) = a + b (n - 1) + c L seconds."""
+    return CallCost((1, 2), (a, a + b), c)
+
+
+def cpu_like() -> CostModel:
+    """A target whose 16-token call costs 1.3x a one-token call, and a draft call of 0.25 target calls."""
+    return CostModel(linear(1.0, 0.02), linear(0.25, 0.01))
+
+
+# --- the chooser on synthetic costs -------------------------------------------------------------------------------
+
+
+def test_expected_tokens():
+    assert expected_tokens([]) == 1.0
+    assert expected_tokens([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_draft_nothing_when_drafts_are_expensive_and_rarely_accepted():
+    chooser = Chooser(CostModel(linear(1.0, 0.1), linear(0.8, 0.0)))
+    draft = Candidate("draft", (0.3, 0.3, 0.3), per_token_seconds=0.8)
+    # k=1: 1.3 tokens / (0.8 + 1.1) s = 0.68 tokens/s < 1 token / 1 s of a plain step; longer is worse
+    plan = chooser.choose([draft], context=0)
+    assert (plan.proposer, plan.k, plan.rate) == (None, 0, 1.0)
+
+
+def test_best_draft_length_hand_computed():
+    chooser = Chooser(cpu_like())
+    draft = Candidate("draft", (0.9, 0.8, 0.7, 0.6, 0.5), per_token_seconds=0.25)
+    # E: 1.9, 2.62, 3.124, 3.4264, 3.5776; S: 1.27, 1.54, 1.81, 2.08, 2.35
+    # rate: 1.496, 1.701, 1.726, 1.647, 1.522 -> k = 3
+    plan = chooser.choose([draft], context=0)
+    assert (plan.proposer, plan.k) == ("draft", 3)
+    assert plan.expected_tokens == pytest.approx(3.124)
+    assert plan.seconds == pytest.approx(1.81)
+    # a cheaper lookup draft (1.96 tokens / 1.04 s = 1.885) beats it
+    lookup = Candidate("lookup", (0.6, 0.6))
+    plan = chooser.choose([draft, lookup], context=0)
+    assert (plan.proposer, plan.k) == ("lookup", 2)
+
+
+def test_free_lookup_taken_whenever_acceptance_is_positive_on_flat_costs():
+    chooser = Chooser(CostModel(linear(1.0, 0.0)))  # GPU-like: scoring more tokens costs nothing more
+    for p in (0.01, 0.2, 0.9):
+        plan = chooser.choose([Candidate("lookup", (p,) * 4)], context=100)
+        assert (plan.proposer, plan.k) == ("lookup", 4)
+    # on a CPU each scored position costs 2% here: a lookup token must be accepted more often than that to pay
+    chooser = Chooser(cpu_like())
+    assert chooser.choose([Candidate("lookup", (0.01,))], context=0).proposer is None
+    assert chooser.choose([Candidate("lookup", (0.05,))], context=0).proposer == "lookup"
+
+
+def test_tree_levels_cost_their_nodes():
+    chooser = Chooser(cpu_like())
+    tree = Candidate("suffix", (0.9, 0.9), nodes=(3, 7))  # 3 nodes on level 1, 4 more on level 2
+    assert chooser.evaluate(tree, 2, context=0).seconds == pytest.approx(1.0 + 0.02 * 7)
+    assert chooser.evaluate(tree, 1, context=0).seconds == pytest.approx(1.0 + 0.02 * 3)
+
+
+@pytest.mark.parametrize("target", [linear(1.0, 0.02, 1e-4), linear(0.1, 0.05), CallCost((1, 8, 16), (1.0, 1.05, 1.5))])
+def test_marginal_rule_agrees_with_brute_force(target):
+    rng = random.Random(0)
+    for _ in range(200):
+        chooser = Chooser(CostModel(target, linear(rng.uniform(0.0, 0.6) * target.predict(1, 0), 0.0)))
+        accept = [rng.random() ** rng.choice([0.1, 0.5, 1.0]) for _ in range(12)]
+        context, per_token = rng.randrange(0, 500), chooser.cost.draft_seconds(1, 0)
+        k = 0
+        while k < len(accept) and chooser.should_continue(accept[:k], accept[k], context):
+            k += 1
+        candidate = Candidate("draft", tuple(accept), per_token_seconds=per_token)
+        rates = [chooser.evaluate(candidate, i, context).rate for i in range(len(accept) + 1)]
+        assert k == rates.index(max(rates)), (accept, rates)
+
+
+def test_should_continue_follows_the_next_tokens_chance():
+    chooser = Chooser(cpu_like())
+    assert chooser.should_continue([0.9, 0.9], 0.9, context=0)
+    assert not chooser.should_continue([0.9, 0.9], 0.05, context=0)
+    assert not chooser.should_continue([], 0.1, context=0)  # not even one draft call pays
+
+
+# --- learning and the break-even guard ----------------------------------------------------------------------------
+
+
+def test_estimates_converge_to_observed_frequencies():
+    chooser = Chooser(cpu_like())
+    assert chooser.acceptance("lookup", 1) == 0.5  # the prior
+    for _ in range(300):
+        for accepted in (2, 2, 1, 0):  # depth 1: 3 of 4 accepted; depth 2, after depth 1: 2 of 3
+            chooser.update("lookup", drafted=2, accepted=accepted)
+    assert chooser.acceptance("lookup", 1) == pytest.approx(3 / 4, abs=0.02)
+    assert chooser.acceptance("lookup", 2) == pytest.approx(2 / 3, abs=0.02)
+    assert chooser.acceptance("lookup", 3) == 0.5  # never observed
+    assert chooser.chain("lookup", 2) == (chooser.acceptance("lookup", 1), chooser.acceptance("lookup", 2))
+
+
+def test_draft_confidence_buckets_learn_separately():
+    chooser = Chooser(cpu_like())
+    assert chooser.acceptance("draft", 1, 0.95) == pytest.approx(0.9)  # the bucket's middle is its prior
+    for _ in range(100):
+        chooser.update("draft", drafted=1, accepted=1, confidences=[0.95])
+        chooser.update("draft", drafted=1, accepted=0, confidences=[0.05])
+    assert chooser.acceptance("draft", 1, 0.95) > 0.95
+    assert chooser.acceptance("draft", 1, 0.05) < 0.05
+    assert chooser.acceptance("draft", 1) == pytest.approx(0.5, abs=0.05)  # pooled over both
+    assert chooser.candidate("draft", 1, [0.9], per_token_seconds=0.25).accept == (chooser.acceptance("draft", 1, 0.9),)
+
+
+def test_estimates_follow_a_change():
+    chooser = Chooser(cpu_like())
+    for accepted in [1] * 200 + [0] * 200:
+        chooser.update("lookup", drafted=1, accepted=accepted)
+    assert chooser.acceptance("lookup", 1) < 0.2  # forgetting lets the recent misses dominate
+
+
+def test_break_even_guard_probes_after_the_set_number_of_plain_steps():
+    chooser = Chooser(CostModel(linear(1.0, 0.1), linear(0.8, 0.0)), ChooserOptions(probe_after=3, probe_tokens=2))
+    draft = Candidate("draft", (0.3,) * 5, per_token_seconds=0.8)
+    plans = [chooser.choose([draft], context=0) for _ in range(8)]
+    assert [(p.proposer, p.k, p.probe) for p in plans] == [(None, 0, False)] * 3 + [("draft", 2, True)] + \
+        [(None, 0, False)] * 3 + [("draft", 2, True)]
+    assert chooser.choose([], context=0).proposer is None  # nothing offered: nothing to probe or count
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="probe_after"):
+        ChooserOptions(probe_after=0)
+    with pytest.raises(ValueError, match="confidence_edges"):
+        ChooserOptions(confidence_edges=(0.5, 0.2))
+
+
+# --- the cost model -----------------------------------------------------------------------------------------------
+
+
+def test_fit_recovers_linear_and_convex_costs():
+    samples = [(n, L, 0.1 + 0.01 * (n - 1) + 1e-4 * L) for n in (1, 4, 16) for L in (16, 512)]
+    fitted = fit(samples, (1, 4, 16))
+    for n in (1, 2, 7, 16, 32):
+        assert fitted.predict(n, 300) == pytest.approx(0.1 + 0.01 * (n - 1) + 0.03)
+    convex = {1: 1.0, 4: 1.02, 16: 1.4}  # flat, then rising: a CPU
+    fitted = fit([(n, 16, convex[n]) for n in (1, 4, 16)], (1, 4, 16))
+    assert [fitted.predict(n, 16) for n in (1, 4, 16)] == pytest.approx([1.0, 1.02, 1.4])
+    assert fitted.per_position == 0.0  # one context length measured: no context term
+
+
+def test_observe_moves_the_prediction_toward_observations():
+    model = CostModel(linear(1.0, 0.1, 1e-3), linear(0.2, 0.0))
+    before = model.target_seconds(4, 100)
+    errors = []
+    for _ in range(60):
+        model.observe("target", 4, 100, 2 * before)
+        errors.append(abs(model.target_seconds(4, 100) - 2 * before))
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 0.01 * before
+    draft = model.draft_seconds(3, 100)
+    model.observe("draft", 1, 100, 10.0)  # one outlier moves the correction by at most 4 ** 0.1
+    assert draft < model.draft_seconds(3, 100) <= draft * 4 ** 0.1 + 1e-12
+    assert model.observed == {"target": 60, "draft": 1}
+    with pytest.raises(ValueError, match="kinds"):
+        CostModel(linear(1.0, 0.1)).observe("draft", 1, 0, 1.0)
+
+
+def test_cost_model_round_trips_through_json():
+    model = CostModel(fit([(1, 16, 0.1), (4, 16, 0.12), (16, 16, 0.2), (1, 512, 0.11)], (1, 4, 16)), linear(0.05, 0.01))
+    model.observe("target", 2, 50, 0.3)
+    again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again == model
+    assert CostModel.from_dict(CostModel(linear(1.0, 0.0)).to_dict()).draft is None
+
+
+# --- calibration on tiny models -----------------------------------------------------------------------------------
+
+
+class CountingLM:
+    """An LM that counts its forward calls."""
+
+    def __init__(self, lm: decoders.LM) -> None:
+        self.lm, self.calls = lm, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.lm.forward(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.lm, name)
+
+
+def test_calibration_is_positive_and_monotone():
+    model = calibrate(tiny_lm("llama"), draft=tiny_lm("qwen2"), cache=False, budget=0.0)
+    for part in (model.target, model.draft):
+        for context in (0, 100, 239):
+            costs = [part.predict(n, context) for n in range(1, 41)]
+            assert costs[0] > 0 and all(b >= a * (1 - 1e-12) for a, b in zip(costs, costs[1:]))
+        assert part.predict(8, 239) >= part.predict(8, 16)
+    assert len(model.target.samples) == 5 and len(model.draft.samples) == 4
+
+
+def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    target, draft = CountingLM(tiny_lm("llama")), CountingLM(tiny_lm("qwen2"))
+    first = calibrate(target, draft, budget=0.0)
+    assert target.calls == 7 and draft.calls == 6  # 2 warm-up calls + one round each
+    files = sorted(p.name for p in (tmp_path / "calibration").iterdir())
+    assert len(files) == 2 and files[0].startswith("draft-tiny-qwen2-0") and files[1].startswith("target-tiny-llama-0")
+
+    assert calibrate(target, draft) == first and (target.calls, draft.calls) == (7, 6)  # reloaded, nothing measured
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        calibrate(target, budget=0.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert target.calls == 14 and len(list((tmp_path / "calibration").iterdir())) == 3
+
+    bf16 = CountingLM(decoders.wrap(tiny_model("llama", 0, torch.bfloat16), tiny_tokenizer(), name="tiny-llama-0"))
+    calibrate(bf16, budget=0.0)
+    assert bf16.calls == 7 and len(list((tmp_path / "calibration").iterdir())) == 4
+
+    monkeypatch.setattr(cost_module, "VERSION", cost_module.VERSION + 1)
+    calibrate(target, budget=0.0)
+    assert target.calls == 21  # another file format: measured again, and the file rewritten
+    written = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("target-tiny-llama-0-*.json")]
+    assert cost_module.VERSION in [data["version"] for data in written]
+    calibrate(target)
+    assert target.calls == 21
