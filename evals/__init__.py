@@ -6,9 +6,16 @@
     result = compare(decoders.load("zoo:smollm2-135m"), CompareConfig(strategies=("greedy", "prompt_lookup")))
     print(report.markdown(result))
 
-The result's JSON schema is documented in evals/README.md.
+The result's JSON schema is documented in evals/README.md. `compare` and `CompareConfig` are imported on first use,
+so the parts that need no model (`decodekit leaderboard`, the reports) never import torch.
 """
 
-from evals.runner import CompareConfig, compare
-
 __all__ = ["CompareConfig", "compare"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from evals import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'evals' has no attribute {name!r}")

@@ -19,6 +19,7 @@ import torch
 
 import decoders
 from evals import report
+from evals.metrics import BASELINE
 from evals.runner import CompareConfig, compare
 
 COLUMNS = ["model", "dtype", "MiB/token", "greedy tok/s ↑", "hf:greedy tok/s ↑", "ratio ↑", "roofline tok/s",
@@ -38,7 +39,7 @@ def bench(model: str, dtype: str, config: CompareConfig, device: str | None = No
 def row(result: dict) -> list[str]:
     """One table row of a bench result."""
     summary = {s["strategy"]: s for s in result["summary"]}
-    ours, theirs = summary["greedy"]["tokens_per_second"], summary["hf:greedy"]["tokens_per_second"]
+    ours, theirs = summary[BASELINE]["tokens_per_second"], summary["hf:greedy"]["tokens_per_second"]
     roof = result["roofline"] or {}
     limit = roof.get("limit_tokens_per_second")
     ratio = ours["mean"] / theirs["mean"] if theirs["mean"] else None
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = CompareConfig(strategies=("greedy", "hf:greedy"), suite=args.suite, max_new_tokens=args.max_new_tokens,
+    config = CompareConfig(strategies=(BASELINE, "hf:greedy"), suite=args.suite, max_new_tokens=args.max_new_tokens,
                            repeats=args.repeats, progress=not args.no_progress)
     results = []
     try:

@@ -1,7 +1,11 @@
 """The `decodekit` command: list, generate, compare, leaderboard, models pull (also `python -m evals ...`).
 
-Bad input (an unknown strategy or suite, a malformed suite file, a strategy that needs a missing draft ...) prints one
-`decodekit: error: ...` line to stderr and exits with status 2; set DECODEKIT_DEBUG=1 to see the traceback instead.
+Bad input (an unknown strategy or suite, a malformed suite file, a strategy that needs a missing draft, a draft of
+another vocabulary ...) prints one `decodekit: error: ...` line to stderr and exits with status 2, before any run;
+set DECODEKIT_DEBUG=1 to see the traceback instead. A compare whose timed runs raised writes its results, says how
+many failed and exits with status 1. A closed pipe (`decodekit list | head -2`) ends the command quietly.
+
+Commands import torch and the models only when they run: `decodekit leaderboard` and `--help` stay quick.
 """
 
 from __future__ import annotations
@@ -12,53 +16,56 @@ import os
 import sys
 from pathlib import Path
 
-import decoders
-from decoders import registry
-from evals import peers, report, suites
+from evals import report, suites
 from evals.cli_parser import build_parser
-from evals.runner import parse_value
 
 ANSI = {"draft": "\033[32m", "lookup": "\033[36m", "lookahead": "\033[35m", "grammar": "\033[33m"}
 RESET = "\033[0m"
+EXPECTED = (ValueError, TypeError, OSError, ImportError, NotImplementedError)  # bad input: one line, status 2
 
 
 class UsageError(ValueError):
     """Bad command-line input, reported as one line with exit status 2."""
 
 
-def _zoo():
-    try:
-        from decoders.models import zoo
-    except ImportError:
-        return None
-    return zoo
+def _expected(error: BaseException) -> bool:
+    """Whether `error` is bad input to report in one line (a zoo error too, once the zoo is imported)."""
+    zoo = sys.modules.get("decoders.models.zoo")
+    return isinstance(error, EXPECTED) or (zoo is not None and isinstance(error, zoo.ZooError))
 
 
-def _options(pairs: list[str], scoped: bool) -> dict:
-    """KEY=VALUE pairs (values parsed as JSON when they are JSON); scoped: STRATEGY.KEY=VALUE, grouped by strategy."""
-    out: dict = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"option {pair!r} must look like {'STRATEGY.KEY' if scoped else 'KEY'}=VALUE")
-        value = parse_value(raw)
-        if scoped:
-            strategy, dot, name = key.partition(".")
-            if not dot or not name:
-                raise UsageError(f"option {pair!r} must name its strategy: STRATEGY.KEY=VALUE (e.g. speculative.k=4)")
-            out.setdefault(strategy, {})[name] = value
-        else:
-            out[key] = value
-    return out
+def _check_draft_arguments(args) -> None:
+    if args.draft_quantize and not args.draft:
+        raise UsageError("--draft-quantize quantizes the --draft model: pass --draft MODEL too")
+    if args.draft_quantize and args.draft.startswith("self:"):
+        raise UsageError(f"--draft {args.draft} is already the target's quantized copy; drop --draft-quantize")
 
 
-def _load(name: str, dtype: str, device: str | None) -> decoders.LM:
-    print(f"loading {name} ...", file=sys.stderr)
-    return decoders.load(name, dtype=dtype, device=device)
+def _load(name: str, args, device: str | None, quantize: str | None = None):
+    import decoders
+
+    if args.no_progress:  # transformers' and the hub's loading bars
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+    print(f"loading {name}{f' ({quantize})' if quantize else ''} ...", file=sys.stderr)
+    return decoders.load(name, dtype=args.dtype, device=device, quantize=quantize)
+
+
+def _draft(args, device: str | None):
+    """--draft as `decoders.generate` and `compare` take it: "self:int8" as is (the target's int8 copy, made once by
+    the callee), a model name loaded here (quantized with --draft-quantize)."""
+    if args.draft.startswith("self:"):
+        return args.draft
+    return _load(args.draft, args, device, args.draft_quantize)
 
 
 # ----------------------------------------------------------------------------------------------------------- list
 def cmd_list(args) -> int:
+    from decoders import registry
+    from decoders.models import zoo
+    from evals import peers
+
     print("Strategies (decoders.available()):")
     for name in registry.available():
         cls = registry.get(name)
@@ -69,14 +76,10 @@ def cmd_list(args) -> int:
         print(f"  {peer.name:<16} {'needs --draft' if peer.needs_draft else '':<14} {peer.description}")
     for prefix, why in peers.UNAVAILABLE.items():
         print(f"  {prefix + '...':<16} {'':<14} not available: {why}")
-    zoo = _zoo()
     print("\nZoo models (--model zoo:NAME):")
-    if zoo is None:
-        print("  (the model zoo is not available in this version)")
-    else:
-        for name in zoo.names():
-            pulled = "pulled" if zoo.local_path(name) else "not pulled"
-            print(f"  {name:<20} {pulled:<11} {zoo.ZOO[name].description}")
+    for name in zoo.names():
+        pulled = "pulled" if zoo.local_path(name) else "not pulled"
+        print(f"  {name:<20} {pulled:<11} {zoo.ZOO[name].description}")
     print("\nPrompt suites (compare --suite NAME, or a .jsonl file):")
     for name in suites.names():
         prompts = suites.load(name)
@@ -86,30 +89,33 @@ def cmd_list(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------- generate
-def _marked(pieces: list[str], sources: list[str], color: bool) -> str:
-    """The text with non-target tokens visible: ANSI colors, or [source:...] markers when not a terminal."""
+def _marked(pieces: list[str], sources: list[str], color: bool, markers: bool) -> str:
+    """The text with non-target tokens visible: ANSI colors (`color`), [source:...] markers (`markers`), or both."""
     out, run, current = [], "", "target"
     for piece, source in list(zip(pieces, sources)) + [("", None)]:
         if source != current:
-            if run:
-                if current == "target":
-                    out.append(run)
-                else:
-                    out.append(f"{ANSI.get(current, '')}{run}{RESET}" if color else f"[{current}:{run}]")
+            if run and current != "target":
+                run = f"{ANSI.get(current, '')}{run}{RESET}" if color else run
+                run = f"[{current}:{run}]" if markers else run
+            out.append(run)
             run, current = "", source
         run += piece
     return "".join(out)
 
 
 def cmd_generate(args) -> int:
-    from evals.runner import grammar_for, needs_grammar
+    import decoders
+    from decoders.capabilities import check_request
+    from evals.methods import build, option_pairs
+    from evals.runner import grammar_for
+    from evals.timing import pieces
 
-    cls = registry.get(args.strategy)
-    if cls.needs_draft and not args.draft:
-        raise UsageError(f"strategy {args.strategy!r} needs a draft model: pass --draft MODEL")
-    if needs_grammar(args.strategy) and not args.json_schema:
-        raise UsageError(f"strategy {args.strategy!r} decodes under a grammar: pass --json-schema FILE")
-    options = _options(args.option, scoped=False)
+    method = build(args.strategy, option_pairs(args.option, scoped=False))
+    if method.is_peer:
+        raise UsageError(f"{args.strategy!r} is a peer: peers run in `decodekit compare`; generate runs decodekit "
+                         "strategies (decodekit list)")
+    check_request(method.decoder, has_draft=args.draft is not None, has_grammar=args.json_schema is not None)
+    _check_draft_arguments(args)
     schema = None
     if args.json_schema:
         try:
@@ -117,27 +123,28 @@ def cmd_generate(args) -> int:
         except (OSError, json.JSONDecodeError) as error:
             raise UsageError(f"--json-schema {args.json_schema}: cannot read a JSON schema ({error})") from None
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    lm = _load(args.model, args.dtype, args.device)
-    draft = _load(args.draft, args.dtype, args.device) if args.draft else None
-    grammar = grammar_for(schema)
+    if not prompt_text.strip():
+        raise UsageError("the prompt is empty" + (" (nothing on stdin)" if args.prompt == "-" else "")
+                         + "; give some text to continue")
+    lm = _load(args.model, args, args.device)
+    draft = _draft(args, args.device) if args.draft else None
     tokens = suites.render(lm, suites.Prompt("cli", "cli", prompt_text), chat_template=not args.no_chat_template)
     result = decoders.generate(
-        lm, tokens, strategy=args.strategy, max_new_tokens=args.max_new_tokens, draft=draft,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, grammar=grammar,
-        stop=args.stop or None, **options,
+        lm, tokens, strategy=method.decoder, max_new_tokens=args.max_new_tokens, draft=draft,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        grammar=grammar_for(schema), stop=args.stop or None,
     )
     if args.json:
         record = dataclasses.asdict(result)
         record["stats"] = result.stats.as_dict()
         print(json.dumps(record, ensure_ascii=False, indent=1))
         return 0
-    from evals.timing import pieces
-
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    print(_marked(pieces(lm, result.tokens), result.sources, color))
+    shown = sorted(set(result.sources) & set(ANSI)) if color or args.show_sources else []
+    print(_marked(pieces(lm, result.tokens), result.sources, color, args.show_sources) if shown else result.text)
     s = result.stats
-    shown = sorted(set(result.sources) & set(ANSI))
-    legend = " · ".join(f"{ANSI[k]}{k}{RESET}" if color else f"[{k}:...]" for k in shown)
+    legend = " · ".join(f"{ANSI[k] if color else ''}{f'[{k}:...]' if args.show_sources else k}{RESET if color else ''}"
+                        for k in shown)
     acceptance = f" · acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})" if s.drafted else ""
     print(f"{s.new_tokens} tokens · {s.tokens_per_second:.1f} tok/s · {s.target_calls} target calls · "
           f"{s.mean_accepted:.2f} tokens/call{acceptance} · finish: {result.finish_reason}"
@@ -149,24 +156,25 @@ def cmd_generate(args) -> int:
 def cmd_compare(args) -> int:
     import torch
 
-    from evals.runner import CompareConfig, Processes, compare, plan
+    from evals.methods import option_pairs
+    from evals.runner import CompareConfig, Comparison, Processes
 
+    _check_draft_arguments(args)
     strategies = tuple(s.strip() for s in (args.strategies or "").split(",") if s.strip())
     config = CompareConfig(
         strategies=strategies, suite=args.suite, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-        chat_template=not args.no_chat_template, options=_options(args.option, scoped=True),
+        chat_template=not args.no_chat_template, options=option_pairs(args.option, scoped=True),
         warmup=not args.no_warmup, progress=not args.no_progress, bandwidth_megabytes=args.bandwidth_mb,
     )
-    suites.load(config.suite)  # fail fast, before loading any model
-    plan(config.strategies, has_draft=bool(args.draft))
+    comparison = Comparison(config, has_draft=args.draft is not None)  # suite and methods: before any model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = args.device == "cpu" or not torch.cuda.is_available()
     processes = Processes(cpu=cpu)
     device = processes.device if processes.count > 1 and not cpu else args.device
-    lm = _load(args.model, args.dtype, device)
-    draft = _load(args.draft, args.dtype, device) if args.draft else None
-    result = compare(lm, config, draft=draft, processes=processes)
+    lm = _load(args.model, args, device)
+    draft = _draft(args, device) if comparison.takes_draft else None
+    result = comparison.run(lm, draft, processes=processes)
     if result is None:  # not the main process: it wrote nothing
         return 0
     text = report.markdown(result)
@@ -186,6 +194,10 @@ def cmd_compare(args) -> int:
     written = [p for p in (args.out, args.markdown, args.html, args.plots) if p]
     if written:
         print("wrote " + ", ".join(written), file=sys.stderr)
+    if failed := len(result["errors"]):
+        print(f"decodekit: {failed} of {failed + len(result['runs'])} timed runs raised (the ERROR rows; the notes "
+              "say why)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -210,9 +222,8 @@ def cmd_leaderboard(args) -> int:
 
 # --------------------------------------------------------------------------------------------------------- models
 def cmd_models(args) -> int:
-    zoo = _zoo()
-    if zoo is None:
-        raise UsageError("the model zoo (decoders.models.zoo) is not available in this version of decodekit")
+    from decoders.models import zoo
+
     if args.action == "list":
         for name in zoo.names():
             print(f"{name:<20} {str(zoo.local_path(name) or 'not pulled'):<60} {zoo.ZOO[name].description}")
@@ -229,15 +240,21 @@ COMMANDS = {"list": cmd_list, "generate": cmd_generate, "compare": cmd_compare, 
 def main(argv: list[str] | None = None) -> int:
     """Run the `decodekit` command line; returns the exit status."""
     args = build_parser().parse_args(argv)
-    zoo = _zoo()
-    expected = (ValueError, TypeError, OSError, ImportError, NotImplementedError) + ((zoo.ZooError,) if zoo else ())
     try:
-        return COMMANDS[args.command](args)
-    except expected as error:
-        if os.environ.get("DECODEKIT_DEBUG"):
-            raise
-        print(f"decodekit: error: {error}", file=sys.stderr)
-        return 2
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # `decodekit list | head -2`: stop quietly, and point stdout at devnull so the exit-time flush cannot fail
+        # again (the recipe of Python's signal module docs, "Note on SIGPIPE")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("decodekit: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        if not _expected(error) or os.environ.get("DECODEKIT_DEBUG"):
+            raise
+        print(f"decodekit: error: {error}", file=sys.stderr)
+        return 2

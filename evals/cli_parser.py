@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from importlib import metadata
 
 MAIN_EPILOG = """examples:
   decodekit list
@@ -10,19 +11,22 @@ MAIN_EPILOG = """examples:
   decodekit compare --model zoo:smollm2-135m --max-new-tokens 32
   decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b \\
       --strategies greedy,speculative,hf:assisted --suite edit --out results.json --html report.html
+  decodekit compare --model zoo:qwen2.5-coder-1.5b --draft self:int8 --strategies speculative,threshold
   decodekit leaderboard results/*.json --format md
   decodekit models pull smollm2-135m
 """
 
 GENERATE_EPILOG = """examples:
   decodekit generate --model zoo:smollm2-135m "The digits of Pi are 3.14159"
-  decodekit generate --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --strategy speculative -o k=4 \\
+  decodekit generate --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --strategy speculative@k=4 \\
       "Write a Python function that reverses a string."
+  decodekit generate --model zoo:qwen2.5-coder-1.5b --draft self:int8 --strategy threshold "def quicksort(xs):"
   decodekit generate --model zoo:smollm2-135m --json "Index: A B C" | jq .stats
   echo "Summarize: ..." | decodekit generate --model zoo:smollm2-135m -
 
-Tokens not produced by a target call are shown by source: colored in a terminal (draft green, lookup cyan,
-lookahead magenta, grammar yellow), as [draft:...] markers when piped. Stats go to stderr.
+Tokens not produced by a target call are colored by source in a terminal (draft green, lookup cyan, lookahead
+magenta, grammar yellow; --color always/never to choose); --show-sources marks them as [draft:...] in plain text
+too. Options: STRATEGY@KEY=VALUE or -o KEY=VALUE. Stats go to stderr.
 """
 
 COMPARE_EPILOG = """examples:
@@ -31,6 +35,8 @@ COMPARE_EPILOG = """examples:
       --suite edit --repeats 3 --out results.json --html report.html --plots plots/
   decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \\
       --strategies greedy,speculative,hf:assisted -o speculative.k=4
+  decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --draft-quantize int8 \\
+      --strategies speculative,threshold,hf:assisted
   decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \\
       --strategies speculative@k=2,speculative@k=3,speculative@k=5,staged@max_depth=8   # settings side by side
   decodekit compare --model my/model --suite my_prompts.jsonl      # {"id","category","prompt"} per line
@@ -38,7 +44,9 @@ COMPARE_EPILOG = """examples:
   torchrun --nproc_per_node 2 -m evals compare --model zoo:smollm2-135m --out results.json
 
 greedy (the baseline) always runs first. Without --strategies every registered strategy and peer whose needs are met
-runs (draft strategies and hf:assisted only with --draft). Peers: hf:greedy, hf:assisted, hf:prompt_lookup and
+runs (draft strategies and hf:assisted only with --draft). Every method's needs (a draft, of the target's
+vocabulary; tree masks) are checked before the first run: an explicitly named method that cannot run stops compare
+with status 2. Timed runs that raise show as ERROR rows; compare then exits with status 1. Peers: hf:greedy, hf:assisted, hf:prompt_lookup and
 outlines:json (prompts with a schema; checked for validity, since outlines may spell the same JSON with other tokens).
 Every greedy-mode method is checked token for token against greedy; a divergence beyond the dtype's numeric-tie
 tolerance marks it FAILED with the first divergent position. Under accelerate on CPU-only machines pass --multi_gpu
@@ -68,12 +76,22 @@ def _positive(text: str) -> int:
     return value
 
 
+def _version() -> str:
+    try:
+        return metadata.version("decodekit")
+    except metadata.PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="zoo:NAME, a local folder, a .gguf file or a hub id")
-    parser.add_argument("--draft", help="draft model for strategies that need one (same tokenizer as --model)")
+    parser.add_argument("--draft", help="draft model for strategies that take one (same tokenizer as --model), or "
+                        "self:int8 for the model's own int8 copy")
+    parser.add_argument("--draft-quantize", choices=["int8"], help="load the --draft model weight-only quantized")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat template")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (loading weights, runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="decodekit", description="Fast, lossless decoding strategies for Hugging Face causal LMs.",
         epilog=MAIN_EPILOG, formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sub.add_parser("list", help="strategies, peers, zoo models and prompt suites", formatter_class=formatter,
@@ -91,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                          epilog=GENERATE_EPILOG, formatter_class=formatter)
     _model_arguments(gen)
     gen.add_argument("prompt", help="the prompt text, or - to read it from stdin")
-    gen.add_argument("--strategy", default="greedy", help="a registered strategy (decodekit list); default greedy")
+    gen.add_argument("--strategy", default="greedy", help="a registered strategy (decodekit list), settings as "
+                     "STRATEGY@KEY=VALUE; default greedy")
     gen.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
     gen.add_argument("--max-new-tokens", type=_positive, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -103,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a strategy option, e.g. -o k=4 (repeatable)")
     gen.add_argument("--json", action="store_true", help="print the whole Result as JSON")
     gen.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                     help="color token sources (auto: when stdout is a terminal)")
+                     help="color token sources (auto: when stdout is a terminal); plain text otherwise")
+    gen.add_argument("--show-sources", action="store_true", help="mark token sources as [draft:...] in the text")
 
     cmp = sub.add_parser("compare", help="run strategies and peers side by side on a prompt suite",
                          epilog=COMPARE_EPILOG, formatter_class=formatter)
@@ -120,7 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--html", metavar="FILE", help="write an HTML report: outputs colored by source, sparklines")
     cmp.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib)")
     cmp.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each method")
-    cmp.add_argument("--no-progress", action="store_true", help="no progress bar")
     cmp.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     cmp.add_argument("--bandwidth-mb", type=int, default=256,
                      help="size of the memory-bandwidth probe for the roofline (0: no roofline)")

@@ -88,6 +88,7 @@ def compare_report(result: dict) -> str:
     body = (
         "".join(f'<div class="header">{escape(line)}</div>' for line in report.header_lines(result))
         + table(*report.summary_table(result))
+        + (f"<p>{escape(verdict)}</p>" if (verdict := report.verdict(result)) else "")
         + "<h2>Speed-up over greedy by category</h2>" + table(*report.category_table(result))
         + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
         + f'<h2>Outputs</h2><p class="legend">token sources: {legend}</p>' + outputs(result)

@@ -116,14 +116,15 @@ def _ordered(values: Iterable[str]) -> list[str]:
 def summarize(runs: list[dict], errors: list[dict] = ()) -> list[dict]:
     """One summary per strategy (in run order), each with a `by_category` breakdown.
 
-    `errors` ({"strategy", "prompt_id", "category", "error"}) are runs that raised; they mark the strategy "error".
+    `errors` ({"strategy", "kind", "prompt_id", "category", "error"}) are runs that raised; they mark the strategy
+    "error".
     """
     baseline = [r for r in runs if r["strategy"] == BASELINE and not r.get("grammar")]
     summaries = []
     for name in _ordered([r["strategy"] for r in runs] + [e["strategy"] for e in errors]):
         mine = [r for r in runs if r["strategy"] == name]
         failed = [e for e in errors if e["strategy"] == name]
-        kind = "peer" if name.startswith(("hf:", "outlines:")) else "decodekit"
+        kind = next(r["kind"] for r in mine + failed)
         summary = {"strategy": name, "kind": kind, **aggregate(mine, baseline, len(failed))}
         summary["by_category"] = {
             category: aggregate([r for r in mine if r["category"] == category], baseline,

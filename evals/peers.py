@@ -32,11 +32,14 @@ class Peer:
     """One transformers generation path."""
 
     name: str
-    needs_draft: bool = False
+    needs_draft: bool = False  # the needs, declared like a strategy's, so `decoders.capabilities` checks peers too
     source: str = "target"  # what to call the tokens accepted with a target call's last token (all but that one)
     kwargs: dict = field(default_factory=dict)  # extra `generate` arguments
     description: str = ""
-    grammar: bool = False  # runs only on prompts with a schema, under outlines' logits processor
+    needs_grammar: bool = False  # runs only on prompts with a schema, under outlines' logits processor
+    takes_draft: bool = False  # uses a draft only when it needs one
+    needs_tree_mask: bool = False
+    draft_needs_tree_mask: bool = False
 
 
 PEERS = {
@@ -47,7 +50,7 @@ PEERS = {
              description="transformers assisted generation, generate(assistant_model=draft)"),
         Peer("hf:prompt_lookup", source="lookup", kwargs={"prompt_lookup_num_tokens": 10},
              description="transformers prompt lookup, generate(prompt_lookup_num_tokens=10)"),
-        Peer("outlines:json", grammar=True,
+        Peer("outlines:json", needs_grammar=True,
              description="outlines' JSON-schema logits processor in transformers generate (prompts with a schema)"),
     )
 }
@@ -125,7 +128,7 @@ def _quiet_generate(model, **kwargs) -> torch.Tensor:
 def run_peer(
     lm: decoders.LM,
     prompt: list[int],
-    name: str,
+    peer: Peer,
     *,
     max_new_tokens: int,
     draft: decoders.LM | None = None,
@@ -134,12 +137,7 @@ def run_peer(
     category: str = "",
     repeat: int = 0,
 ) -> Run:
-    """Time one transformers `generate` call of peer `name`."""
-    peer = get(name)
-    if unavailable(name):
-        raise ValueError(f"peer {name!r} is not available: {unavailable(name)}")
-    if peer.needs_draft and draft is None:
-        raise ValueError(f"peer {name!r} needs a draft model: pass --draft")
+    """Time one transformers `generate` call of `peer` (its needs are checked before any run, by `evals.methods`)."""
     ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)  # [1, T]
     eos = sorted(lm.eos_token_ids)
     pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
@@ -150,7 +148,7 @@ def run_peer(
     )
     if peer.needs_draft:
         kwargs["assistant_model"] = draft.model
-    if peer.grammar:
+    if peer.needs_grammar:
         processor = _outlines_processor(lm, grammar)
         processor.reset()  # a fresh matcher state for this sequence
         kwargs["logits_processor"] = transformers.LogitsProcessorList([processor])
@@ -166,12 +164,12 @@ def run_peer(
     # every target call scores one token that is not a draft (the prompt, the first time) plus its draft tokens
     drafted = watch.target.tokens - len(prompt) - (watch.target.calls - 1) if accepted is not None else None
     return Run(
-        strategy=name, kind="peer", prompt_id=prompt_id, category=category, repeat=repeat,
+        strategy=peer.name, kind="peer", prompt_id=prompt_id, category=category, repeat=repeat,
         prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, new_tokens=len(tokens),
         seconds=watch.seconds, ttft_seconds=watch.ttft,
         target_calls=watch.target.calls, draft_calls=watch.draft.calls if watch.draft_metered else None,
         drafted=drafted, accepted=accepted, accepted_by_position=[], drafted_by_position=[],
         draft_seconds=watch.draft.seconds if watch.draft_metered else None,
         peak_memory_bytes=watch.peak_bytes, finish_reason=finish,
-        tokens=tokens, sources=sources, pieces=pieces(lm, tokens), timeline=watch.marks, grammar=peer.grammar,
+        tokens=tokens, sources=sources, pieces=pieces(lm, tokens), timeline=watch.marks, grammar=peer.needs_grammar,
     )

@@ -10,8 +10,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from evals.runner import SCHEMA
+from evals.metrics import BASELINE
 
+SCHEMA = "decodekit.compare/1"  # of compare's result document (evals/README.md)
 LEADERBOARD_SCHEMA = "decodekit.leaderboard/1"
 
 
@@ -45,7 +46,7 @@ def lossless_cell(summary: dict) -> str:
         return f"ERROR ({check['errors']} run{'s' if check['errors'] > 1 else ''}, see notes)"
     if status == "tie":
         return f"✓ {check['tie']} tie{'s' if check['tie'] > 1 else ''}"
-    if status == "pass" and summary["strategy"] == "greedy":
+    if status == "pass" and summary["strategy"] == BASELINE:
         return "reference"
     return {"pass": "✓ exact", "valid": "✓ valid"}.get(status, status)
 
@@ -109,11 +110,21 @@ def category_table(result: dict) -> tuple[list[str], list[list[str]]]:
     return ["strategy"] + [f"{c} ↑" for c in categories], rows
 
 
+def draft_label(model: dict) -> str:
+    """The draft as the header shows it: `zoo:qwen2.5-coder-0.5b (int8)`, `self:int8`, `none`."""
+    name, scheme = model.get("draft"), model.get("draft_quantization")
+    if not name:
+        return "none"
+    if not scheme or name.startswith("self:"):
+        return name
+    return f"{name.removesuffix(':' + scheme)} ({scheme})"
+
+
 def header_lines(result: dict) -> list[str]:
     """Where and with what the numbers were measured."""
     env, model, config, roof = result["environment"], result["model"], result["config"], result.get("roofline")
     lines = [
-        f"model: {model['name']} ({model['class']}) · draft: {model['draft'] or 'none'}",
+        f"model: {model['name']} ({model['class']}) · draft: {draft_label(model)}",
         f"device: {env['device']} — {env['device_name']} · dtype: {env['dtype']}",
         f"torch {env['torch']} · transformers {env['transformers']} · decodekit {env['decodekit']} · "
         f"{env['date']} · host {env['host']}",
@@ -146,10 +157,54 @@ def notes(result: dict) -> list[str]:
     return out
 
 
+LOSSLESS = ("reference", "pass", "tie")  # the lossless check's statuses of a method that reproduces greedy
+
+
+def _fastest(result: dict, kind: str, category: str | None = None) -> tuple[str, dict] | None:
+    """The lossless method of `kind` ("decodekit" or "peer") with the best mean speed-up, over the whole suite or one
+    category, among those that ran on every prompt greedy ran on there; None when there is none."""
+    def figures(s: dict) -> dict | None:
+        return s if category is None else s["by_category"].get(category)
+
+    base = next((figures(s) for s in result["summary"] if s["strategy"] == BASELINE), None)
+    ranked = [(s["strategy"], f) for s in result["summary"]
+              if s["kind"] == kind and (f := figures(s)) and base and f["prompts"] == base["prompts"]
+              and f["lossless"]["status"] in LOSSLESS and f["speedup"]["mean"] is not None]
+    return max(ranked, key=lambda pair: pair[1]["speedup"]["mean"], default=None)
+
+
+def _verdict_part(result: dict, category: str | None = None) -> str | None:
+    """`speculative — 1.85× greedy, 1.32× hf:assisted` for the fastest lossless strategy, or None."""
+    ours, peer = _fastest(result, "decodekit", category), _fastest(result, "peer", category)
+    if ours is None:
+        return None
+    name, figures = ours
+    speedup = figures["speedup"]["mean"]
+    parts = ["nothing beat it" if name == BASELINE else f"{speedup:.2f}× {BASELINE}"]
+    if peer is not None and peer[1]["speedup"]["mean"]:
+        parts.append(f"{speedup / peer[1]['speedup']['mean']:.2f}× {peer[0]}")
+    return f"{name} — {', '.join(parts)}"
+
+
+def verdict(result: dict) -> str | None:
+    """One line: the fastest lossless strategy overall and per category, with its speed-up over greedy and over the
+    fastest lossless transformers peer (speed-ups are over greedy on the same prompts, so their ratio compares the
+    two)."""
+    overall = _verdict_part(result)
+    if overall is None:
+        return None
+    by_category = [f"{c}: {part}" for c in result["config"]["categories"]
+                   if (part := _verdict_part(result, c)) is not None]
+    return " · ".join([f"Fastest lossless: {overall}", *by_category])
+
+
 def markdown(result: dict) -> str:
     """The whole compare report as Markdown."""
     parts = ["## decodekit compare", "", *[f"{line}  " for line in header_lines(result)], ""]
-    parts += [make_table(*summary_table(result)), "", "Speed-up over greedy by category:", ""]
+    parts += [make_table(*summary_table(result)), ""]
+    if line := verdict(result):
+        parts += [line, ""]
+    parts += ["Speed-up over greedy by category:", ""]
     parts += [make_table(*category_table(result))]
     if extra := notes(result):
         parts += ["", "Notes:", *[f"- {n}" for n in extra]]

@@ -1,14 +1,15 @@
 """`compare`: run strategies and peers on a suite's prompts, check them against greedy, and build one result.
 
-Order of work: warm up every method once, then for each prompt and repeat run every method back to back
-(interleaved, so drift in machine speed hits all methods alike), then check losslessness, then gather the runs of
-every process (`accelerate launch` / torchrun split the prompts) and summarize on the main process.
+Order of work: before any model loads, read the suite and plan the methods (`evals.methods`: parsed, constructed and
+their needs checked once); once the models are loaded, probe what each method needs of them; warm up every method
+once, then for each prompt and repeat run every method back to back (interleaved, so drift in machine speed hits all
+methods alike), then check losslessness, then gather the runs of every process (`accelerate launch` / torchrun split
+the prompts) and summarize on the main process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Mapping
@@ -20,12 +21,13 @@ from tqdm.auto import tqdm
 
 import decoders
 import grammars
-from decoders import registry
+from decoders.driver import resolve_draft
 from evals import lossless, metrics, peers, suites
 from evals.measure import environment, roofline
+from evals.methods import Method, check_loaded, plan
+from evals.report import SCHEMA
 from evals.timing import Run, run_decodekit
 
-SCHEMA = "decodekit.compare/1"
 WARMUP_TOKENS = 16
 
 
@@ -48,68 +50,6 @@ class CompareConfig:
             raise ValueError(f"max_new_tokens must be a whole number > 0, got {self.max_new_tokens!r}")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats must be a whole number >= 1, got {self.repeats!r}")
-        unknown = sorted(set(self.options) - {variant(n)[0] for n in self.strategies or registry.available()})
-        if unknown:
-            raise ValueError(f"options given for strategies that do not run: {', '.join(unknown)}")
-
-
-def parse_value(raw: str) -> Any:
-    """A command-line option value: JSON when it parses as JSON (4, 0.5, true, [1, 2]), else the string itself."""
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-
-
-def variant(name: str) -> tuple[str, dict[str, Any]]:
-    """Split a method name with settings, `staged@max_depth=12@min_prob=0.05`, into its strategy and options.
-
-    Variants let one run rank several settings of a strategy side by side (`speculative@k=3,speculative@k=5`).
-    """
-    base, *pairs = name.split("@")
-    options = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"method {name!r}: settings must look like STRATEGY@KEY=VALUE (e.g. speculative@k=3)")
-        options[key] = parse_value(raw)
-    if options and peers.is_peer(base):
-        raise ValueError(f"method {name!r}: peers take no @settings")
-    return base, options
-
-
-def needs_grammar(name: str) -> bool:
-    """Whether a strategy only makes sense under a grammar (runs only on prompts with a schema)."""
-    base = variant(name)[0]
-    if peers.is_peer(base):
-        return base.startswith("outlines:")
-    return registry.get(base).needs_grammar
-
-
-def plan(requested: tuple[str, ...], has_draft: bool) -> tuple[list[str], list[str]]:
-    """The methods to run (greedy first) and notes on what was skipped; an impossible explicit request raises."""
-    explicit = bool(requested)
-    wanted = list(requested) if explicit else registry.available() + list(peers.PEERS)
-    names = [metrics.BASELINE] + [n for n in dict.fromkeys(wanted) if n != metrics.BASELINE]
-    chosen, notes = [], []
-    for name in names:
-        base, settings = variant(name)
-        if peers.is_peer(base):
-            needs_draft = peers.get(base).needs_draft
-        else:
-            strategy = registry.get(base)
-            strategy(**settings)  # an unknown strategy or option raises here, before any model loads
-            needs_draft = strategy.needs_draft
-        if peers.is_peer(name) and peers.unavailable(name):
-            notes.append(f"{name}: not available ({peers.unavailable(name)})")
-        elif needs_draft and not has_draft:
-            if explicit:
-                raise ValueError(f"strategy {name!r} needs a draft model: pass --draft MODEL (e.g. a smaller model "
-                                 "with the same tokenizer)")
-            notes.append(f"{name}: skipped (needs a draft model; pass --draft)")
-        else:
-            chosen.append(name)
-    return chosen, notes
 
 
 def grammar_for(schema: dict | None) -> grammars.JsonSchema | None:
@@ -151,90 +91,133 @@ class Processes:
         return gather_object(items)
 
 
-def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | None = None,
+class Comparison:
+    """A compare prepared before any model loads: its suite read and its methods planned, each once.
+
+    `has_draft`: a draft model will be given to `run` (a loaded `LM`, a model name or "self:int8").
+    """
+
+    def __init__(self, config: CompareConfig, has_draft: bool) -> None:
+        self.config, self.has_draft = config, has_draft
+        self.prompts = suites.load(config.suite)
+        self.methods, self.notes = plan(config.strategies, has_draft, config.options)
+
+    @property
+    def takes_draft(self) -> bool:
+        """Whether any planned method uses the draft model (else there is no need to load one)."""
+        return self.has_draft and any(m.takes_draft for m in self.methods)
+
+    def run(self, lm: decoders.LM, draft: decoders.LM | str | None = None,
             processes: Processes | None = None) -> dict | None:
-    """Run the comparison; returns the result (see evals/README.md) on the main process, None on the others."""
-    processes = processes or Processes(cpu=lm.device.type == "cpu")
-    prompts = suites.load(config.suite)
-    names, notes = plan(config.strategies, draft is not None)
-    constraints = {p.id: grammar_for(p.schema) for p in prompts}
-    for name in [n for n in names if needs_grammar(n) and not any(constraints.values())]:
-        notes.append(f"{name}: runs only on prompts with a schema under its grammar; this suite has none")
-    mine = processes.split(prompts)
-    tokens = {p.id: suites.render(lm, p, config.chat_template) for p in mine}
-    limit = {p.id: min(config.max_new_tokens, p.max_new_tokens or config.max_new_tokens) for p in mine}
-    skipped = [p for p in mine if lm.context_length and len(tokens[p.id]) + limit[p.id] > lm.context_length]
-    notes += [f"prompt {p.id}: skipped ({len(tokens[p.id])} prompt tokens + {limit[p.id]} new tokens exceed the "
-              f"model's context of {lm.context_length})" for p in skipped]
-    mine = [p for p in mine if p not in skipped]
+        """Run the comparison; returns the result (see evals/README.md) on the main process, None on the others."""
+        if draft is not None and not self.has_draft:
+            raise ValueError("this comparison was planned without a draft model: Comparison(config, has_draft=True)")
+        if draft is None and self.takes_draft:
+            raise ValueError("this comparison was planned with a draft model, for " + ", ".join(
+                m.name for m in self.methods if m.takes_draft) + "; pass draft=")
+        config, prompts, notes = self.config, self.prompts, list(self.notes)
+        processes = processes or Processes(cpu=lm.device.type == "cpu")
+        label = draft if isinstance(draft, str) else getattr(draft, "name", None)
+        draft = resolve_draft(lm, draft) if self.takes_draft else None  # "self:int8": made once, for every run
+        methods = check_loaded(self.methods, lm, draft, explicit=bool(config.strategies), notes=notes)
+        constraints = {p.id: grammar_for(p.schema) for p in prompts}
+        for method in [m for m in methods if m.needs_grammar and not any(constraints.values())]:
+            notes.append(f"{method.name}: runs only on prompts with a schema under its grammar; this suite has none")
+        tokens = {p.id: suites.render(lm, p, config.chat_template) for p in prompts}
+        limit = {p.id: min(config.max_new_tokens, p.max_new_tokens or config.max_new_tokens) for p in prompts}
+        fits = [p for p in prompts if not lm.context_length or len(tokens[p.id]) + limit[p.id] <= lm.context_length]
+        if not fits:
+            raise ValueError(f"every prompt of suite {config.suite!r} is too long for the model's context of "
+                             f"{lm.context_length} tokens with {config.max_new_tokens} new tokens; lower "
+                             "--max-new-tokens or use shorter prompts")
+        notes += [f"prompt {p.id}: skipped ({len(tokens[p.id])} prompt tokens + {limit[p.id]} new tokens exceed the "
+                  f"model's context of {lm.context_length})" for p in prompts if p not in fits]
+        mine = processes.split(fits)
 
-    def runs_for(prompt):
-        return [n for n in names if not needs_grammar(n) or constraints[prompt.id] is not None]
+        def runs_for(prompt: suites.Prompt) -> list[Method]:
+            return [m for m in methods if not m.needs_grammar or constraints[prompt.id] is not None]
 
-    def run(name: str, prompt: suites.Prompt, repeat: int, max_new_tokens: int) -> Run:
-        grammar = constraints[prompt.id] if needs_grammar(name) else None
-        where = dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, max_new_tokens=max_new_tokens)
-        if peers.is_peer(name):
-            return peers.run_peer(lm, tokens[prompt.id], name, draft=draft, grammar=grammar, **where)
-        base, settings = variant(name)
-        options = {**config.options.get(base, {}), **settings}
-        record = run_decodekit(lm, tokens[prompt.id], base, draft=draft, grammar=grammar, options=options, **where)
-        record.strategy = name
-        return record
+        def run(method: Method, prompt: suites.Prompt, repeat: int, max_new_tokens: int) -> Run:
+            where = dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, max_new_tokens=max_new_tokens,
+                         draft=draft if method.takes_draft else None,
+                         grammar=constraints[prompt.id] if method.needs_grammar else None)
+            if method.is_peer:
+                return peers.run_peer(lm, tokens[prompt.id], method.peer, **where)
+            return run_decodekit(lm, tokens[prompt.id], method.decoder, name=method.name, **where)
 
-    for name in names if config.warmup else []:
-        first = next((p for p in mine if name in runs_for(p)), None)
-        try:
-            if first is not None:
-                run(name, first, -1, min(WARMUP_TOKENS, limit[first.id]))
-        except Exception:  # noqa: BLE001 - the timed runs record the error
-            pass
-    total = sum(len(runs_for(p)) for p in mine) * config.repeats
-    bar = tqdm(total=total, desc=f"compare [{processes.index}]" if processes.count > 1 else "compare",
-               file=sys.stderr, disable=not config.progress, dynamic_ncols=True)
-    runs: list[Run] = []
-    errors: list[dict] = []
-    for prompt in mine:
-        for repeat in range(config.repeats):
-            for name in runs_for(prompt):
-                bar.set_postfix_str(f"{name} · {prompt.id}", refresh=False)
-                try:
-                    record = run(name, prompt, repeat, limit[prompt.id])
-                except Exception as error:  # noqa: BLE001 - one broken method must not lose a long run
-                    errors.append({"strategy": name, "prompt_id": prompt.id, "category": prompt.category,
-                                   "repeat": repeat, "error": f"{type(error).__name__}: {error}"})
-                else:
-                    record.rank = processes.index
-                    runs.append(record)
-                bar.update()
-    bar.close()
+        for method in methods if config.warmup else []:
+            first = next((p for p in mine if method in runs_for(p)), None)
+            try:
+                if first is not None:
+                    run(method, first, -1, min(WARMUP_TOKENS, limit[first.id]))
+            except Exception:  # noqa: BLE001 - the timed runs record the error
+                pass
+        total = sum(len(runs_for(p)) for p in mine) * config.repeats
+        bar = tqdm(total=total, desc=f"compare [{processes.index}]" if processes.count > 1 else "compare",
+                   file=sys.stderr, disable=not config.progress, dynamic_ncols=True)
+        runs: list[Run] = []
+        errors: list[dict] = []
+        for prompt in mine:
+            for repeat in range(config.repeats):
+                for method in runs_for(prompt):
+                    bar.set_postfix_str(f"{method.name} · {prompt.id}", refresh=False)
+                    try:
+                        record = run(method, prompt, repeat, limit[prompt.id])
+                    except Exception as error:  # noqa: BLE001 - one broken method must not lose a long run
+                        errors.append({"strategy": method.name, "kind": "peer" if method.is_peer else "decodekit",
+                                       "prompt_id": prompt.id, "category": prompt.category, "repeat": repeat,
+                                       "error": f"{type(error).__name__}: {error}"})
+                    else:
+                        record.rank = processes.index
+                        runs.append(record)
+                    bar.update()
+        bar.close()
 
-    greedy_tokens = {(r.prompt_id, False): r.tokens for r in runs if r.strategy == metrics.BASELINE and r.repeat == 0}
+        greedy_tokens = {(r.prompt_id, False): r.tokens for r in runs
+                         if r.strategy == metrics.BASELINE and r.repeat == 0}
 
-    def reference(prompt_id: str, grammar: bool) -> list[int]:
-        if (prompt_id, grammar) not in greedy_tokens:  # greedy under the prompt's grammar (or if it raised), untimed
-            greedy_tokens[(prompt_id, grammar)] = decoders.generate(
-                lm, tokens[prompt_id], max_new_tokens=limit[prompt_id],
-                grammar=constraints[prompt_id] if grammar else None).tokens
-        return greedy_tokens[(prompt_id, grammar)]
+        def reference(prompt_id: str, grammar: bool) -> list[int]:
+            if (prompt_id, grammar) not in greedy_tokens:  # greedy under the prompt's grammar (or if it raised), untimed
+                greedy_tokens[(prompt_id, grammar)] = decoders.generate(
+                    lm, tokens[prompt_id], strategy=metrics.BASELINE, max_new_tokens=limit[prompt_id],
+                    grammar=constraints[prompt_id] if grammar else None).tokens
+            return greedy_tokens[(prompt_id, grammar)]
 
-    lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, constraints[p.id]) for p in mine})
-    gathered = processes.gather([{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes}])
-    if not processes.is_main:
-        return None
-    records = [r for part in gathered for r in part["runs"]]
-    errors = [e for part in gathered for e in part["errors"]]
-    notes = list(dict.fromkeys(n for part in gathered for n in part["notes"]))
-    return build_result(lm, draft, config, prompts, names, notes, records, errors, processes.count)
+        lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, constraints[p.id]) for p in mine})
+        gathered = processes.gather([{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes}])
+        if not processes.is_main:
+            return None
+        records = [r for part in gathered for r in part["runs"]]
+        errors = [e for part in gathered for e in part["errors"]]
+        notes = list(dict.fromkeys(n for part in gathered for n in part["notes"]))
+        return build_result(lm, label, draft, config, prompts, [m.name for m in methods], notes, records, errors,
+                            processes.count)
 
 
-def build_result(lm, draft, config: CompareConfig, prompts, names, notes, records, errors, process_count) -> dict:
-    """The result document (schema in evals/README.md)."""
+def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | str | None = None,
+            processes: Processes | None = None) -> dict | None:
+    """Run the comparison; returns the result (see evals/README.md) on the main process, None on the others.
+
+    `draft`: a loaded `LM`, a model name, or "self:int8" (the target's own int8 copy), for the methods that take one.
+    """
+    return Comparison(config, has_draft=draft is not None).run(lm, draft, processes)
+
+
+def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, notes, records, errors,
+                 process_count) -> dict:
+    """The result document (schema in evals/README.md); `draft_name` as given ("self:int8", a name), `draft` the
+    loaded draft model (None when no method took it)."""
     summary = metrics.summarize(records, errors)
+    quantization = None
+    if draft is not None:
+        from decoders.models.quantize import is_quantized
+
+        quantization = is_quantized(draft)
     result = {
         "schema": SCHEMA,
         "environment": environment(lm.device, lm.dtype),
-        "model": {"name": lm.name, "class": type(lm.model).__name__, "draft": draft.name if draft else None},
+        "model": {"name": lm.name, "class": type(lm.model).__name__, "draft": draft_name if draft else None,
+                  "draft_quantization": quantization},
         "config": {
             "suite": config.suite, "prompts": len(prompts),
             "categories": list(dict.fromkeys(p.category for p in prompts)),

@@ -1,8 +1,8 @@
 """One timed generation call, measured the same way for decodekit strategies and for peers.
 
-Every method is timed from just before its public call (`decoders.generate`, `model.generate`) to its return, with the
-device synchronized at both ends; new tokens are counted up to and including an ending EOS, never more than
-max_new_tokens. A `Run` is the record of one such call.
+Every method is timed from just before its call (what `decoders.generate` runs, or `model.generate` for peers) to its
+end, with the device synchronized at both ends and a mark after every step; new tokens are counted up to and
+including an ending EOS, never more than max_new_tokens. A `Run` is the record of one such call.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import decoders
-from decoders import registry
+from decoders import driver
 from evals.measure import ForwardMeter, PeakMemory, synchronize
 
 
@@ -115,50 +115,43 @@ def pieces(lm: decoders.LM, tokens: list[int]) -> list[str]:
     return out
 
 
-def _clocked(cls: type, options: dict, watch: Stopwatch) -> decoders.Decoder:
-    """An instance of strategy `cls` that marks the stopwatch after every step (the algorithm itself is untouched)."""
-
-    class Clocked(cls):
-        def step(self, state):
-            super().step(state)
-            watch.mark(len(state.tokens) - state.prompt_len)
-
-    Clocked.__name__ = Clocked.__qualname__ = f"Clocked{cls.__name__}"
-    return Clocked(**options)
-
-
 def run_decodekit(
     lm: decoders.LM,
     prompt: list[int],
-    strategy: str,
+    decoder: decoders.Decoder,
     *,
     max_new_tokens: int,
+    name: str | None = None,
     draft: decoders.LM | None = None,
     grammar: Any = None,
-    options: dict | None = None,
     prompt_id: str = "",
     category: str = "",
     repeat: int = 0,
 ) -> Run:
-    """Time one `decoders.generate` call of a registered strategy."""
+    """Time one run of the strategy `decoder`, recorded as `name` (default: its registered name).
+
+    The run is `decoders.generate` unrolled - the request's preparation and the step loop of `decoders.driver`, both
+    inside the clock - so the stopwatch marks every step while the run's state keeps its counters (`decoders.stream`
+    marks steps too, but its chunks carry no counters).
+    """
     watch = Stopwatch(lm, draft)
-    decoder = _clocked(registry.get(strategy), dict(options or {}), watch)
     with watch:
-        result = decoders.generate(
-            lm, prompt, strategy=decoder, max_new_tokens=max_new_tokens, draft=draft, grammar=grammar
-        )
-    stats = result.stats
-    lengths = list(getattr(stats, "draft_lengths", None) or [])  # drafted tokens per verification, when recorded
+        state, decoder = driver._prepare(lm, prompt, strategy=decoder, max_new_tokens=max_new_tokens, draft=draft,
+                                         grammar=grammar)
+        for _ in driver._run(state, decoder, with_text=False):
+            watch.mark(len(state.new_tokens))
+    stats, tokens = state.stats, state.new_tokens
+    lengths = list(stats.draft_lengths)  # drafted tokens per verification
     return Run(
-        strategy=strategy, kind="decodekit", prompt_id=prompt_id, category=category, repeat=repeat,
-        prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, new_tokens=len(result.tokens),
+        strategy=name or decoder.name, kind="decodekit", prompt_id=prompt_id, category=category, repeat=repeat,
+        prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, new_tokens=len(tokens),
         seconds=watch.seconds, ttft_seconds=watch.ttft,
         target_calls=stats.target_calls, draft_calls=stats.draft_calls, drafted=stats.drafted, accepted=stats.accepted,
         accepted_by_position=list(stats.accepted_by_position),
         drafted_by_position=[sum(n > depth for n in lengths) for depth in range(max(lengths, default=0))],
         draft_seconds=watch.draft.seconds if stats.draft_calls and watch.draft_metered else None,
-        peak_memory_bytes=watch.peak_bytes, finish_reason=result.finish_reason,
-        tokens=list(result.tokens), sources=list(result.sources), pieces=pieces(lm, result.tokens),
+        peak_memory_bytes=watch.peak_bytes, finish_reason=state.finish_reason,
+        tokens=list(tokens), sources=list(state.sources), pieces=pieces(lm, tokens),
         timeline=watch.marks, grammar=grammar is not None,
         extra={"driver_seconds": stats.seconds, "driver_ttft_seconds": stats.ttft_seconds},
     )

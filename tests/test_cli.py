@@ -63,14 +63,21 @@ def test_every_help_has_examples(command, capsys):
     assert "examples:" in capsys.readouterr().out
 
 
-def test_generate_marks_token_sources_when_piped_and_colors_them_on_request(model_dir, marked_strategy, capsys):
+def test_generate_prints_plain_text_when_piped_and_shows_sources_on_request(model_dir, marked_strategy, capsys):
     args = ["generate", "--model", model_dir, "--strategy", marked_strategy, "--max-new-tokens", "8", PROMPT]
-    assert cli.main(args) == 0
-    out, err = capsys.readouterr()
-    assert "[draft:" in out and "\033[" not in out  # captured stdout is not a terminal
-    assert "8 tokens" in err and "target calls" in err
+    assert cli.main(args + ["--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["text"]
+    for plain in ([], ["--color", "never"]):  # captured stdout is not a terminal: the text as it is
+        assert cli.main(args + plain) == 0
+        out, err = capsys.readouterr()
+        assert out == text + "\n" and "[draft:" not in out and "\033[" not in out
+        assert "8 tokens" in err and "target calls" in err
+    assert cli.main(args + ["--show-sources"]) == 0
+    out = capsys.readouterr().out
+    assert "[draft:" in out and "\033[" not in out
     assert cli.main(args + ["--color", "always"]) == 0
-    assert "\033[32m" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "\033[32m" in out and "[draft:" not in out
 
 
 def test_generate_json_prints_the_result(model_dir, capsys):
@@ -87,11 +94,11 @@ def test_generate_with_a_json_schema_shows_grammar_forced_tokens(model_dir, tmp_
     schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
                                   "required": ["name"]}))
     args = ["generate", "--model", model_dir, "--strategy", "guided", "--json-schema", str(schema),
-            "--max-new-tokens", "12", PROMPT]
+            "--max-new-tokens", "12", "--show-sources", PROMPT]
     assert cli.main(args) == 0
     assert capsys.readouterr().out.startswith('[grammar:{"name":"')
     assert cli.main(args[:5] + args[7:]) == 2  # guided without a schema
-    assert "pass --json-schema" in capsys.readouterr().err
+    assert "--json-schema FILE" in capsys.readouterr().err
 
 
 def test_compare_prints_a_table_and_writes_every_report(model_dir, tmp_path, capsys):

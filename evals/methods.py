@@ -1,0 +1,163 @@
+"""Methods: what `compare --strategies` and `generate --strategy` name, parsed and constructed once.
+
+A method is a registered strategy or a peer (`hf:assisted` ...), optionally with settings:
+
+    STRATEGY@KEY=VALUE@KEY=VALUE        speculative@k=3, staged@max_depth=12@min_prob=0.05
+
+Settings let one compare rank several settings of a strategy side by side; `-o KEY=VALUE` (generate) and
+`-o STRATEGY.KEY=VALUE` (compare) give options too, and an @setting wins over them. Values are JSON when they parse as
+JSON (4, 0.5, true, [1, 2]), else the string itself. `plan` turns the requested names into `Method` records - each
+strategy constructed once, its needs checked (`decoders.capabilities.check_request`) before any model loads - and the
+runner, the timing and the CLI all work from those records.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import decoders
+from decoders import registry
+from decoders.capabilities import check_models, check_request
+from evals import peers
+from evals.metrics import BASELINE
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line option value: JSON when it parses as JSON (4, 0.5, true, [1, 2]), else the string itself."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def split(name: str) -> tuple[str, dict[str, Any]]:
+    """`staged@max_depth=12@min_prob=0.05` -> ("staged", {"max_depth": 12, "min_prob": 0.05})."""
+    base, *pairs = name.split("@")
+    settings = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"method {name!r}: settings must look like STRATEGY@KEY=VALUE (e.g. speculative@k=3)")
+        settings[key] = parse_value(raw)
+    return base, settings
+
+
+def option_pairs(pairs: Iterable[str], scoped: bool) -> dict:
+    """`-o` options: KEY=VALUE pairs, or when `scoped` STRATEGY.KEY=VALUE pairs grouped by strategy."""
+    out: dict = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"option {pair!r} must look like {'STRATEGY.KEY' if scoped else 'KEY'}=VALUE")
+        if scoped:
+            strategy, dot, name = key.partition(".")
+            if not dot or not name:
+                raise ValueError(f"option {pair!r} must name its strategy: STRATEGY.KEY=VALUE (e.g. speculative.k=4)")
+            out.setdefault(strategy, {})[name] = parse_value(raw)
+        else:
+            out[key] = parse_value(raw)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class Method:
+    """One method of a run, parsed and constructed once."""
+
+    name: str  # as written, the label in every table: "speculative@k=3"
+    base: str  # the registered strategy or the peer: "speculative", "hf:assisted"
+    options: Mapping[str, Any]  # the strategy's options: -o options overridden by @settings
+    decoder: decoders.Decoder | None = None  # the constructed strategy; None for a peer
+    peer: peers.Peer | None = None  # the peer; None for a strategy
+
+    @property
+    def is_peer(self) -> bool:
+        return self.peer is not None
+
+    @property
+    def declared(self) -> decoders.Decoder | peers.Peer:
+        """What declares the method's needs (needs_draft, takes_draft, needs_grammar, needs_tree_mask ...)."""
+        return self.peer if self.peer is not None else self.decoder
+
+    @property
+    def needs_draft(self) -> bool:
+        return self.declared.needs_draft
+
+    @property
+    def takes_draft(self) -> bool:
+        """A draft model is handed to it (whenever it needs one, or uses one when given)."""
+        return self.declared.needs_draft or self.declared.takes_draft
+
+    @property
+    def needs_grammar(self) -> bool:
+        """It runs only on prompts with a schema, under the prompt's grammar."""
+        return self.declared.needs_grammar
+
+
+def build(name: str, options: Mapping[str, Any] | None = None) -> Method:
+    """The method `name` (STRATEGY@KEY=VALUE... or a peer), its strategy constructed with `options` overridden by the
+    name's @settings; an unknown strategy, peer or option raises here."""
+    base, settings = split(name)
+    if peers.is_peer(base):
+        if settings or options:
+            raise ValueError(f"method {name!r}: peers take no options")
+        return Method(name=name, base=base, options={}, peer=peers.get(base))
+    merged = {**(options or {}), **settings}
+    return Method(name=name, base=base, options=merged, decoder=registry.get(base)(**merged))
+
+
+def plan(requested: Iterable[str], has_draft: bool,
+         options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[list[Method], list[str]]:
+    """The methods of a compare (the baseline first) and notes on what was skipped, before any model loads.
+
+    `requested` empty means every registered strategy and peer whose needs are met. `options` holds each strategy's
+    -o options ({"speculative": {"k": 4}}). An impossible explicit request raises; the default set skips, with a note.
+    """
+    requested, options = tuple(requested), options or {}
+    explicit = bool(requested)
+    wanted = requested if explicit else (*registry.available(), *peers.PEERS)
+    names = [BASELINE] + [n for n in dict.fromkeys(wanted) if n != BASELINE]
+    bases = [split(n)[0] for n in names]
+    unknown = sorted(set(options) - set(bases))
+    if unknown:
+        raise ValueError(f"options given for strategies that do not run: {', '.join(unknown)}")
+    methods, notes = [], []
+    for name, base in zip(names, bases):
+        method = build(name, options.get(base))
+        if method.is_peer and peers.unavailable(base):
+            notes.append(f"{name}: not available ({peers.unavailable(base)})")
+            continue
+        try:
+            check_request(method.declared, has_draft=has_draft and method.takes_draft)
+        except ValueError as error:
+            if explicit:
+                raise
+            notes.append(f"{name}: skipped ({error})")
+            continue
+        methods.append(method)
+    if has_draft and not any(m.takes_draft for m in methods):
+        notes.append("the draft model is not used: none of these methods takes one")
+    return methods, notes
+
+
+def check_loaded(methods: list[Method], lm: decoders.LM, draft: decoders.LM | None, explicit: bool,
+                 notes: list[str]) -> list[Method]:
+    """The methods the loaded models can serve (`decoders.capabilities.check_models`: a draft of the target's
+    vocabulary, tree masks), probed once before any run. An explicit request with an unusable method raises, as does
+    a draft that no method can use; the default set skips the others, with a note."""
+    usable, reasons = [], []
+    for method in methods:
+        try:
+            check_models(method.declared, lm, draft if method.takes_draft else None)
+        except (ValueError, TypeError) as error:
+            if explicit:
+                raise type(error)(f"{method.name}: {error}") from None
+            reasons.append(f"{method.name}: {error}")
+            notes.append(f"{method.name}: skipped ({error})")
+            continue
+        usable.append(method)
+    if draft is not None and any(m.takes_draft for m in methods) and not any(m.takes_draft for m in usable):
+        raise ValueError(f"no method can use the draft model {draft.name!r}: {reasons[0]}")
+    return usable
