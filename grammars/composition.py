@@ -100,7 +100,7 @@ class Composer:
             if isinstance(values, list) and not any(self._maybe_accepts(other, v) for v in values):
                 return True
         types_a, types_b = _types(a), _types(b)
-        if types_a is not None and types_b is not None and not _types_meet(types_a, types_b):
+        if types_a is not None and types_b is not None and not _type_meet(sorted(types_a), sorted(types_b)):
             return True
         if types_a == types_b == {"object"}:  # a property both require, with disjoint schemas (a discriminator)
             common = [n for n in a.get("required", []) if n in b.get("required", [])]
@@ -305,7 +305,3 @@ def _types(schema: dict) -> set[str] | None:
     names = {bool: "boolean", type(None): "null", int: "integer", float: "number", str: "string", list: "array",
              dict: "object"}
     return {names.get(type(v), "object") for v in values}
-
-
-def _types_meet(a: set[str], b: set[str]) -> bool:
-    return bool(_type_meet(sorted(a), sorted(b)))

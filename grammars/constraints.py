@@ -18,7 +18,7 @@ from grammars.errors import GrammarError
 from grammars.index import compile_index
 from grammars.matcher import Matcher
 from grammars.protocol import GrammarMatcher
-from grammars.schema import schema_regex, schema_text
+from grammars.schema import schema_regex
 
 _RUST_META = set("\\.+*?()|[]{}^$#&-~")  # what Rust's regex_syntax::escape escapes
 
