@@ -145,3 +145,19 @@ def test_bad_options_are_refused(strategy, options, message):
 def test_a_missing_draft_is_refused(strategy):
     with pytest.raises(ValueError, match="needs a draft model"):
         decoders.generate(tiny_lm("llama"), PROMPTS[0], strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", [s for s in DRAFTING if decoders.registry.get(s).needs_draft])
+def test_sampling_with_an_int8_draft_follows_the_target_distribution(strategy):
+    """The int8 copy of the target drafts what the target almost would: rejection sampling keeps q exactly."""
+    lm = tiny_lm("qwen2")
+    prompt = lm.encode(PROMPTS[4]) * 2
+    settings = dict(temperature=1.0, top_k=12)
+    with torch.inference_mode():
+        target = SamplingConfig(**settings).probs(lm.forward(prompt, lm.new_cache())[-1])
+    firsts = torch.tensor([
+        decoders.generate(lm, prompt, strategy=strategy, draft="self:int8", max_new_tokens=3, seed=seed,
+                          **settings).tokens[0]
+        for seed in range(800)
+    ])
+    assert chi_square_fits(firsts, target)

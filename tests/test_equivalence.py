@@ -1,8 +1,8 @@
 """Every registered strategy, in greedy mode, returns exactly the tokens of KV-cached `greedy` (float32).
 
-Parametrized over `decoders.available()`, so a new strategy is tested the day it is registered. Strategies that need
-a draft run twice: with the target itself as the draft (everything accepted) and with an unrelated random model of
-the same tokenizer (almost nothing accepted) - the two extremes.
+Parametrized over `decoders.available()`, so a new strategy is tested the day it is registered. Strategies that take
+a draft run four times: with the target itself as the draft (everything accepted) and with an unrelated random model of
+the same tokenizer (almost nothing accepted) - the two extremes - and with the int8 copies of both ("self:int8").
 """
 
 import copy
@@ -14,7 +14,7 @@ import decoders
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm
 
 STRATEGIES = [name for name in decoders.available() if name != "greedy"]
-SELF, RANDOM = "self", "random"
+SELF, RANDOM, SELF_INT8, RANDOM_INT8 = "self", "random", "self:int8", "random:int8"
 
 
 def run(strategy, lm, prompt, draft_kind, **kwargs):
@@ -22,9 +22,10 @@ def run(strategy, lm, prompt, draft_kind, **kwargs):
     if getattr(cls, "needs_grammar", False):
         pytest.skip(f"{strategy} is tested with grammars in its own tests")
     draft = None
-    if cls.needs_draft:
-        draft = lm if draft_kind == SELF else tiny_lm("llama", seed=99)
-    elif draft_kind == RANDOM:
+    if cls.takes_draft:
+        draft = {SELF: lm, RANDOM: tiny_lm("llama", seed=99), SELF_INT8: SELF_INT8,
+                 RANDOM_INT8: decoders.quantize(tiny_lm("llama", seed=99))}[draft_kind]
+    elif draft_kind != SELF:
         pytest.skip(f"{strategy} takes no draft model")
     return decoders.generate(lm, prompt, strategy=strategy, draft=draft, **kwargs)
 
@@ -38,7 +39,7 @@ def assert_draft_fully_accepted(strategy, stats):
         assert stats.acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("draft_kind", [SELF, RANDOM])
+@pytest.mark.parametrize("draft_kind", [SELF, RANDOM, SELF_INT8, RANDOM_INT8])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_greedy_mode_equals_greedy(strategy, arch, draft_kind):
