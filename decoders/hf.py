@@ -1,0 +1,373 @@
+"""decodekit inside `model.generate`: `custom_generate` runs a registered strategy as transformers' decoding loop.
+
+    from decoders.hf import custom_generate
+    out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft,
+                         max_new_tokens=128, streamer=TextStreamer(tok))
+
+transformers prepares the call as for any decoding method - the model's generation_config merged with the keyword
+arguments, `max_new_tokens` turned into `max_length`, the logits processors and stopping criteria built - and hands
+the prepared pieces to `custom_generate`, which runs `strategy` on them. What carries over:
+
+- length and EOS: `max_new_tokens` / `max_length`, `eos_token_id` (as the generation config resolves them).
+- sampling: `do_sample=False` is greedy; with `do_sample=True` the temperature / top-k / top-p / min-p warpers
+  transformers built (the model's generation_config defaults included, e.g. top_k=50) set decodekit's sampling.
+  `seed=` seeds it; without one the seed is drawn from torch's global RNG, so `torch.manual_seed` before the call
+  makes a run reproducible as with transformers.
+- `stopping_criteria` (and max_time): evaluated token by token on the growing sequence (scores=None, as transformers'
+  own loop passes them without output_scores); the output ends at the first token where one fires.
+- `streamer`: the prompt first (transformers puts it), then one `put` of shape [1, n] per accepted step, then `end()`.
+- `assistant_model`: the draft model, wrapped with the target's tokenizer; or `draft=`, which takes what
+  `decoders.generate` takes (an `LM`, a model name, "self:int8"). `strategy=` (default "greedy"), `grammar=`, `seed=`
+  and the strategy's options (`k=4`) are keyword arguments of the same call.
+- `return_dict_in_generate=True`: a `DecodekitOutput` (a `GenerateDecoderOnlyOutput`) with `sequences` and
+  `decodekit_stats` (`Stats.as_dict()` of the run plus "strategy", "finish_reason" and "sources", one per new token).
+
+Returns what `generate` returns: prompt plus new tokens, [1, T] on the prompt's device.
+Refused with an error naming the argument: a batch of several prompts or left padding, beams and other decoding
+modes, any logits processor besides those four warpers (repetition_penalty, min_new_tokens, logits_processor=...),
+output_scores / output_logits / output_attentions / output_hidden_states, num_return_sequences > 1, a prefilled cache,
+model inputs other than input_ids. Accepted and not needed: pad_token_id (a batch of one is never padded),
+use_cache / cache_implementation (decodekit keeps its own rollback cache).
+
+The tokenizer: transformers 5.x drops `tokenizer=` (and `streamer=`, `assistant_model=`) before calling a callable
+`custom_generate`. The streamer and assistant model are read back from the running `generate` call's arguments
+(`_generate_call_arguments`); the tokenizer is not needed - the run uses token ids only, and the streamer decodes for
+itself - so the model is wrapped with an ids-only stand-in. `grammar=` and `stop_strings=` need the real tokenizer
+(transformers itself refuses stop strings without one): use the exported folder (`hub_generate`,
+`decodekit export-hub`), which receives `tokenizer=` intact.
+
+A fresh `LM` wraps the model on every call, so a tree strategy's mask probe (a few short forward calls) runs per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import (
+    GenerateDecoderOnlyOutput,
+    LogitNormalization,
+    MinPLogitsWarper,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.utils import GenerationMixin
+
+from decoders import registry
+from decoders.base import Decoder
+from decoders.capabilities import check_request
+from decoders.driver import _prepare, _run, resolve_draft
+from decoders.models.lm import LM
+
+# The logits warpers decodekit's sampling reproduces, in the order both apply them, and the setting each carries.
+_WARPERS = ((TemperatureLogitsWarper, "temperature"), (TopKLogitsWarper, "top_k"), (TopPLogitsWarper, "top_p"),
+            (MinPLogitsWarper, "min_p"))
+# Processors transformers adds for a generate argument, by class name: named in the error that refuses them.
+_PROCESSOR_ARGUMENTS = {
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
+    "NoBadWordsLogitsProcessor": "bad_words_ids",
+    "SequenceBiasLogitsProcessor": "sequence_bias",
+    "MinLengthLogitsProcessor": "min_new_tokens / min_length",  # transformers turns min_new_tokens into min_length
+    "MinNewTokensLengthLogitsProcessor": "min_new_tokens",
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
+    "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
+    "InfNanRemoveLogitsProcessor": "remove_invalid_values",
+    "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
+    "SuppressTokensLogitsProcessor": "suppress_tokens",
+    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "TypicalLogitsWarper": "typical_p",
+    "EpsilonLogitsWarper": "epsilon_cutoff",
+    "EtaLogitsWarper": "eta_cutoff",
+    "TopHLogitsWarper": "top_h",
+    "HammingDiversityLogitsProcessor": "diversity_penalty",
+    "WatermarkLogitsProcessor": "watermarking_config",
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
+}
+# Generation-config fields that select another decoding mode or ask for outputs decodekit does not produce:
+# field -> the values it may take here.
+_UNSUPPORTED_FIELDS = {
+    "num_beams": (None, 1),
+    "num_beam_groups": (None, 1),
+    "num_return_sequences": (None, 1),
+    "penalty_alpha": (None, 0, 0.0),
+    "dola_layers": (None,),
+    "prompt_lookup_num_tokens": (None,),
+    "assistant_early_exit": (None,),
+    "token_healing": (None, False),
+    "output_scores": (None, False),
+    "output_logits": (None, False),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+}
+# Our own keyword arguments (besides the strategies' options).
+_OWN_ARGUMENTS = ("strategy", "draft", "seed", "grammar", "tokenizer")
+
+
+@dataclass
+class DecodekitOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus the decodekit run's statistics (`return_dict_in_generate=True`)."""
+
+    decodekit_stats: dict | None = None  # Stats.as_dict() + "strategy", "finish_reason", "sources" (one per new token)
+
+
+class TokenIds:
+    """An ids-only stand-in for a tokenizer, for runs that never need text: it has no vocabulary to compare (the
+    draft check passes; transformers has checked the assistant model's vocabulary size) and decodes to ""."""
+
+    eos_token_id = None
+
+    def __call__(self, text: str, **kwargs):
+        raise TypeError("this run has no tokenizer (transformers does not pass tokenizer= to a custom_generate "
+                        "callable); give token ids, not text")
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+    def decode(self, tokens, skip_special_tokens: bool = False) -> str:
+        return ""
+
+
+class CustomGenerate:
+    """transformers' `custom_generate` callable running a decodekit strategy (see this module's docstring).
+
+    Its signature, which transformers reads to decide which keyword arguments are ours, lists `strategy`, `draft`,
+    `seed`, `grammar`, `tokenizer` and every option of every registered strategy.
+    """
+
+    def __init__(self, tokenizer=None) -> None:
+        self.tokenizer = tokenizer  # a tokenizer handed over outside the call (the exported folder's path)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        params = [
+            inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("input_ids", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default) for name, default in
+              (("logits_processor", None), ("stopping_criteria", None), ("generation_config", None),
+               ("synced_gpus", False), ("streamer", None), ("assistant_model", None))),
+            inspect.Parameter("strategy", keyword, default="greedy"),
+            *(inspect.Parameter(name, keyword, default=None) for name in _OWN_ARGUMENTS[1:]),
+            *(inspect.Parameter(name, keyword, default=None) for name in _option_names()),
+            inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD),
+        ]
+        return inspect.Signature(params)
+
+    def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
+                 generation_config: GenerationConfig | None = None, synced_gpus: bool = False, streamer=None,
+                 assistant_model=None, **kwargs) -> torch.Tensor | DecodekitOutput:
+        if generation_config is None:
+            raise TypeError("decoders.hf.custom_generate is called by model.generate: "
+                            "model.generate(**inputs, custom_generate=custom_generate, strategy=...)")
+        if synced_gpus:
+            raise ValueError("synced_gpus=True is not supported by decodekit's custom_generate (batch 1, one process)")
+        options = {name: kwargs.pop(name) for name in _option_names() if name in kwargs}
+        own = {name: kwargs.pop(name) for name in _OWN_ARGUMENTS if name in kwargs}
+        tokenizer = own.pop("tokenizer", None)
+        call_streamer, call_assistant = _generate_call_arguments(model)
+        return _decode(
+            model, input_ids, list(logits_processor or ()), stopping_criteria, generation_config,
+            streamer=streamer if streamer is not None else call_streamer,
+            assistant_model=assistant_model if assistant_model is not None else call_assistant,
+            tokenizer=tokenizer if tokenizer is not None else self.tokenizer,
+            model_kwargs=kwargs,
+            options=options,
+            **own,
+        )
+
+
+custom_generate = CustomGenerate()
+
+
+def hub_generate(model, *args, **kwargs) -> torch.Tensor | DecodekitOutput:
+    """The `generate` of an exported custom_generate folder (`evals.export_hub`): transformers hands it the raw
+    arguments of `model.generate(..., custom_generate="DIR", trust_remote_code=True)` (or of every `model.generate`
+    of a model loaded from that folder with trust_remote_code=True); it runs them through `generate`'s usual
+    preparation with `custom_generate`, keeping the tokenizer that path would drop."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    stop_strings = kwargs.pop("stop_strings", None)
+    if stop_strings is not None:  # transformers builds this criterion only with the tokenizer it drops
+        if tokenizer is None:
+            raise ValueError("stop_strings= needs tokenizer= in the same generate call")
+        given = kwargs.get("stopping_criteria") or ()
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*given, StopStringCriteria(tokenizer, stop_strings)])
+    # GenerationMixin.generate, not model.generate: a model loaded with this folder has its generate replaced by us
+    return GenerationMixin.generate(model, *args, custom_generate=CustomGenerate(tokenizer), **kwargs)
+
+
+def _option_names() -> list[str]:
+    """Every option name of every registered strategy that can travel as a `generate` keyword (not a
+    generation-config field, which transformers would keep for itself)."""
+    defaults = GenerationConfig()
+    names = {field.name for name in registry.available()
+             for field in dataclasses.fields(registry.get(name).Options)}
+    return sorted(n for n in names if n not in _OWN_ARGUMENTS and not hasattr(defaults, n))
+
+
+_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
+
+
+def _generate_call_arguments(model) -> tuple[Any, Any]:
+    """(streamer, assistant_model) of the running `model.generate` call.
+
+    transformers 5.x passes a callable `custom_generate` only the keyword arguments its signature adds to `_sample`'s,
+    taken from `**kwargs`: `streamer` and `assistant_model`, named parameters of `generate`, never arrive. They are
+    read, unchanged, from that call's frame: the innermost `GenerationMixin.generate` running for `model`.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _GENERATE_CODE and frame.f_locals.get("self") is model:
+            return frame.f_locals.get("streamer"), frame.f_locals.get("assistant_model")
+        frame = frame.f_back
+    return None, None
+
+
+def _decode(model, input_ids, processors, stopping_criteria, generation_config, *, streamer, assistant_model,
+            tokenizer, model_kwargs, options, strategy: str | Decoder = "greedy", draft=None, seed=None,
+            grammar=None):
+    """Run `strategy` on a prepared `generate` call and return what `generate` returns."""
+    _check_call(input_ids, generation_config, model_kwargs)
+    sampling = _sampling(generation_config, processors)
+    if sampling["temperature"] and seed is None:
+        seed = int(torch.randint(0, 2**62, ()))  # from torch's global RNG, as transformers samples
+    if grammar is not None and tokenizer is None:
+        raise ValueError("grammar= needs the tokenizer, which transformers does not pass to a custom_generate "
+                         "callable: export a folder (decodekit export-hub DIR) and call model.generate(..., "
+                         "custom_generate='DIR', trust_remote_code=True, tokenizer=tok, grammar=...), or use "
+                         "decoders.generate")
+    was_training = model.training  # LM puts the model in evaluation mode; the caller's mode comes back afterwards
+    try:
+        lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)
+        try:
+            check_request(strategy if isinstance(strategy, Decoder) else registry.get(strategy),
+                          has_draft=draft is not None, has_grammar=grammar is not None)
+        except ValueError as error:
+            raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
+        prompt = input_ids[0].tolist()
+        max_new_tokens = generation_config.max_length - len(prompt)
+        state, decoder = _prepare(lm, prompt, strategy=strategy, max_new_tokens=max_new_tokens, draft=draft,
+                                  seed=seed, grammar=grammar, **sampling, **options)
+        sequence = _emit(state, decoder, input_ids, generation_config.max_length, stopping_criteria, streamer)
+    finally:
+        model.train(was_training)
+    if not generation_config.return_dict_in_generate:
+        return sequence
+    new = sequence.shape[1] - len(prompt)
+    state.stats.new_tokens = new  # a stopping criterion may have cut the last step short
+    whole_run = state.finished and new == len(state.new_tokens)
+    return DecodekitOutput(sequences=sequence, decodekit_stats={
+        **state.stats.as_dict(), "strategy": decoder.name,
+        "finish_reason": state.finish_reason if whole_run else "stop", "sources": state.sources[:new],
+    })
+
+
+def _models(model, tokenizer, generation_config: GenerationConfig, assistant_model, draft) -> tuple[LM, LM | None]:
+    """The target `LM`, ending at the EOS ids this call resolved, and the draft `LM` (or None)."""
+    lm = LM(model, tokenizer if tokenizer is not None else TokenIds())
+    eos = generation_config.eos_token_id  # this call's: an id, a list of ids or None (the model's config merged in)
+    lm.eos_token_ids = frozenset() if eos is None else frozenset(torch.as_tensor(eos).reshape(-1).tolist())
+    if assistant_model is not None:
+        if draft is not None:
+            raise ValueError("pass the draft model once: assistant_model= or draft=, not both")
+        draft = lm if assistant_model is model else LM(assistant_model, lm.tokenizer)
+    draft = resolve_draft(lm, draft)
+    if tokenizer is None and draft is not None and not isinstance(draft.tokenizer, TokenIds):
+        lm.tokenizer = draft.tokenizer  # none came with the call: the draft's, which a draft must share anyway
+    return lm, draft
+
+
+def _emit(state, decoder, input_ids, max_length: int, stopping_criteria, streamer) -> torch.Tensor:
+    """Step the run, checking the stopping criteria after every token and streaming what is kept; returns the
+    sequence, prompt included: [1, T]."""
+    prompt_len = input_ids.shape[1]
+    sequence = torch.empty(1, max_length, dtype=torch.long, device=input_ids.device)  # [1, max_length]
+    sequence[:, :prompt_len] = input_ids
+    length, stopped = prompt_len, False
+    steps = _run(state, decoder, with_text=False)
+    try:
+        for chunk in steps:
+            start = length
+            for token in chunk.tokens:  # a criterion that fires inside a step ends the output at that token
+                sequence[0, length] = token
+                length += 1
+                if stopping_criteria is not None and bool(stopping_criteria(sequence[:, :length], None).any()):
+                    stopped = True
+                    break
+            if streamer is not None and length > start:
+                streamer.put(sequence[:, start:length].cpu())  # [1, n]
+            if stopped:
+                break
+    finally:
+        steps.close()
+    if streamer is not None:
+        streamer.end()
+    return sequence[:, :length].clone()
+
+
+def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
+    """decodekit's sampling settings from the logits warpers transformers built (or was given): greedy unless
+    do_sample. Any other processor is refused, naming the argument that added it."""
+    settings: dict[str, Any] = {"temperature": 1.0 if generation_config.do_sample else 0.0,
+                                "top_k": None, "top_p": None, "min_p": None}
+    last = -1
+    for processor in processors:
+        name = type(processor).__name__
+        index = next((i for i, (cls, _) in enumerate(_WARPERS) if type(processor) is cls), None)
+        if index is None:
+            if isinstance(processor, LogitNormalization):
+                continue  # renormalize_logits: a log-softmax leaves the distribution as it is
+            argument = _PROCESSOR_ARGUMENTS.get(name)
+            cause = f"{argument} (adds {name})" if argument else f"logits_processor=[{name}(...)]"
+            raise ValueError(f"{cause} is not supported by decodekit's custom_generate: its strategies sample from "
+                             "the model's distribution after temperature, top_k, top_p and min_p only; drop it")
+        if index <= last or getattr(processor, "min_tokens_to_keep", 1) != 1 \
+                or getattr(processor, "filter_value", float("-inf")) != float("-inf"):
+            raise ValueError(f"logits_processor: {name} as given is not supported by decodekit's custom_generate: "
+                             "temperature, top_k, top_p and min_p apply once each, in that order, dropping tokens "
+                             "to -inf and keeping at least one; set them as generate arguments instead")
+        last = index
+        if generation_config.do_sample:  # in greedy mode a warper never changes the argmax
+            field = _WARPERS[index][1]
+            settings[field] = getattr(processor, field)
+    return settings
+
+
+def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> None:
+    """Refuse, naming the argument, what decodekit cannot honor: a batch, left padding, other decoding modes and
+    outputs, model inputs besides the prompt's ids."""
+    for field, allowed in _UNSUPPORTED_FIELDS.items():  # first: beams and return sequences also widen the batch
+        value = getattr(generation_config, field, None)
+        if value not in allowed:
+            raise ValueError(f"{field}={value!r} is not supported by decodekit's custom_generate "
+                             f"(it runs one decodekit strategy and returns sequences and decodekit_stats); drop it")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"decodekit's custom_generate decodes one prompt at a time, got a batch of "
+                         f"{input_ids.shape[0]}: call generate once per prompt")
+    for name, value in model_kwargs.items():
+        if value is None or name in ("use_cache", "logits_to_keep", "cache_position"):
+            continue
+        if name == "attention_mask" and bool((value == 1).all()):
+            continue
+        if name == "position_ids" and torch.equal(value.reshape(-1).cpu(), torch.arange(value.numel())):
+            continue
+        if name == "past_key_values" and getattr(value, "get_seq_length", lambda: 1)() == 0:
+            continue
+        why = {"attention_mask": "left padding (an attention mask with zeros)",
+               "position_ids": "position_ids other than 0..T-1",
+               "past_key_values": "a prefilled past_key_values cache"}.get(name, f"the model input {name}=")
+        raise ValueError(f"{why} is not supported by decodekit's custom_generate: it decodes one unpadded prompt "
+                         "from input_ids, from scratch")
