@@ -74,6 +74,7 @@ class Stats:
     draft_lengths: list[int] = field(default_factory=list)  # drafted tokens at each verification, in order
     seconds: float = 0.0
     ttft_seconds: float = 0.0  # until the first new token
+    details: dict[str, Any] = field(default_factory=dict)  # a strategy's own record (auto: what it chose)
 
     @property
     def acceptance_rate(self) -> float:

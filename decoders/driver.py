@@ -149,15 +149,10 @@ def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def _synchronize(lm: LM) -> None:
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize(lm.device)
-
-
 def _run(state: DecodeState, decoder: Decoder, with_text: bool = True) -> Iterator[Chunk]:
     """Step the strategy until the run finishes, timing it and yielding what each step adds (its text too when
     `with_text`: `generate` decodes once at the end instead)."""
-    _synchronize(state.lm)
+    state.lm.synchronize()
     start = time.perf_counter()
     with torch.inference_mode():
         decoder.start(state)
@@ -170,7 +165,7 @@ def _run(state: DecodeState, decoder: Decoder, with_text: bool = True) -> Iterat
         added = state.tokens[before:]
         if not added and not state.finished:
             raise RuntimeError(f"strategy {decoder.name!r} made a step that accepted no token")
-        _synchronize(state.lm)
+        state.lm.synchronize()
         elapsed = time.perf_counter() - start
         if state.stats.ttft_seconds == 0.0:
             state.stats.ttft_seconds = elapsed

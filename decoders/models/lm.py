@@ -49,6 +49,11 @@ class LM:
     def __repr__(self) -> str:
         return f"LM({self.name!r}, {type(self.model).__name__}, dtype={self.dtype}, device={self.device})"
 
+    def synchronize(self) -> None:
+        """Wait for this model's device (CUDA kernels run asynchronously), before reading a clock."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def new_cache(self) -> KVCache:
         """An empty KV cache for this model."""
         return KVCache()

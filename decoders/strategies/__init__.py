@@ -4,4 +4,4 @@ Add a strategy: a new file here (or in your own package) with a `Decoder` or `Dr
 `@decoders.register("name")` - see speculative.py for the smallest complete example.
 """
 
-from decoders.strategies import greedy, guided, lookahead, prompt_lookup, speculative, staged, threshold  # noqa: F401
+from decoders.strategies import auto, greedy, guided, lookahead, prompt_lookup, speculative, staged, threshold  # noqa: F401

@@ -1,0 +1,124 @@
+"""`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second.
+
+Proposers, all through the shared draft-then-verify loop: runs the grammar forces (free, taken by the loop itself),
+prompt lookup (copies from the context: near free), the draft model when one is given (`draft=` a model or
+"self:int8"; drafted one token at a time while the next token still pays), and nothing (a plain greedy step).
+
+The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
+cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
+draft model, per bucket of its own confidence) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a
+proposer it has turned down for a while. So the same code drafts long where draft calls are cheap (a GPU, an int8
+draft), short or not at all where they are not, and copies wherever the context repeats itself.
+
+Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from decoders.base import DecodeState
+from decoders.drafting import Draft, DraftModel, DraftVerify, stack_probs
+from decoders.drafting.chooser import Chooser
+from decoders.drafting.cost import calibrate
+from decoders.options import check_whole
+from decoders.registry import register
+from decoders.strategies.prompt_lookup import lookup
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """Options of `auto`: bounds only; what to draft and how much is measured, not set."""
+
+    max_draft: int = 16  # the most draft-model tokens per target call
+    max_lookup: int = 16  # the most copied tokens per target call
+    max_ngram: int = 3  # longest context suffix prompt lookup matches
+
+    def __post_init__(self):
+        check_whole(self, max_draft=1, max_lookup=1, max_ngram=1)
+
+
+class AutoDrafter:
+    """One run's cost model, acceptance estimates and draft model; times the calls it causes to refine the costs."""
+
+    def __init__(self, state: DecodeState, options: AutoOptions) -> None:
+        self.options = options
+        self.model = DraftModel(state) if state.draft is not None else None
+        self.cost = calibrate(state.lm, state.draft)
+        self.chooser = Chooser(self.cost)
+        self.proposer: str | None = None  # what the last proposal came from
+        self.confidences: list[float] = []  # [k] the draft model's probability of each token it drafted
+        self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
+        self.clock = 0.0
+        state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
+
+    def propose(self, state: DecodeState, limit: int) -> Draft:
+        context, o = len(state.cache), self.options
+        copied = lookup(state.tokens, min(o.max_lookup, limit), o.max_ngram, 1) if limit > 0 else []
+        candidates = [self.chooser.candidate("lookup", len(copied))] if copied else []
+        if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
+            per_token = self.cost.draft_seconds(1, context)
+            catch_up = self.cost.draft_seconds(1, context, len(self.model.uncached())) - per_token
+            candidates.append(self.chooser.candidate("draft", room, per_token_seconds=per_token,
+                                                     fixed_seconds=catch_up))
+        plan = self.chooser.choose(candidates, context)
+        self.record(state, plan)
+        self.proposer, self.confidences = plan.proposer, []
+        if plan.proposer == "lookup":
+            draft = Draft(copied[: plan.k], source="lookup")
+        elif plan.proposer == "draft":
+            draft = self.draft_with_model(state, plan.k if plan.probe else room, plan.k, catch_up)
+        else:
+            draft = Draft([])
+        self.scored, self.context = len(state.uncached()) + len(draft.tokens), context
+        self.clock = time.perf_counter()
+        return draft
+
+    def draft_with_model(self, state: DecodeState, limit: int, planned: int, catch_up: float) -> Draft:
+        """Draft the `planned` tokens, then up to `limit` while the next one is predicted to pay, judged by the
+        draft's confidence in the tokens so far (a probe: limit == planned)."""
+        chooser, context, confidences = self.chooser, len(state.cache), self.confidences
+
+        def keep_going(cumulative: float) -> bool:
+            before = confidences[-1][1] if confidences else 1.0
+            confidences.append((cumulative / before if before else 0.0, cumulative))  # (this token's, the chain's)
+            if len(confidences) < planned:
+                return True
+            accept = [chooser.acceptance("draft", d + 1, c) for d, (c, _) in enumerate(confidences)]
+            next_token = chooser.acceptance("draft", len(accept) + 1, confidences[-1][0])
+            return chooser.should_continue(accept, next_token, context, fixed_seconds=catch_up)
+
+        start = time.perf_counter()
+        tokens, rows, _ = self.model.draft_chain(limit, keep_going)
+        state.lm.synchronize()
+        if tokens:
+            self.cost.observe("draft", 1, context, (time.perf_counter() - start) / len(tokens))
+        self.confidences = [c for c, _ in confidences[: len(tokens)]]
+        return Draft(tokens, stack_probs(rows))
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        state.lm.synchronize()
+        self.cost.observe("target", self.scored, self.context, time.perf_counter() - self.clock)
+        if self.proposer is not None and draft.tokens:
+            confidences = self.confidences if self.proposer == "draft" else None
+            self.chooser.update(self.proposer, len(draft.tokens), accepted, confidences)
+        if self.model is not None:
+            self.model.rewind()
+
+    def record(self, state: DecodeState, plan) -> None:
+        """What auto chose, for reports: steps per proposer, and the predicted tokens and seconds."""
+        details = state.stats.details
+        name = plan.proposer or "none"
+        details["steps"][name] = details["steps"].get(name, 0) + 1
+        details["predicted_tokens"] += plan.expected_tokens
+        details["predicted_seconds"] += plan.seconds
+
+
+@register("auto")
+class Auto(DraftVerify):
+    """Per step, the proposer and draft length a measured cost model predicts to be fastest."""
+
+    Options = AutoOptions
+    drafter = AutoDrafter
+    takes_draft = True
