@@ -1,4 +1,4 @@
-"""The `decodekit` command: list, generate, compare, leaderboard, models pull (also `python -m evals ...`).
+"""The `decodekit` command: list, generate, compare, calibrate, leaderboard, models (also `python -m evals ...`).
 
 Bad input (an unknown strategy or suite, a malformed suite file, a strategy that needs a missing draft, a draft of
 another vocabulary ...) prints one `decodekit: error: ...` line to stderr and exits with status 2, before any run;
@@ -201,6 +201,39 @@ def cmd_compare(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------------ calibrate
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from decoders.drafting import cost
+    from decoders.driver import resolve_draft
+
+    _check_draft_arguments(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = _load(args.model, args, args.device)
+    draft = resolve_draft(lm, _draft(args, args.device)) if args.draft else None
+    print("measuring ..." if args.refresh else "measuring (or reading this machine's cached costs) ...",
+          file=sys.stderr)
+    costs = cost.calibrate(lm, draft, refresh=args.refresh)
+    curves = [("target", lm.name, costs.target)] + ([("draft", args.draft, costs.draft)] if draft else [])
+    print(f"device: {lm.device} · dtype: {str(lm.dtype).removeprefix('torch.')} · threads: {torch.get_num_threads()}"
+          f" · torch {torch.__version__}\n")
+    rows = [[role, name, str(n), str(context), f"{seconds * 1e3:.2f}", f"{curve.fitted(n, context) * 1e3:.2f}",
+             f"{curve.fitted(n, context) / curve.fitted(1, context):.2f}"]
+            for role, name, curve in curves for n, context, seconds in curve.samples]
+    print(report.make_table(["role", "model", "tokens", "context", "measured ms ↓", "fit ms ↓", "× 1 token ↓"], rows))
+    for role, _, curve in curves:
+        knots = ", ".join(f"{n}: {seconds * 1e3:.2f}" for n, seconds in zip(curve.sizes, curve.seconds))
+        print(f"\n{role}: ms by tokens scored ({knots}) + {curve.per_position * 1e6:.2f} µs per cached position")
+    if args.plot:
+        from evals import plots
+
+        plots.cost_curves(curves, args.plot, title=f"{lm.name} · {lm.device} · {str(lm.dtype).removeprefix('torch.')}")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- leaderboard
 def cmd_leaderboard(args) -> int:
     results = [report.load_result(path) for path in args.files]
@@ -233,8 +266,8 @@ def cmd_models(args) -> int:
     return 0
 
 
-COMMANDS = {"list": cmd_list, "generate": cmd_generate, "compare": cmd_compare, "leaderboard": cmd_leaderboard,
-            "models": cmd_models}
+COMMANDS = {"list": cmd_list, "generate": cmd_generate, "compare": cmd_compare, "calibrate": cmd_calibrate,
+            "leaderboard": cmd_leaderboard, "models": cmd_models}
 
 
 def main(argv: list[str] | None = None) -> int:

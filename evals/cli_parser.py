@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from importlib import metadata
 
+from evals.metrics import BASELINE
+
 MAIN_EPILOG = """examples:
   decodekit list
   decodekit generate --model zoo:smollm2-135m "What is a tensor in machine learning?"
@@ -13,6 +15,7 @@ MAIN_EPILOG = """examples:
       --strategies greedy,speculative,hf:assisted --suite edit --out results.json --html report.html
   decodekit compare --model zoo:qwen2.5-coder-1.5b --draft self:int8 --strategies speculative,threshold
   decodekit leaderboard results/*.json --format md
+  decodekit calibrate --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b
   decodekit models pull smollm2-135m
 """
 
@@ -53,6 +56,16 @@ tolerance marks it FAILED with the first divergent position. Under accelerate on
 (accelerate's name for its torch.distributed launcher) or use torchrun: plain `--num_processes 2` starts one process.
 """
 
+CALIBRATE_EPILOG = """examples:
+  decodekit calibrate --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16
+  decodekit calibrate --model zoo:smollm2-135m --draft self:int8 --plot cost.png
+  decodekit calibrate --model zoo:smollm2-135m --refresh
+
+Times a few forward calls of the target and of the draft, scoring a few numbers of new tokens at a short and a long
+context, and fits seconds = f(tokens) + per-position cost x context (decoders.drafting.cost.calibrate). The fit is cached per model, dtype, device, thread count and torch version, and
+strategies that weigh draft length against cost read the same cache; --refresh measures again.
+"""
+
 LEADERBOARD_EPILOG = """examples:
   decodekit leaderboard results/*.json
   decodekit leaderboard a.json b.json --format html --out leaderboard.html
@@ -83,14 +96,16 @@ def _version() -> str:
         return "(not installed: run from a source tree)"
 
 
-def _model_arguments(parser: argparse.ArgumentParser) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
     parser.add_argument("--model", required=True, help="zoo:NAME, a local folder, a .gguf file or a hub id")
     parser.add_argument("--draft", help="draft model for strategies that take one (same tokenizer as --model), or "
                         "self:int8 for the model's own int8 copy")
     parser.add_argument("--draft-quantize", choices=["int8"], help="load the --draft model weight-only quantized")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    parser.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat template")
+    if prompts:
+        parser.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat "
+                            "template")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (loading weights, runs)")
 
 
@@ -110,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                          epilog=GENERATE_EPILOG, formatter_class=formatter)
     _model_arguments(gen)
     gen.add_argument("prompt", help="the prompt text, or - to read it from stdin")
-    gen.add_argument("--strategy", default="greedy", help="a registered strategy (decodekit list), settings as "
-                     "STRATEGY@KEY=VALUE; default greedy")
+    gen.add_argument("--strategy", default=BASELINE, help="a registered strategy (decodekit list), settings as "
+                     f"STRATEGY@KEY=VALUE; default {BASELINE}")
     gen.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
     gen.add_argument("--max-new-tokens", type=_positive, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -144,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     cmp.add_argument("--bandwidth-mb", type=int, default=256,
                      help="size of the memory-bandwidth probe for the roofline (0: no roofline)")
+
+    cal = sub.add_parser("calibrate", help="measure what target and draft calls cost on this machine",
+                         epilog=CALIBRATE_EPILOG, formatter_class=formatter)
+    _model_arguments(cal, prompts=False)
+    cal.add_argument("--plot", metavar="FILE", help="also draw the cost curves into a PNG (needs matplotlib)")
+    cal.add_argument("--refresh", action="store_true", help="measure again even when this machine's costs are cached")
+    cal.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
 
     board = sub.add_parser("leaderboard", help="merge compare result files into one table",
                            epilog=LEADERBOARD_EPILOG, formatter_class=formatter)

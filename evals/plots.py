@@ -1,4 +1,5 @@
-"""PNG plots of a compare result (matplotlib, imported only here and only when plots are asked for)."""
+"""PNG plots of a compare result and of measured call costs (matplotlib, imported only here and only when plots are
+asked for)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,27 @@ def write_all(result: dict, folder: str | Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     return [speedup_by_category(result, folder / "speedup_by_category.png"),
             acceptance_by_position(result, folder / "acceptance_by_position.png")]
+
+
+def cost_curves(curves: list[tuple[str, str, object]], path: str | Path, title: str = "") -> Path:
+    """One panel per (role, model name, `decoders.drafting.cost.CallCost`): the fitted milliseconds of a call by tokens
+    scored, a line per measured context length, and the measured calls as dots."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 4), squeeze=False)
+    for ax, (role, name, curve) in zip(axes[0], curves):
+        tokens = list(range(1, 2 * max(curve.sizes) + 1))
+        for context in sorted({c for _, c, _ in curve.samples}):
+            line = ax.plot(tokens, [curve.fitted(n, context) * 1e3 for n in tokens], label=f"fit, context {context}")
+            measured = [(n, s * 1e3) for n, c, s in curve.samples if c == context]
+            ax.plot(*zip(*measured), "o", color=line[0].get_color(), label=f"measured, context {context}")
+        ax.set_xlabel("tokens scored in one call")
+        ax.set_ylabel("ms per call (↓)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{role}: {name}", fontsize=9)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

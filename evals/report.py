@@ -193,8 +193,9 @@ def verdict(result: dict) -> str | None:
     overall = _verdict_part(result)
     if overall is None:
         return None
-    by_category = [f"{c}: {part}" for c in result["config"]["categories"]
-                   if (part := _verdict_part(result, c)) is not None]
+    categories = result["config"]["categories"]
+    by_category = [f"{c}: {part}" for c in categories if len(categories) > 1
+                   and (part := _verdict_part(result, c)) is not None]
     return " · ".join([f"Fastest lossless: {overall}", *by_category])
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import json
+import os
+import sys
+from dataclasses import dataclass
+from importlib import metadata
 
 import pytest
 
@@ -54,8 +60,8 @@ def test_list_shows_strategies_peers_and_suites(capsys):
         assert name in out
 
 
-@pytest.mark.parametrize("command", [[], ["list"], ["generate"], ["compare"], ["leaderboard"], ["models"],
-                                     ["models", "pull"]])
+@pytest.mark.parametrize("command", [[], ["list"], ["generate"], ["compare"], ["calibrate"], ["leaderboard"],
+                                     ["models"], ["models", "pull"]])
 def test_every_help_has_examples(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(command + ["--help"])
@@ -127,11 +133,156 @@ def test_compare_prints_a_table_and_writes_every_report(model_dir, tmp_path, cap
     (["generate", "--model", "unused", "--json-schema", "/no/such/schema.json", "hi"], "cannot read a JSON schema"),
     (["models", "pull", "smollm3"], "unknown zoo model"),
     (["leaderboard", "/no/such/result.json"], "no such file"),
+    (["generate", "--model", "unused", "--draft", "unused", "hi"], "'greedy' takes no draft model"),
+    (["generate", "--model", "unused", ""], "the prompt is empty"),
+    (["generate", "--model", "unused", " \n "], "the prompt is empty"),
+    (["generate", "--model", "unused", "--strategy", "hf:greedy", "hi"], "is a peer"),
+    (["generate", "--model", "unused", "--strategy", "prompt_lookup@k=0", "hi"], "k must be"),
+    (["generate", "--model", "unused", "--draft-quantize", "int8", "hi"], "pass --draft MODEL too"),
+    (["compare", "--model", "unused", "--draft", "self:int8", "--draft-quantize", "int8"], "drop --draft-quantize"),
+    (["compare", "--model", "unused", "--strategies", "prompt_lookup", "-o", "prompt_lookup.kk=1"], "unknown option"),
 ])
 def test_bad_input_is_one_line_on_stderr_and_exit_status_2(args, message, capsys):
     assert cli.main(args) == 2
     out, err = capsys.readouterr()
     assert err.startswith("decodekit: error: ") and message in err and "Traceback" not in err
+    assert "loading" not in err  # refused before any model loads
+
+
+def test_an_empty_stdin_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert cli.main(["generate", "--model", "unused", "-"]) == 2
+    assert "the prompt is empty (nothing on stdin)" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"decodekit {metadata.version('decodekit')}\n"
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, capsys):
+    read, write = os.pipe()
+    os.close(read)  # `decodekit list | head -2`: the reader has gone
+    with os.fdopen(write, "w") as closed:
+        monkeypatch.setattr(sys, "stdout", closed)
+        assert cli.main(["list"]) == 0
+        monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.fixture
+def counted_strategy():
+    """Greedy with an option `k`, noting the `k` of every instance built."""
+    built: list[int] = []
+
+    @dataclass(frozen=True)
+    class CountedOptions:
+        k: int = 1
+
+    @decoders.register("test_counted")
+    class Counted(Greedy):
+        """Greedy that notes its constructions."""
+
+        Options = CountedOptions
+
+        def __init__(self, **options):
+            super().__init__(**options)
+            built.append(self.options.k)
+
+    yield built
+    decoders.unregister("test_counted")
+
+
+def test_settings_after_at_reach_the_strategy_built_once(model_dir, counted_strategy, capsys):
+    args = ["generate", "--model", model_dir, "--strategy", "test_counted@k=3", "-o", "k=2", "--max-new-tokens", "4"]
+    assert cli.main(args + ["--json", PROMPT]) == 0
+    assert json.loads(capsys.readouterr().out)["strategy"] == "test_counted" and counted_strategy == [3]
+    compare = ["compare", "--model", model_dir, "--suite", "article", "--strategies", "test_counted@k=2",
+               "--repeats", "2", "--max-new-tokens", "4", "--no-progress", "--bandwidth-mb", "0"]
+    assert cli.main(compare) == 0
+    assert "| test_counted@k=2 | ✓ exact" in capsys.readouterr().out
+    assert counted_strategy == [3, 2]  # one instance for the warm-up and all six timed runs
+
+
+def test_a_suite_too_long_for_the_context_is_refused(model_dir, tmp_path, capsys):
+    suite = tmp_path / "long.jsonl"
+    suite.write_text(json.dumps({"id": "long", "category": "prose", "prompt": "A B C D " * 200}) + "\n")
+    args = ["compare", "--model", model_dir, "--suite", str(suite), "--no-progress", "--bandwidth-mb", "0"]
+    assert cli.main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "too long for the model's context of 256 tokens" in err
+
+
+def test_a_draft_of_another_vocabulary_stops_compare_before_any_run(model_dir, tmp_path, capsys):
+    folder = tmp_path / "stranger"
+    tiny_model("llama", seed=1).save_pretrained(folder)
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_tokens(["zzqx"])
+    tokenizer.save_pretrained(folder)
+    args = ["compare", "--model", model_dir, "--draft", str(folder), "--suite", "article", "--strategies",
+            "speculative", "--no-progress", "--bandwidth-mb", "0"]
+    assert cli.main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "speculative: draft model" in err and "does not share the tokenizer" in err
+
+
+def test_runs_that_raise_are_written_and_the_exit_status_is_1(model_dir, tmp_path, capsys):
+    @decoders.register("test_raises")
+    class Raises(Greedy):
+        """Raises at its first step."""
+
+        def step(self, state):
+            raise RuntimeError("boom")
+
+    out = tmp_path / "results.json"
+    try:
+        args = ["compare", "--model", model_dir, "--suite", "article", "--strategies", "test_raises",
+                "--max-new-tokens", "2", "--no-progress", "--bandwidth-mb", "0", "--out", str(out)]
+        assert cli.main(args) == 1
+    finally:
+        decoders.unregister("test_raises")
+    stdout, err = capsys.readouterr()
+    assert "| test_raises | ERROR (3 runs" in stdout and "RuntimeError: boom" in stdout
+    assert "decodekit: 3 of 6 timed runs raised" in err
+    assert len(json.loads(out.read_text())["errors"]) == 3
+
+
+def test_a_draft_no_method_takes_is_not_loaded(model_dir, capsys):
+    args = ["compare", "--model", model_dir, "--draft", "/no/such/draft", "--suite", "article", "--strategies",
+            "prompt_lookup", "--max-new-tokens", "2", "--no-progress", "--bandwidth-mb", "0", "--no-warmup"]
+    assert cli.main(args) == 0
+    out, err = capsys.readouterr()
+    assert "/no/such/draft" not in err and "the draft model is not used" in out and "draft: none" in out
+
+
+def test_the_targets_own_int8_copy_drafts_once_and_a_draft_can_be_loaded_quantized(model_dir, monkeypatch, capsys):
+    from decoders.models import quantize
+
+    made = []
+    original = quantize.quantize
+    monkeypatch.setattr(quantize, "quantize", lambda lm, scheme: made.append(scheme) or original(lm, scheme))
+    args = ["compare", "--model", model_dir, "--suite", "article", "--max-new-tokens", "6", "--no-progress",
+            "--bandwidth-mb", "0"]
+    assert cli.main(args + ["--draft", "self:int8", "--strategies", "speculative,hf:assisted"]) == 0
+    out = capsys.readouterr().out
+    assert "draft: self:int8" in out and made == ["int8"]  # one copy for every run of both methods
+    assert "| speculative | ✓ exact" in out and "| hf:assisted | ✓ exact" in out
+    assert cli.main(args + ["--draft", model_dir, "--draft-quantize", "int8", "--strategies", "speculative"]) == 0
+    assert f"draft: {model_dir} (int8)" in capsys.readouterr().out and made == ["int8", "int8"]
+    generate = ["generate", "--model", model_dir, "--draft", "self:int8", "--strategy", "speculative", "--json"]
+    assert cli.main(generate + ["--max-new-tokens", "6", PROMPT]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["drafted"] > 0
+
+
+def test_no_progress_silences_the_weight_loading_bar(model_dir, capsys):
+    from transformers.utils import logging
+
+    try:
+        assert cli.main(["generate", "--model", model_dir, "--max-new-tokens", "2", "--no-progress", PROMPT]) == 0
+        assert not logging.is_progress_bar_enabled()
+    finally:
+        logging.enable_progress_bar()
 
 
 def test_a_malformed_suite_file_reports_its_line(tmp_path, capsys):
@@ -166,3 +317,15 @@ def test_bench_greedy_prints_the_ratio_and_the_roofline_fraction(model_dir, caps
     out = capsys.readouterr().out
     assert "| model | dtype | MiB/token | greedy tok/s ↑ | hf:greedy tok/s ↑ | ratio ↑" in out
     assert "✓ exact" in out  # hf:greedy reproduces greedy token for token
+
+
+def test_calibrate_prints_measured_call_costs_and_plots_them(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))  # the fit is cached here, not in the user's cache
+    plot = tmp_path / "cost.png"
+    args = ["calibrate", "--model", model_dir, "--draft", "self:int8", "--no-progress", "--plot", str(plot)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| role | model | tokens | context | measured ms ↓ | fit ms ↓" in out
+    assert f"| target | {model_dir} | 1 |" in out and "| draft | self:int8 | 1 |" in out
+    assert "µs per cached position" in out and plot.stat().st_size > 1000
+    assert list((tmp_path / "cache" / "calibration").glob("*.json"))

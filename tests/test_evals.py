@@ -132,6 +132,7 @@ def test_compare_result_has_every_field_and_a_markdown_table(result):
     text = report.markdown(result)
     assert "| strategy | lossless | tok/s ↑ | speed-up ↑ | TTFT ms ↓" in text and "reference" in text
     assert "model: tiny-llama-0" in text and "dtype: float32" in text and "roofline:" in text
+    assert "draft: tiny-llama-1" in text and f"\n{report.verdict(result)}\n" in text
     json.loads(json.dumps(result))  # JSON-ready throughout
 
 
@@ -161,6 +162,44 @@ def test_leaderboard_merges_two_result_files(result, tmp_path, capsys):
     (tmp_path / "junk.json").write_text("{}")
     assert cli.main(["leaderboard", str(first), str(tmp_path / "junk.json")]) == 2
     assert "junk.json: not a decodekit compare result" in capsys.readouterr().err
+
+
+def test_the_leaderboard_imports_no_torch(result, tmp_path):
+    path = tmp_path / "a.json"
+    report.write_json(result, path)
+    code = ("import sys; from evals import cli; status = cli.main(['leaderboard', sys.argv[1]]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(status)")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tiny-llama-0" in done.stdout
+
+
+def _summary(strategy: str, kind: str, speedups: dict[str, float], status: str = "pass", prompts: int = 2) -> dict:
+    """A summary record with just what the verdict reads: a speed-up per category, `prompts` prompts in each."""
+    figures = {c: {"prompts": prompts, "speedup": {"mean": v}, "lossless": {"status": status}}
+               for c, v in speedups.items()}
+    overall = sum(speedups.values()) / len(speedups)
+    return {"strategy": strategy, "kind": kind, "prompts": prompts * len(speedups), "speedup": {"mean": overall},
+            "lossless": {"status": status}, "by_category": figures}
+
+
+def test_the_verdict_names_the_fastest_lossless_strategy_overall_and_per_category():
+    result = {"config": {"categories": ["code", "prose"]}, "summary": [
+        _summary("greedy", "decodekit", {"code": 1.0, "prose": 1.0}, status="reference"),
+        _summary("speculative", "decodekit", {"code": 3.0, "prose": 0.8}),
+        _summary("broken", "decodekit", {"code": 9.0, "prose": 9.0}, status="failed"),  # not lossless: never named
+        _summary("guided", "decodekit", {"code": 5.0, "prose": 5.0}, prompts=1),  # ran on fewer prompts
+        _summary("hf:greedy", "peer", {"code": 0.8, "prose": 0.5}),
+        _summary("hf:assisted", "peer", {"code": 1.5, "prose": 0.4}, status="tie"),
+    ]}
+    assert report.verdict(result) == ("Fastest lossless: speculative — 1.90× greedy, 2.00× hf:assisted · "
+                                      "code: speculative — 3.00× greedy, 2.00× hf:assisted · "
+                                      "prose: greedy — nothing beat it, 2.00× hf:greedy")
+    result["summary"] = result["summary"][:1]
+    assert report.verdict(result) == "Fastest lossless: greedy — nothing beat it · code: greedy — nothing beat it · " \
+                                     "prose: greedy — nothing beat it"
 
 
 # ------------------------------------------------------------------------------------------------------- losslessness
