@@ -1,0 +1,367 @@
+"""The data structure under `suffix` decoding: a counted suffix trie over token sequences that drafts token trees.
+
+Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975), as in Snowflake's ArcticInference and vLLM's method="suffix":
+match the longest recent suffix of the context in an index of earlier text, and grow a draft tree from what followed
+it, best first by empirical path probability (the product of count(child) / count(parent) along the path), at most
+`depth_factor` x match length nodes, pruning paths below `min_prob`. Two indexes are consulted: the run's own
+(prompt + output so far, a `SuffixIndex`) and a `SuffixStore` of earlier outputs shared across runs; the tree with the
+higher score (sum of path probabilities, the expected number of accepted tokens) is drafted.
+
+How the index works. A trie of every substring of at most `depth` tokens of the indexed sequences; node w holds
+count(w), how often w occurs, and `cont`, how many of those occurrences are followed by a token in the trie (the rest
+end a sequence or reach `depth`). A substring that occurs once gets no node: its parent holds a *leaf* instead, an int
+packing the position of that one occurrence's token, and everything below it is read from the sequence itself. So
+text seen once costs one dict entry per token, not `depth` nodes; a second occurrence turns the leaf into a node, and
+removing a sequence turns a node left with one occurrence back into a leaf (when that occurrence's sequence is known
+to be alive: always with the store's first-in first-out eviction, since a node remembers its newest occurrence).
+
+Appending a token extends every suffix that ends at the previous token. A suffix whose path ends inside a leaf is the
+leaf's one occurrence and grows for free; only the *open* suffixes, whose whole path is nodes (they occurred before),
+cost work: O(1 + r) per token, r <= depth the length of the longest earlier-seen suffix ending there. Removing a
+sequence is O(its length x that r). Matching is a binary search over suffix lengths, O(max_match log max_match);
+a draft of n nodes costs O(n log n) plus one sort of each expanded node's children (cached until they change).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from decoders.options import check_whole, probability
+
+SHIFT = 32  # a position packs (sequence number << SHIFT) | index, so later positions pack to larger ints
+INDEX = (1 << SHIFT) - 1
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """Options of suffix drafting. Defaults are those of ArcticInference / vLLM (max_spec_factor 1.0, min_token_prob
+    0.1, trees of up to 24 tokens), for the owner to re-measure on real models."""
+
+    max_tree: int = 24  # the most draft-tree nodes per target call (on a CPU, 24 extra tokens cost ~1.5x a call)
+    depth_factor: float = 1.0  # a match of m tokens drafts at most depth_factor x m nodes: long matches earn big trees
+    min_prob: float = 0.1  # drop continuations whose empirical path probability is lower
+    max_match: int = 24  # the longest context suffix looked up (also capped by the index depth - 1)
+    min_match: int = 1  # no draft from a shorter match
+
+    def __post_init__(self):
+        check_whole(self, max_tree=1, max_match=1, min_match=1)
+        probability("min_prob", self.min_prob)
+        factor = self.depth_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
+            raise ValueError(f"depth_factor must be a positive number (nodes per matched token), got {factor!r}")
+        if self.min_match > self.max_match:
+            raise ValueError(f"min_match ({self.min_match}) must not exceed max_match ({self.max_match})")
+
+
+@dataclass
+class SuffixDraft:
+    """A drafted tree: nodes in topological order, siblings distinct and in decreasing frequency."""
+
+    tokens: list[int] = field(default_factory=list)  # [n]
+    parents: list[int] = field(default_factory=list)  # [n] parent's index, -1 for children of the matched suffix
+    probs: list[float] = field(default_factory=list)  # [n] empirical probability of the path from the root to node i
+    match: int = 0  # length of the context suffix it continues
+
+    @property
+    def score(self) -> float:
+        """Expected number of accepted tokens if the index's frequencies were the model's."""
+        return sum(self.probs)
+
+
+class _Node:
+    """A substring that occurs at least twice (or once, when eviction could not tell where)."""
+
+    __slots__ = ("count", "cont", "children", "newest", "ranked")
+
+    def __init__(self, count: int, newest: int) -> None:
+        self.count = count  # occurrences of the substring spelled from the root
+        self.cont = 0  # how many of them the trie continues: the sum of the children's counts
+        self.children: dict[int, _Node | int] = {}  # token -> node, or leaf: the packed position of that token
+        self.newest = newest  # packed position of the last token of the newest occurrence
+        self.ranked: list | None = None  # children by (count, recency), descending; None when stale
+
+
+class SuffixIndex:
+    """Counted suffix trie of depth `depth` over token sequences that grow at their end. Not thread-safe."""
+
+    def __init__(self, depth: int = 48) -> None:
+        self.depth = depth  # longest substring counted: a match of m tokens drafts at most depth - m levels
+        check_whole(self, depth=2)
+        self.root = _Node(0, 0)
+        self._numbers: dict[Hashable, int] = {}  # sequence id -> sequence number (never reused)
+        self._tokens: dict[int, list[int]] = {}  # sequence number -> its tokens
+        self._open: dict[int, dict[int, _Node]] = {}  # sequence number -> {start: node} of its open suffixes
+        self._next = 0
+
+    def __len__(self) -> int:
+        """Tokens held."""
+        return self.root.count
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._numbers
+
+    def extend(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
+        """Append `tokens` to sequence `seq_id` (a new one if unknown)."""
+        number = self._numbers.get(seq_id)
+        if number is None:
+            number = self._numbers[seq_id] = self._next
+            self._next += 1
+            self._tokens[number], self._open[number] = [], {}
+        seq, suffixes, root, depth = self._tokens[number], self._open[number], self.root, self.depth
+        for token in map(int, tokens):
+            i, here = len(seq), (number << SHIFT) | len(seq)
+            seq.append(token)
+            suffixes[i] = root  # the empty suffix starting at i
+            root.count += 1
+            for start, node in list(suffixes.items()):
+                node.cont += 1
+                node.ranked = None
+                child = node.children.get(token)
+                if child is None:  # never seen after this suffix: a leaf, the suffix is closed
+                    node.children[token] = here
+                    del suffixes[start]
+                    continue
+                if type(child) is int:  # seen once: now twice
+                    child = node.children[token] = self._split(child, i - start + 1, here)
+                else:
+                    child.count += 1
+                    child.newest = here
+                if i - start + 1 < depth:
+                    suffixes[start] = child
+                else:
+                    del suffixes[start]
+
+    def _split(self, leaf: int, length: int, here: int) -> _Node:
+        """The node replacing `leaf` (a substring of `length` tokens seen once) now that it occurs again at `here`."""
+        node = _Node(2, here)
+        number, end = leaf >> SHIFT, leaf & INDEX
+        other = self._tokens[number]
+        if length < self.depth:
+            if end + 1 < len(other):
+                node.children[other[end + 1]] = leaf + 1
+                node.cont = 1
+            else:  # the other occurrence ends its sequence: it is one of that sequence's open suffixes now
+                self._open[number][end - length + 1] = node
+        return node
+
+    def remove(self, seq_id: Hashable) -> None:
+        """Forget sequence `seq_id`: its counts go, nodes left empty are deleted, nodes left with one occurrence
+        become leaves again (if it is in a sequence still held: always, when the oldest sequence goes first)."""
+        number = self._numbers.pop(seq_id)
+        seq = self._tokens.pop(number)
+        del self._open[number]
+        for start in range(len(seq)):
+            node = self.root
+            node.count -= 1
+            for i in range(start, min(len(seq), start + self.depth)):
+                node.cont -= 1
+                node.ranked = None
+                token = seq[i]
+                child = node.children[token]
+                if type(child) is int or child.count == 1:  # this was its one occurrence: drop the whole subtree
+                    del node.children[token]
+                    break
+                child.count -= 1
+                if child.count == 1 and child.newest >> SHIFT in self._tokens:
+                    node.children[token] = self._leaf(child, i - start + 1)
+                    break
+                node = child
+
+    def _leaf(self, node: _Node, length: int) -> int:
+        """The leaf replacing `node` (a substring of `length` tokens) now that it occurs once, at `node.newest`."""
+        number, end = node.newest >> SHIFT, node.newest & INDEX
+        self._open[number].pop(end - length + 1, None)  # that occurrence's suffix is closed now, if it was open
+        return node.newest
+
+    def _walk(self, tokens: Sequence[int]) -> _Node | int | None:
+        """Where `tokens` (at most `depth` of them) end in the trie: a node, a leaf position, or None if absent."""
+        at: _Node | int = self.root
+        for token in tokens:
+            if type(at) is int:
+                seq, end = self._tokens[at >> SHIFT], at & INDEX
+                if end + 1 >= len(seq) or seq[end + 1] != token:
+                    return None
+                at += 1
+            else:
+                at = at.children.get(token)
+                if at is None:
+                    return None
+        return at
+
+    def _continues(self, at: _Node | int | None) -> bool:
+        if at is None:
+            return False
+        if type(at) is int:
+            return (at & INDEX) + 1 < len(self._tokens[at >> SHIFT])
+        return at.cont > 0
+
+    def count(self, tokens: Sequence[int]) -> int:
+        """How often `tokens` (1 to `depth` of them) occur in the indexed sequences."""
+        if not 0 < len(tokens) <= self.depth:
+            raise ValueError(f"count needs 1 to depth={self.depth} tokens, got {len(tokens)}")
+        at = self._walk(tokens)
+        return 0 if at is None else 1 if type(at) is int else at.count
+
+    def continuations(self, tokens: Sequence[int]) -> dict[int, int]:
+        """{next token: count} over the occurrences of `tokens` (fewer than `depth`) that something follows."""
+        if len(tokens) >= self.depth:
+            return {}
+        return {token: count for count, token, _ in self._ranked(self._walk(tokens))}
+
+    def match(self, context: Sequence[int], max_match: int | None = None) -> tuple[_Node | int | None, int]:
+        """(place in the trie, m): the longest suffix of `context`, of at most `max_match` and `depth - 1` tokens,
+        that occurs followed by a token. m = 0 (and the root) when none does."""
+        low, high = 0, min(len(context), self.depth - 1, self.depth if max_match is None else max_match)
+        found = self.root if self.root.cont else None
+        while low < high:  # a suffix that continues has continuing suffixes: binary search on the length
+            middle = (low + high + 1) // 2
+            at = self._walk(context[len(context) - middle:])
+            if self._continues(at):
+                low, found = middle, at
+            else:
+                high = middle - 1
+        return found, low
+
+    def _ranked(self, at: _Node | int | None) -> list[tuple[int, int, _Node | int]]:
+        """[(count, token, child)] of what follows `at`, most frequent first, then the one last seen in the latest
+        sequence (the latest added), latest position first."""
+        if at is None:
+            return []
+        if type(at) is int:
+            seq, end = self._tokens[at >> SHIFT], at & INDEX
+            return [(1, seq[end + 1], at + 1)] if end + 1 < len(seq) else []
+        if at.ranked is None:
+            # sorted on (count, position) alone: siblings' newest positions differ, so tuples never tie
+            items = sorted([(1, c, t, c) if type(c) is int else (c.count, c.newest, t, c)
+                            for t, c in at.children.items()], reverse=True)
+            at.ranked = [(count, token, child) for count, _, token, child in items]
+        return at.ranked
+
+    def draft(self, context: Sequence[int], max_tokens: int, min_prob: float = 0.0, *,
+              depth_factor: float | None = None, max_depth: int | None = None, max_match: int | None = None,
+              min_match: int = 1) -> SuffixDraft:
+        """A best-first tree continuing the longest matched suffix of `context`: at most `max_tokens` nodes (and
+        `depth_factor` x match length), `max_depth` levels (and depth - match length), path probabilities at least
+        `min_prob`, none when the match is shorter than `min_match`."""
+        at, length = self.match(context, max_match)
+        out = SuffixDraft(match=length)
+        if length < max(min_match, 1):
+            return out
+        if depth_factor is not None:
+            max_tokens = min(max_tokens, int(depth_factor * length + 1e-9))
+        levels = self.depth - length if max_depth is None else min(max_depth, self.depth - length)
+        order = itertools.count()  # ties: first come, first served (siblings are pushed most frequent first)
+        heap: list = []  # candidates: (-path probability, tiebreak, token, place, parent's index, level)
+        self._offer(heap, order, at, 1.0, -1, 1, max_tokens, min_prob)
+        while heap and len(out.tokens) < max_tokens:
+            minus_p, _, token, at, parent, level = heapq.heappop(heap)
+            while True:  # a leaf's chain has the same probability, the highest there is: take it whole
+                out.tokens.append(token)
+                out.parents.append(parent)
+                out.probs.append(-minus_p)
+                parent = len(out.tokens) - 1
+                if type(at) is not int or level >= levels or len(out.tokens) >= max_tokens:
+                    break
+                seq, end = self._tokens[at >> SHIFT], at & INDEX
+                if end + 1 >= len(seq):
+                    break
+                token, at, level = seq[end + 1], at + 1, level + 1
+            if level < levels and type(at) is not int:
+                self._offer(heap, order, at, -minus_p, parent, level + 1, max_tokens - len(out.tokens), min_prob)
+        return out
+
+    def _offer(self, heap: list, order, at: _Node | int, p: float, parent: int, level: int, room: int,
+               min_prob: float) -> None:
+        """Push up to `room` continuations of `at` (reached with path probability p) that keep p >= min_prob."""
+        total = 1 if type(at) is int else at.cont
+        for count, token, child in self._ranked(at)[:room]:
+            q = p * count / total
+            if q < min_prob:
+                break  # ranked: the rest are rarer
+            heapq.heappush(heap, (-q, next(order), token, child, parent, level))
+
+
+KINDS = ("output", "prompt")
+
+
+class SuffixStore:
+    """Earlier outputs (and, if added, prompts) shared across `generate` calls: a `SuffixIndex` of at most
+    `max_tokens` tokens, evicting whole sequences first in, first out. Safe to draft from while another thread adds:
+    every method holds one lock (adding a 1k-token output takes a few ms; a draft well under one).
+
+    `max_tokens` 100k: hours of CPU generation, and in CPython ~140 bytes a token on text that rarely repeats and
+    ~550 on code (which repeats more: more nodes), so at most ~55 MB. `depth` 48 = max_match + max_tree of the default
+    `SuffixOptions`, so the longest match still leaves room for the deepest tree."""
+
+    def __init__(self, max_tokens: int = 100_000, depth: int = 48) -> None:
+        self.max_tokens = max_tokens  # evict the oldest sequences beyond this many tokens
+        check_whole(self, max_tokens=1)
+        self._index = SuffixIndex(depth)
+        self._kinds: OrderedDict[int, str] = OrderedDict()  # sequence key -> kind, oldest first
+        self._added = 0  # sequence keys are never reused
+        self._lock = threading.RLock()
+
+    @property
+    def depth(self) -> int:
+        """Longest substring counted (see `SuffixIndex.depth`)."""
+        return self._index.depth
+
+    def __len__(self) -> int:
+        """Tokens held."""
+        with self._lock:
+            return len(self._index)
+
+    def __repr__(self) -> str:
+        return f"SuffixStore({len(self)} of {self.max_tokens} tokens in {len(self._kinds)} sequences)"
+
+    def add(self, tokens: Iterable[int], kind: str = "output") -> None:
+        """Remember a finished sequence (its last `max_tokens` tokens), evicting the oldest ones to make room."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        tokens = [int(t) for t in tokens][-self.max_tokens:]
+        if not tokens:
+            return
+        with self._lock:
+            while len(self._index) + len(tokens) > self.max_tokens:
+                self._index.remove(self._kinds.popitem(last=False)[0])
+            self._index.extend(self._added, tokens)
+            self._kinds[self._added] = kind
+            self._added += 1
+
+    def clear(self) -> None:
+        """Forget everything."""
+        with self._lock:
+            self._index = SuffixIndex(self._index.depth)
+            self._kinds.clear()
+
+    def sequences(self) -> list[tuple[str, list[int]]]:
+        """[(kind, tokens)] of what is held, oldest first (a copy)."""
+        with self._lock:
+            return [(kind, list(self._index._tokens[self._index._numbers[key]])) for key, kind in self._kinds.items()]
+
+    def draft(self, context: Sequence[int], max_tokens: int, min_prob: float = 0.0, **limits) -> SuffixDraft:
+        """`SuffixIndex.draft` on the store."""
+        with self._lock:
+            return self._index.draft(context, max_tokens, min_prob, **limits)
+
+
+def propose(local: SuffixIndex | None, store: SuffixStore | None, context: Sequence[int], limit: int,
+            options: SuffixOptions) -> SuffixDraft:
+    """The higher-scoring of the trees drafted from the run's own index and from the store (the run's own on a tie),
+    at most `limit` levels deep. Empty when neither matches at least `options.min_match` tokens."""
+    best = SuffixDraft()
+    if limit <= 0:
+        return best
+    for source in (local, store):
+        if source is not None:
+            tree = source.draft(context, options.max_tree, options.min_prob, depth_factor=options.depth_factor,
+                                max_depth=limit, max_match=options.max_match, min_match=options.min_match)
+            if tree.score > best.score:
+                best = tree
+    return best
