@@ -99,7 +99,10 @@ class Method:
 def build(name: str, options: Mapping[str, Any] | None = None) -> Method:
     """The method `name` (STRATEGY@KEY=VALUE... or a peer), its strategy constructed with `options` overridden by the
     name's @settings; an unknown strategy, peer or option raises here."""
-    base, settings = split(name)
+    return _construct(name, *split(name), options)
+
+
+def _construct(name: str, base: str, settings: dict[str, Any], options: Mapping[str, Any] | None) -> Method:
     if peers.is_peer(base):
         if settings or options:
             raise ValueError(f"method {name!r}: peers take no options")
@@ -119,13 +122,13 @@ def plan(requested: Iterable[str], has_draft: bool,
     explicit = bool(requested)
     wanted = requested if explicit else (*registry.available(), *peers.PEERS)
     names = [BASELINE] + [n for n in dict.fromkeys(wanted) if n != BASELINE]
-    bases = [split(n)[0] for n in names]
-    unknown = sorted(set(options) - set(bases))
+    parsed = [(name, *split(name)) for name in names]
+    unknown = sorted(set(options) - {base for _, base, _ in parsed})
     if unknown:
         raise ValueError(f"options given for strategies that do not run: {', '.join(unknown)}")
     methods, notes = [], []
-    for name, base in zip(names, bases):
-        method = build(name, options.get(base))
+    for name, base, settings in parsed:
+        method = _construct(name, base, settings, options.get(base))
         if method.is_peer and peers.unavailable(base):
             notes.append(f"{name}: not available ({peers.unavailable(base)})")
             continue

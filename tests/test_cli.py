@@ -194,7 +194,12 @@ def counted_strategy():
     decoders.unregister("test_counted")
 
 
-def test_settings_after_at_reach_the_strategy_built_once(model_dir, counted_strategy, capsys):
+def test_settings_after_at_reach_the_strategy_built_once(model_dir, counted_strategy, monkeypatch, capsys):
+    from evals import methods
+
+    parsed = []
+    split = methods.split
+    monkeypatch.setattr(methods, "split", lambda name: parsed.append(name) or split(name))
     args = ["generate", "--model", model_dir, "--strategy", "test_counted@k=3", "-o", "k=2", "--max-new-tokens", "4"]
     assert cli.main(args + ["--json", PROMPT]) == 0
     assert json.loads(capsys.readouterr().out)["strategy"] == "test_counted" and counted_strategy == [3]
@@ -203,6 +208,7 @@ def test_settings_after_at_reach_the_strategy_built_once(model_dir, counted_stra
     assert cli.main(compare) == 0
     assert "| test_counted@k=2 | ✓ exact" in capsys.readouterr().out
     assert counted_strategy == [3, 2]  # one instance for the warm-up and all six timed runs
+    assert parsed == ["test_counted@k=3", "greedy", "test_counted@k=2"]  # each name parsed once, generate then compare
 
 
 def test_a_suite_too_long_for_the_context_is_refused(model_dir, tmp_path, capsys):
