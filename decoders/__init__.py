@@ -10,6 +10,7 @@ capabilities.py the run itself.
 
 from decoders.base import Chunk, DecodeState, Decoder, Result, Stats
 from decoders.drafting import Draft, DraftVerify
+from decoders.drafting.suffix_index import SuffixStore
 from decoders.driver import generate, stream
 from decoders.models.cache import KVCache
 from decoders.models.lm import LM, load, wrap
@@ -26,6 +27,6 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
 from decoders import strategies  # noqa: E402,F401  isort: skip  (the built-in strategies register on import)
 
 __all__ = [
-    "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk", "Draft", "DraftVerify",
+    "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk", "Draft", "DraftVerify", "SuffixStore",
     "load", "wrap", "quantize", "available", "register", "unregister", "generate", "stream",
 ]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from decoders.drafting.draft import Drafter
     from grammars import GrammarMatcher
 
-SOURCES = ("target", "draft", "lookup", "lookahead", "grammar")  # where a new token came from
+SOURCES = ("target", "draft", "lookup", "lookahead", "suffix", "grammar")  # where a new token came from
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class Decoder:
     def step(self, state: DecodeState) -> None:
         """Append at least one token to the run with `state.accept`."""
         raise NotImplementedError
+
+    def finish(self, state: DecodeState) -> None:
+        """Called once after the run's last step (e.g. to remember its output)."""
 
 
 @dataclass

@@ -20,8 +20,7 @@ Prompt = str | Sequence[int]
 
 def stream(lm: LM, prompt: Prompt, **kwargs) -> Iterator[Chunk]:
     """Run a strategy and yield the tokens of each step as they are accepted (same arguments as `generate`)."""
-    state, decoder = _prepare(lm, prompt, **kwargs)
-    yield from _run(state, decoder)
+    yield from prepare(lm, prompt, **kwargs).chunks()
 
 
 def generate(lm: LM, prompt: Prompt, **kwargs) -> Result:
@@ -29,7 +28,7 @@ def generate(lm: LM, prompt: Prompt, **kwargs) -> Result:
 
     Args:
         lm: the target model (`decoders.load` or `decoders.wrap`).
-        prompt: text (tokenized with the model's tokenizer) or a list of token ids.
+        prompt: text (tokenized with the model's tokenizer) or one sequence of token ids.
         strategy: a registered name (`decoders.available()`) or a `Decoder` instance. Default "greedy".
         max_new_tokens: the most tokens to add (> 0). Default 128.
         draft: the draft model for strategies that take one: an `LM`, a name for `decoders.load`, or "self:int8"
@@ -40,18 +39,68 @@ def generate(lm: LM, prompt: Prompt, **kwargs) -> Result:
         stop: stop strings; generation ends at the token that completes one. EOS always stops.
         **options: the strategy's options (e.g. k=5).
     """
-    state, decoder = _prepare(lm, prompt, **kwargs)
-    for _ in _run(state, decoder, with_text=False):
+    run = prepare(lm, prompt, **kwargs)
+    for _ in run.chunks(with_text=False):
         pass
-    return Result(
-        text=lm.decode(state.new_tokens),
-        tokens=state.new_tokens,
-        sources=state.sources,
-        stats=state.stats,
-        finish_reason=state.finish_reason,
-        prompt_tokens=state.tokens[: state.prompt_len],
-        strategy=decoder.name,
-    )
+    return run.result()
+
+
+class Decoding:
+    """One checked, ready run: `chunks()` steps it to the end, yielding each step's tokens; `result()` reads it.
+    `state` holds its live counters (for tools that time every step, e.g. the evaluator)."""
+
+    def __init__(self, state: DecodeState, decoder: Decoder) -> None:
+        self.state, self.decoder = state, decoder
+
+    def chunks(self, with_text: bool = True) -> Iterator[Chunk]:
+        """Step the strategy until the run finishes, timing it and yielding what each step adds (its text too when
+        `with_text`; `generate` decodes once at the end instead)."""
+        state, decoder = self.state, self.decoder
+        state.lm.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            decoder.start(state)
+        text = ""
+        while not state.finished:
+            before = len(state.tokens)
+            # inference_mode per step, not around the generator: a consumer's code between yields stays unaffected
+            with torch.inference_mode():
+                decoder.step(state)
+                if state.finished:
+                    decoder.finish(state)
+            added = state.tokens[before:]
+            if not added and not state.finished:
+                raise RuntimeError(f"strategy {decoder.name!r} made a step that accepted no token")
+            state.lm.synchronize()
+            elapsed = time.perf_counter() - start
+            if state.stats.ttft_seconds == 0.0:
+                state.stats.ttft_seconds = elapsed
+            state.stats.seconds = elapsed
+            piece = ""
+            if with_text:
+                full = state.lm.decode(state.new_tokens)
+                if full.endswith("\ufffd") and not state.finished:
+                    full = full[:-1]  # an incomplete UTF-8 character: emit it with the next step
+                piece, text = full[len(text):], full
+            yield Chunk(tokens=added, text=piece, sources=state.sources[len(state.sources) - len(added):])
+
+    def result(self) -> Result:
+        """The run's outcome (what it has so far, if `chunks()` was not run to the end)."""
+        state = self.state
+        return Result(
+            text=state.lm.decode(state.new_tokens),
+            tokens=state.new_tokens,
+            sources=state.sources,
+            stats=state.stats,
+            finish_reason=state.finish_reason,
+            prompt_tokens=state.tokens[: state.prompt_len],
+            strategy=self.decoder.name,
+        )
+
+
+def prepare(lm: LM, prompt: Prompt, **kwargs) -> Decoding:
+    """Check a request (same arguments as `generate`) and build its run, without running it."""
+    return Decoding(*_prepare(lm, prompt, **kwargs))
 
 
 def _prepare(
@@ -147,33 +196,3 @@ def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {lm.vocab_size}); got {bad[:5]}")
     return [int(t) for t in tokens]
-
-
-def _run(state: DecodeState, decoder: Decoder, with_text: bool = True) -> Iterator[Chunk]:
-    """Step the strategy until the run finishes, timing it and yielding what each step adds (its text too when
-    `with_text`: `generate` decodes once at the end instead)."""
-    state.lm.synchronize()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        decoder.start(state)
-    text = ""
-    while not state.finished:
-        before = len(state.tokens)
-        # inference_mode per step, not around the generator: a consumer's code between yields stays unaffected
-        with torch.inference_mode():
-            decoder.step(state)
-        added = state.tokens[before:]
-        if not added and not state.finished:
-            raise RuntimeError(f"strategy {decoder.name!r} made a step that accepted no token")
-        state.lm.synchronize()
-        elapsed = time.perf_counter() - start
-        if state.stats.ttft_seconds == 0.0:
-            state.stats.ttft_seconds = elapsed
-        state.stats.seconds = elapsed
-        piece = ""
-        if with_text:
-            full = state.lm.decode(state.new_tokens)
-            if full.endswith("\ufffd") and not state.finished:
-                full = full[:-1]  # an incomplete UTF-8 character: emit it with the next step
-            piece, text = full[len(text):], full
-        yield Chunk(tokens=added, text=piece, sources=state.sources[len(state.sources) - len(added):])

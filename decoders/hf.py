@@ -64,7 +64,7 @@ from transformers.generation.utils import GenerationMixin
 from decoders import registry
 from decoders.base import Decoder
 from decoders.capabilities import check_request
-from decoders.driver import _prepare, _run, resolve_draft
+from decoders.driver import prepare, resolve_draft
 from decoders.models.lm import LM
 
 # The logits warpers decodekit's sampling reproduces, in the order both apply them, and the setting each carries.
@@ -259,9 +259,10 @@ def _decode(model, input_ids, processors, stopping_criteria, generation_config, 
             raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
         prompt = input_ids[0].tolist()
         max_new_tokens = generation_config.max_length - len(prompt)
-        state, decoder = _prepare(lm, prompt, strategy=strategy, max_new_tokens=max_new_tokens, draft=draft,
-                                  seed=seed, grammar=grammar, **sampling, **options)
-        sequence = _emit(state, decoder, input_ids, generation_config.max_length, stopping_criteria, streamer)
+        run = prepare(lm, prompt, strategy=strategy, max_new_tokens=max_new_tokens, draft=draft, seed=seed,
+                      grammar=grammar, **sampling, **options)
+        sequence = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
+        state, decoder = run.state, run.decoder
     finally:
         model.train(was_training)
     if not generation_config.return_dict_in_generate:
@@ -290,14 +291,14 @@ def _models(model, tokenizer, generation_config: GenerationConfig, assistant_mod
     return lm, draft
 
 
-def _emit(state, decoder, input_ids, max_length: int, stopping_criteria, streamer) -> torch.Tensor:
+def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch.Tensor:
     """Step the run, checking the stopping criteria after every token and streaming what is kept; returns the
     sequence, prompt included: [1, T]."""
     prompt_len = input_ids.shape[1]
     sequence = torch.empty(1, max_length, dtype=torch.long, device=input_ids.device)  # [1, max_length]
     sequence[:, :prompt_len] = input_ids
     length, stopped = prompt_len, False
-    steps = _run(state, decoder, with_text=False)
+    steps = run.chunks(with_text=False)
     try:
         for chunk in steps:
             start = length

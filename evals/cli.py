@@ -162,7 +162,8 @@ def cmd_compare(args) -> int:
     _check_draft_arguments(args)
     strategies = tuple(s.strip() for s in (args.strategies or "").split(",") if s.strip())
     config = CompareConfig(
-        strategies=strategies, suite=args.suite, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        strategies=strategies, suite=args.suite, limit=args.limit, per_category=args.per_category,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_quantize=args.draft_quantize,
         chat_template=not args.no_chat_template, options=option_pairs(args.option, scoped=True),
         warmup=not args.no_warmup, progress=not args.no_progress, bandwidth_megabytes=args.bandwidth_mb,
     )
@@ -173,7 +174,9 @@ def cmd_compare(args) -> int:
     processes = Processes(cpu=cpu)
     device = processes.device if processes.count > 1 and not cpu else args.device
     lm = _load(args.model, args, device)
-    draft = _draft(args, device) if comparison.takes_draft else None
+    draft = None  # loaded as it is: the peers draft with it as a user would, the strategies with its quantized copy
+    if comparison.takes_draft:
+        draft = args.draft if args.draft.startswith("self:") else _load(args.draft, args, device)
     result = comparison.run(lm, draft, processes=processes)
     if result is None:  # not the main process: it wrote nothing
         return 0
@@ -266,8 +269,18 @@ def cmd_models(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------------- export-hub
+def cmd_export_hub(args) -> int:
+    from evals.export_hub import export_hub
+
+    folder = export_hub(args.directory, strategy=args.strategy)
+    print(f"wrote {folder / 'custom_generate'}; use it as "
+          f"model.generate(**inputs, custom_generate={str(folder)!r}, trust_remote_code=True)")
+    return 0
+
+
 COMMANDS = {"list": cmd_list, "generate": cmd_generate, "compare": cmd_compare, "calibrate": cmd_calibrate,
-            "leaderboard": cmd_leaderboard, "models": cmd_models}
+            "leaderboard": cmd_leaderboard, "models": cmd_models, "export-hub": cmd_export_hub}
 
 
 def main(argv: list[str] | None = None) -> int:

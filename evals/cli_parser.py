@@ -66,6 +66,14 @@ context, and fits seconds = f(tokens) + per-position cost x context (decoders.dr
 strategies that weigh draft length against cost read the same cache; --refresh measures again.
 """
 
+EXPORT_HUB_EPILOG = """examples:
+  decodekit export-hub my-decoding --strategy staged
+  decodekit export-hub path/to/saved-model          # a model folder: from_pretrained(..., trust_remote_code=True)
+                                                    # then makes its generate run decodekit
+
+Then: model.generate(**inputs, custom_generate="my-decoding", trust_remote_code=True, assistant_model=draft)
+"""
+
 LEADERBOARD_EPILOG = """examples:
   decodekit leaderboard results/*.json
   decodekit leaderboard a.json b.json --format html --out leaderboard.html
@@ -147,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--strategies", help="comma-separated strategies and peers (default: every runnable one); "
                      "STRATEGY@KEY=VALUE runs a strategy with other settings, next to its defaults")
     cmp.add_argument("--suite", default="default", help="a shipped suite (decodekit list) or a .jsonl file")
+    cmp.add_argument("--limit", type=_positive, metavar="N", help="only the suite's first N prompts (after --per-category)")
+    cmp.add_argument("--per-category", type=_positive, metavar="N",
+                     help="only the first N prompts of each category, in file order")
     cmp.add_argument("--max-new-tokens", type=_positive, default=128, help="cap for every prompt (default 128)")
     cmp.add_argument("--repeats", type=_positive, default=1, help="timed runs per (strategy, prompt)")
     cmp.add_argument("-o", "--option", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
@@ -166,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--plot", metavar="FILE", help="also draw the cost curves into a PNG (needs matplotlib)")
     cal.add_argument("--refresh", action="store_true", help="measure again even when this machine's costs are cached")
     cal.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
+
+    hub = sub.add_parser("export-hub", help="write a custom_generate folder: decodekit inside model.generate",
+                         epilog=EXPORT_HUB_EPILOG, formatter_class=formatter)
+    hub.add_argument("directory", metavar="DIR", help="the folder to write (created if needed)")
+    hub.add_argument("--strategy", help="the default strategy when a call names none (default: greedy)")
 
     board = sub.add_parser("leaderboard", help="merge compare result files into one table",
                            epilog=LEADERBOARD_EPILOG, formatter_class=formatter)

@@ -72,6 +72,10 @@ class Method:
     decoder: decoders.Decoder | None = None  # the constructed strategy; None for a peer
     peer: peers.Peer | None = None  # the peer; None for a strategy
 
+    def with_options(self, **options) -> decoders.Decoder:
+        """A new instance of this method's strategy with some options replaced (e.g. a fresh `store=`)."""
+        return type(self.decoder)(**{**self.options, **options})
+
     @property
     def is_peer(self) -> bool:
         return self.peer is not None
@@ -108,7 +112,8 @@ def _construct(name: str, base: str, settings: dict[str, Any], options: Mapping[
             raise ValueError(f"method {name!r}: peers take no options")
         return Method(name=name, base=base, options={}, peer=peers.get(base))
     merged = {**(options or {}), **settings}
-    return Method(name=name, base=base, options=merged, decoder=registry.get(base)(**merged))
+    built = {k: decoders.SuffixStore() if (k, v) == ("store", "run") else v for k, v in merged.items()}
+    return Method(name=name, base=base, options=merged, decoder=registry.get(base)(**built))
 
 
 def plan(requested: Iterable[str], has_draft: bool,

@@ -199,6 +199,21 @@ def verdict(result: dict) -> str | None:
     return " · ".join([f"Fastest lossless: {overall}", *by_category])
 
 
+def choices(result: dict) -> list[str]:
+    """Per run of a strategy that chooses its proposer each step (`auto`): how often it took each, and its predicted
+    against its measured tokens per second."""
+    lines = []
+    for run in result["runs"]:
+        extra = run.get("extra") or {}
+        if "steps" not in extra or run["repeat"] != 0:
+            continue
+        steps = ", ".join(f"{name} {count}" for name, count in sorted(extra["steps"].items()))
+        predicted = extra["predicted_tokens"] / extra["predicted_seconds"] if extra.get("predicted_seconds") else 0
+        lines.append(f"{run['strategy']} on {run['prompt_id']}: steps by proposer: {steps}; predicted "
+                     f"{predicted:.1f} tok/s, measured {run['tokens_per_second']:.1f}")
+    return lines
+
+
 def markdown(result: dict) -> str:
     """The whole compare report as Markdown."""
     parts = ["## decodekit compare", "", *[f"{line}  " for line in header_lines(result)], ""]
@@ -207,6 +222,8 @@ def markdown(result: dict) -> str:
         parts += [line, ""]
     parts += ["Speed-up over greedy by category:", ""]
     parts += [make_table(*category_table(result))]
+    if chosen := choices(result):
+        parts += ["", "What the choosing strategies chose:", *[f"- {line}" for line in chosen]]
     if extra := notes(result):
         parts += ["", "Notes:", *[f"- {n}" for n in extra]]
     return "\n".join(parts) + "\n"

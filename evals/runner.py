@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 import decoders
 import grammars
 from decoders.driver import resolve_draft
+from decoders.options import check_whole
 from evals import lossless, metrics, peers, suites
 from evals.measure import environment, roofline
 from evals.methods import Method, check_loaded, plan
@@ -37,6 +38,9 @@ class CompareConfig:
 
     strategies: tuple[str, ...] = ()  # empty: every registered strategy and peer whose needs are met; greedy always
     suite: str = "default"  # a shipped suite name or a JSONL file
+    limit: int | None = None  # only the suite's first N prompts (after per_category)
+    per_category: int | None = None  # only the first N prompts of each category, in file order
+    draft_quantize: str | None = None  # strategies draft with this quantized copy of the draft; peers with the draft
     max_new_tokens: int = 128  # cap for every prompt (a suite line may ask for fewer)
     repeats: int = 1  # timed runs of each (strategy, prompt); the speed-up spread is over repeats
     chat_template: bool = True  # apply the tokenizer's chat template when it has one
@@ -46,10 +50,7 @@ class CompareConfig:
     bandwidth_megabytes: int = 256  # size of the roofline's bandwidth probe; 0 skips the roofline
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a whole number > 0, got {self.max_new_tokens!r}")
-        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
-            raise ValueError(f"repeats must be a whole number >= 1, got {self.repeats!r}")
+        check_whole(self, max_new_tokens=1, repeats=1)
 
 
 def grammar_for(schema: dict | None) -> grammars.JsonSchema | None:
@@ -99,7 +100,7 @@ class Comparison:
 
     def __init__(self, config: CompareConfig, has_draft: bool) -> None:
         self.config, self.has_draft = config, has_draft
-        self.prompts = suites.load(config.suite)
+        self.prompts = suites.load(config.suite, limit=config.limit, per_category=config.per_category)
         self.methods, self.notes = plan(config.strategies, has_draft, config.options)
 
     @property
@@ -119,7 +120,14 @@ class Comparison:
         processes = processes or Processes(cpu=lm.device.type == "cpu")
         label = draft if isinstance(draft, str) else getattr(draft, "name", None)
         draft = resolve_draft(lm, draft) if self.takes_draft else None  # "self:int8": made once, for every run
+        peer_draft = draft  # the peers draft with the model as loaded, as a user would
+        if draft is not None and config.draft_quantize:
+            draft = decoders.quantize(draft, config.draft_quantize)
         methods = check_loaded(self.methods, lm, draft, explicit=bool(config.strategies), notes=notes)
+        fresh = {m.name for m in methods if m.options.get("store") == "run"}  # suffix@store=run: a store per repeat
+        notes += [f"{name}: one SuffixStore across the suite's prompts, in order (a new one for each repeat; the "
+                  "warm-up's is thrown away)" for name in sorted(fresh)]
+        decoders_for: dict[tuple[str, int], decoders.Decoder] = {}
         constraints = {p.id: grammar_for(p.schema) for p in prompts}
         for method in [m for m in methods if m.needs_grammar and not any(constraints.values())]:
             notes.append(f"{method.name}: runs only on prompts with a schema under its grammar; this suite has none")
@@ -139,11 +147,17 @@ class Comparison:
 
         def run(method: Method, prompt: suites.Prompt, repeat: int, max_new_tokens: int) -> Run:
             where = dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, max_new_tokens=max_new_tokens,
-                         draft=draft if method.takes_draft else None,
                          grammar=constraints[prompt.id] if method.needs_grammar else None)
             if method.is_peer:
-                return peers.run_peer(lm, tokens[prompt.id], method.peer, **where)
-            return run_decodekit(lm, tokens[prompt.id], method.decoder, name=method.name, **where)
+                return peers.run_peer(lm, tokens[prompt.id], method.peer, **where,
+                                      draft=peer_draft if method.takes_draft else None)
+            decoder = method.decoder
+            if method.name in fresh:
+                if (method.name, repeat) not in decoders_for:
+                    decoders_for[method.name, repeat] = method.with_options(store=decoders.SuffixStore())
+                decoder = decoders_for[method.name, repeat]
+            return run_decodekit(lm, tokens[prompt.id], decoder, name=method.name, **where,
+                                 draft=draft if method.takes_draft else None)
 
         for method in methods if config.warmup else []:
             first = next((p for p in mine if method in runs_for(p)), None)
@@ -219,7 +233,7 @@ def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, n
         "model": {"name": lm.name, "class": type(lm.model).__name__, "draft": draft_name if draft else None,
                   "draft_quantization": quantization},
         "config": {
-            "suite": config.suite, "prompts": len(prompts),
+            "suite": config.suite, "limit": config.limit, "per_category": config.per_category, "prompts": len(prompts),
             "categories": list(dict.fromkeys(p.category for p in prompts)),
             "max_new_tokens": config.max_new_tokens, "repeats": config.repeats, "chat_template": config.chat_template,
             "strategies": names, "options": {k: dict(v) for k, v in config.options.items()},

@@ -130,16 +130,16 @@ def run_decodekit(
 ) -> Run:
     """Time one run of the strategy `decoder`, recorded as `name` (default: its registered name).
 
-    The run is `decoders.generate` unrolled - the request's preparation and the step loop of `decoders.driver`, both
-    inside the clock - so the stopwatch marks every step while the run's state keeps its counters (`decoders.stream`
-    marks steps too, but its chunks carry no counters).
+    The run is `decoders.generate` unrolled (`decoders.driver.prepare`, then its steps), all inside the clock, so the
+    stopwatch marks every step while the run's state keeps its counters.
     """
     watch = Stopwatch(lm, draft)
     with watch:
-        state, decoder = driver._prepare(lm, prompt, strategy=decoder, max_new_tokens=max_new_tokens, draft=draft,
-                                         grammar=grammar)
-        for _ in driver._run(state, decoder, with_text=False):
-            watch.mark(len(state.new_tokens))
+        run = driver.prepare(lm, prompt, strategy=decoder, max_new_tokens=max_new_tokens, draft=draft,
+                             grammar=grammar)
+        for _ in run.chunks(with_text=False):
+            watch.mark(len(run.state.new_tokens))
+    state, decoder = run.state, run.decoder
     stats, tokens = state.stats, state.new_tokens
     lengths = list(stats.draft_lengths)  # drafted tokens per verification
     return Run(
@@ -153,5 +153,5 @@ def run_decodekit(
         peak_memory_bytes=watch.peak_bytes, finish_reason=state.finish_reason,
         tokens=list(tokens), sources=list(state.sources), pieces=pieces(lm, tokens),
         timeline=watch.marks, grammar=grammar is not None,
-        extra={"driver_seconds": stats.seconds, "driver_ttft_seconds": stats.ttft_seconds},
+        extra={"driver_seconds": stats.seconds, "driver_ttft_seconds": stats.ttft_seconds, **stats.details},
     )

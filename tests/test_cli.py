@@ -15,7 +15,7 @@ import pytest
 import decoders
 from conftest import tiny_model, tiny_tokenizer
 from decoders.strategies.greedy import Greedy
-from evals import cli
+from evals import cli, suites
 
 PROMPT = "Index: A B C"
 
@@ -335,3 +335,60 @@ def test_calibrate_prints_measured_call_costs_and_plots_them(model_dir, tmp_path
     assert f"| target | {model_dir} | 1 |" in out and "| draft | self:int8 | 1 |" in out
     assert "µs per cached position" in out and plot.stat().st_size > 1000
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))
+
+
+def test_peers_draft_with_the_draft_as_loaded_and_strategies_with_its_quantized_copy(model_dir, monkeypatch, capsys):
+    from decoders.models.quantize import is_quantized
+    from evals import peers, timing
+
+    seen = []
+    run_peer, run_decodekit = peers.run_peer, timing.run_decodekit
+    monkeypatch.setattr(peers, "run_peer", lambda *a, **kw: seen.append(("peer", is_quantized(kw["draft"])))
+                        or run_peer(*a, **kw))
+    monkeypatch.setattr("evals.runner.run_decodekit", lambda *a, **kw: seen.append(
+        ("decodekit", kw["draft"] and is_quantized(kw["draft"]))) or run_decodekit(*a, **kw))
+    args = ["compare", "--model", model_dir, "--suite", "article", "--max-new-tokens", "6", "--no-progress",
+            "--bandwidth-mb", "0", "--draft", model_dir, "--draft-quantize", "int8",
+            "--strategies", "speculative,hf:assisted"]
+    assert cli.main(args) == 0
+    assert "| speculative | ✓ exact" in capsys.readouterr().out
+    assert ("peer", None) in seen and ("decodekit", "int8") in seen
+    assert ("peer", "int8") not in seen
+
+
+def test_limit_and_per_category_pick_the_prompts(model_dir, tmp_path):
+    out = tmp_path / "r.json"
+    args = ["compare", "--model", model_dir, "--suite", "default", "--per-category", "1", "--limit", "2",
+            "--max-new-tokens", "3", "--no-progress", "--bandwidth-mb", "0", "--strategies", "greedy", "--out",
+            str(out)]
+    assert cli.main(args) == 0
+    result = json.loads(out.read_text())
+    assert [p["id"] for p in result["prompts"]] == [p.id for p in suites.load("default", limit=2, per_category=1)]
+    assert result["config"]["limit"] == 2 and result["config"]["per_category"] == 1
+
+
+def test_a_suffix_store_kept_across_the_suite(model_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["compare", "--model", model_dir, "--suite", "article", "--max-new-tokens", "8", "--no-progress",
+            "--bandwidth-mb", "0", "--strategies", "suffix,suffix@store=run", "--out", str(out)]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "| suffix@store=run | ✓ exact" in text and "one SuffixStore across the suite's prompts" in text
+    runs = [r for r in json.loads(out.read_text())["runs"] if r["strategy"].startswith("suffix")]
+    assert {r["strategy"] for r in runs} == {"suffix", "suffix@store=run"}
+
+
+def test_export_hub_writes_a_custom_generate_folder(tmp_path, capsys):
+    assert cli.main(["export-hub", str(tmp_path / "hub"), "--strategy", "prompt_lookup"]) == 0
+    code = (tmp_path / "hub" / "custom_generate" / "generate.py").read_text()
+    assert "prompt_lookup" in code and "custom_generate=" in capsys.readouterr().out
+    assert cli.main(["export-hub", str(tmp_path / "bad"), "--strategy", "nosuch"]) == 2
+
+
+def test_the_report_shows_what_auto_chose(model_dir, capsys):
+    args = ["compare", "--model", model_dir, "--suite", "article", "--max-new-tokens", "8", "--no-progress",
+            "--bandwidth-mb", "0", "--strategies", "auto"]
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "What the choosing strategies chose:" in text
+    assert "auto on article-pi: steps by proposer:" in text and "predicted" in text and "measured" in text

@@ -167,8 +167,8 @@ def test_generation_config_defaults_apply(monkeypatch):
     model = tiny_model("llama")
     model.generation_config.do_sample, model.generation_config.temperature = True, 0.7
     seen = []
-    prepare = decoders.hf._prepare
-    monkeypatch.setattr(decoders.hf, "_prepare", lambda *a, **kw: seen.append(kw) or prepare(*a, **kw))
+    prepare = decoders.hf.prepare
+    monkeypatch.setattr(decoders.hf, "prepare", lambda *a, **kw: seen.append(kw) or prepare(*a, **kw))
     ids = prompt_ids()
     model.generate(ids, custom_generate=custom_generate, max_new_tokens=4, seed=1)
     assert (seen[-1]["temperature"], seen[-1]["top_k"], seen[-1]["top_p"]) == (0.7, 50, None)

@@ -90,3 +90,5 @@ class Drafter(Protocol):
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         """Called after verification with how many drafted tokens were accepted (for a tree: the path's length;
         `draft.follow(the accepted tokens)` gives its nodes)."""
+
+    # Optional: `finish(state)`, called once after the run's last step (e.g. to remember its output).

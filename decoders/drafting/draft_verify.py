@@ -57,6 +57,12 @@ class DraftVerify(Decoder):
         drafter.update(state, draft, len(path))
 
 
+    def finish(self, state: DecodeState) -> None:
+        finish = getattr(state.drafter, "finish", None)  # optional in the Drafter protocol
+        if finish is not None:
+            finish(state)
+
+
 def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None) -> tuple[list[int], int]:
     """One target call on the uncached tail plus the draft; returns (accepted node indices, next token).
 

@@ -4,4 +4,6 @@ Add a strategy: a new file here (or in your own package) with a `Decoder` or `Dr
 `@decoders.register("name")` - see speculative.py for the smallest complete example.
 """
 
-from decoders.strategies import auto, greedy, guided, lookahead, prompt_lookup, speculative, staged, threshold  # noqa: F401
+from decoders.strategies import (  # noqa: F401
+    auto, greedy, guided, lookahead, prompt_lookup, speculative, staged, suffix, threshold,
+)
