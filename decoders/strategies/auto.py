@@ -90,18 +90,18 @@ class AutoDrafter:
             return chooser.should_continue(accept, next_token, context, fixed_seconds=catch_up)
 
         start = time.perf_counter()
-        tokens, rows, _ = self.model.draft_chain(limit, keep_going)
+        tokens, rows, cumulative = self.model.draft_chain(limit, keep_going)
         state.lm.synchronize()
         if tokens:
             self.cost.observe("draft", 1, context, (time.perf_counter() - start) / len(tokens))
-        self.confidences = [c for c, _ in confidences[: len(tokens)]]
+        self.confidences = [p / before if before else 0.0 for p, before in zip(cumulative, [1.0, *cumulative])]
         return Draft(tokens, stack_probs(rows))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         state.lm.synchronize()
         self.cost.observe("target", self.scored, self.context, time.perf_counter() - self.clock)
         if self.proposer is not None and draft.tokens:
-            confidences = self.confidences if self.proposer == "draft" else None
+            confidences = self.confidences[: len(draft.tokens)] if self.proposer == "draft" else None
             self.chooser.update(self.proposer, len(draft.tokens), accepted, confidences)
         if self.model is not None:
             self.model.rewind()
