@@ -54,6 +54,7 @@ import torch
 
 import decoders
 import grammars
+from evals.metrics import BASELINE
 
 REL_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 RECHECKED = (torch.bfloat16, torch.float16)  # dtypes whose wide gaps are judged again in float32
@@ -241,7 +242,7 @@ def check(
     """
     with Float32Model(lm) as exact:  # made only if a divergence needs it, dropped on return
         for run in runs:
-            if run.strategy == "greedy" and run.repeat == 0 and not run.grammar:
+            if run.strategy == BASELINE and run.repeat == 0 and not run.grammar:
                 run.lossless = {"status": "reference", "position": None}
             elif run.kind == "peer" and run.grammar:
                 run.lossless = validity(lm, run, *(schemas or {})[run.prompt_id])

@@ -148,12 +148,13 @@ def notes(result: dict) -> list[str]:
     for run in result["runs"]:
         check = run.get("lossless") or {}
         if check.get("status") in ("failed", "tie"):
-            margin = "" if check.get("margin") is None else (
-                f", top-2 margin {check['margin']:.3g}, gap {check['gap']:.3g} vs tolerance {check['tolerance']:.3g}"
-                + ("" if check.get("greedy_gap") is None else f", gap in greedy's scoring {check['greedy_gap']:.3g}"))
+            figures = "" if check.get("margin") is None else (
+                f" (top-2 margin {check['margin']:.3g}, gap {check['gap']:.3g} vs tolerance {check['tolerance']:.3g}"
+                + ("" if check.get("greedy_gap") is None else f", gap in greedy's scoring {check['greedy_gap']:.3g}")
+                + ("" if check.get("float32_gap") is None else f", gap in float32 {check['float32_gap']:.3g}") + ")")
             where = "" if check.get("position") is None else f" at token {check['position']}"
             out.append(f"{run['strategy']} on {run['prompt_id']} (repeat {run['repeat']}): "
-                       f"{check['status']}{where} ({check['reason']}{margin})")
+                       f"{check['status']}{where}: {check['reason']}{figures}")
     return out
 
 
