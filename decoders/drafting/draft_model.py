@@ -2,7 +2,8 @@
 
 The draft never decides what is emitted (the target verifies every token), so whatever the draft cannot do is simply
 not drafted: past its own context length it stops proposing, and a token id its embedding lacks (a target with a
-padded vocabulary) is fed to it as a stand-in id.
+padded vocabulary) is fed to it as a stand-in id. A draft of another tokenizer drafts through text instead
+(`decoders.drafting.translate`); `draft_model(state)` picks the one the run's models need.
 """
 
 from __future__ import annotations
@@ -15,13 +16,29 @@ from decoders.base import DecodeState
 from decoders.models.lm import LM
 
 
+def draft_model(state: DecodeState) -> DraftModel:
+    """The run's draft model: a `DraftModel` when the draft shares the target's vocabulary, else a
+    `TranslatedDraftModel`, which drafts in the target's ids through text."""
+    if state.draft is not None and state.draft.vocab_key != state.lm.vocab_key:
+        from decoders.drafting.translate import TranslatedDraftModel
+
+        return TranslatedDraftModel(state)
+    return DraftModel(state)
+
+
 class DraftModel:
     """A draft LM with its own KV cache, following the run's accepted tokens one draft token at a time."""
+
+    translates = False  # drafts in the target's ids from a draft of another vocabulary
 
     def __init__(self, state: DecodeState) -> None:
         draft: LM | None = state.draft
         if draft is None:  # checked before the run by decoders.capabilities; kept for drafters built by hand
             raise ValueError("this strategy needs a draft model: pass draft=<LM or model name>")
+        if not self.translates and draft.vocab_key != state.lm.vocab_key:
+            raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of {state.lm.name!r}: build "
+                             "the drafter's model with decoders.drafting.draft_model.draft_model(state), which "
+                             "translates through text")
         self.state, self.lm, self.cache = state, draft, draft.new_cache()
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
         self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read

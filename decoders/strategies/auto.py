@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 
 from decoders.base import DecodeState
-from decoders.drafting import Draft, DraftModel, DraftVerify, stack_probs
+from decoders.drafting import Draft, DraftVerify, stack_probs
+from decoders.drafting.draft_model import draft_model
 from decoders.drafting.chooser import Chooser
 from decoders.drafting.cost import calibrate
 from decoders.options import check_whole
@@ -44,7 +45,7 @@ class AutoDrafter:
 
     def __init__(self, state: DecodeState, options: AutoOptions) -> None:
         self.options = options
-        self.model = DraftModel(state) if state.draft is not None else None
+        self.model = draft_model(state) if state.draft is not None else None
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = Chooser(self.cost)
         self.proposer: str | None = None  # what the last proposal came from

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from decoders.base import DecodeState
 from decoders.registry import register
-from decoders.drafting import Draft, DraftModel, DraftVerify, stack_probs
+from decoders.drafting import Draft, DraftVerify, stack_probs
+from decoders.drafting.draft_model import draft_model
 from decoders.options import whole
 
 
@@ -28,7 +29,7 @@ class FixedDrafter:
     """Drafts exactly k tokens (fewer only near max_new_tokens) with the draft model."""
 
     def __init__(self, state: DecodeState, options: SpeculativeOptions) -> None:
-        self.model, self.k = DraftModel(state), options.k
+        self.model, self.k = draft_model(state), options.k
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
         tokens, rows, _ = self.model.draft_chain(min(self.k, limit))

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from decoders.base import DecodeState
 from decoders.registry import register
-from decoders.drafting import Draft, DraftModel, DraftVerify, stack_probs
+from decoders.drafting import Draft, DraftVerify, stack_probs
+from decoders.drafting.draft_model import draft_model
 from decoders.options import probability, whole
 
 
@@ -58,7 +59,7 @@ class ThresholdDrafter:
     """Drafts while the draft's cumulative probability stays at or above the run's current threshold."""
 
     def __init__(self, state: DecodeState, options: ThresholdOptions) -> None:
-        self.model, self.options = DraftModel(state), options
+        self.model, self.options = draft_model(state), options
         self.threshold = options.threshold  # per run: this object lives in state.drafter
         self.cumulative: list[float] = []  # [k] the last draft's cumulative probabilities
 
