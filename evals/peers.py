@@ -148,6 +148,11 @@ def run_peer(
     )
     if peer.needs_draft:
         kwargs["assistant_model"] = draft.model
+        sizes = {m.config.get_text_config().vocab_size for m in (lm.model, draft.model)}
+        if draft.vocab_key != lm.vocab_key and len(sizes) == 2:
+            # transformers' universal assisted decoding translates the assistant's drafts through text. It refuses
+            # assistant_tokenizer= when the two vocabulary sizes are equal, and then treats the ids as shared.
+            kwargs.update(tokenizer=lm.tokenizer, assistant_tokenizer=draft.tokenizer)
     if peer.needs_grammar:
         processor = _outlines_processor(lm, grammar)
         processor.reset()  # a fresh matcher state for this sequence

@@ -227,10 +227,10 @@ def test_a_draft_of_another_vocabulary_stops_compare_before_any_run(model_dir, t
     tokenizer.add_tokens(["zzqx"])
     tokenizer.save_pretrained(folder)
     args = ["compare", "--model", model_dir, "--draft", str(folder), "--suite", "article", "--strategies",
-            "speculative", "--no-progress", "--bandwidth-mb", "0"]
+            "staged", "--no-progress", "--bandwidth-mb", "0"]
     assert cli.main(args) == 2
     out, err = capsys.readouterr()
-    assert out == "" and "speculative: draft model" in err and "does not share the tokenizer" in err
+    assert out == "" and "staged: draft model" in err and "does not share the tokenizer" in err
 
 
 def test_runs_that_raise_are_written_and_the_exit_status_is_1(model_dir, tmp_path, capsys):

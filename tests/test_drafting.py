@@ -110,7 +110,7 @@ def test_a_draft_with_a_padded_vocabulary_works():
         decoders.generate(lm, PROMPTS[1], strategy=strategy, draft=padded, max_new_tokens=30, temperature=1.0, seed=1)
 
 
-def test_a_draft_with_another_tokenizer_is_refused():
+def test_a_draft_with_another_tokenizer_drafts_through_text_but_staged_refuses_it():
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -119,8 +119,12 @@ def test_a_draft_with_another_tokenizer_is_refused():
                             trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     other = decoders.wrap(tiny_model("llama", seed=1), transformers.PreTrainedTokenizerFast(tokenizer_object=tok))
-    with pytest.raises(ValueError, match="does not share the tokenizer"):
-        decoders.generate(tiny_lm("llama"), PROMPTS[0], strategy="speculative", draft=other)
+    lm = tiny_lm("llama")
+    want = decoders.generate(lm, PROMPTS[0], max_new_tokens=20).tokens
+    for strategy in ("speculative", "threshold"):
+        assert decoders.generate(lm, PROMPTS[0], strategy=strategy, draft=other, max_new_tokens=20).tokens == want
+    with pytest.raises(ValueError, match="does not share the tokenizer.*'staged', which grows token trees"):
+        decoders.generate(lm, PROMPTS[0], strategy="staged", draft=other)
 
 
 @pytest.mark.parametrize(
