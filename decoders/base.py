@@ -78,6 +78,9 @@ class Stats:
     seconds: float = 0.0
     ttft_seconds: float = 0.0  # until the first new token
     details: dict[str, Any] = field(default_factory=dict)  # a strategy's own record (auto: what it chose)
+    # Greedy mode, one per new token: the best logit minus the token's, in the target call that chose it (under the
+    # grammar); 0 for the argmax, None for a token no call chose (grammar-forced). Evidence for the lossless check.
+    argmax_gaps: list[float | None] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -172,8 +175,9 @@ class DecodeState:
             logits = logits.masked_fill(~self.grammar.allowed().to(logits.device), float("-inf"))
         return sample(logits, self.sampling, self.generator)
 
-    def accept(self, tokens: Sequence[int], sources: Sequence[str]) -> int:
+    def accept(self, tokens: Sequence[int], sources: Sequence[str], rows: torch.Tensor | None = None) -> int:
         """Append new tokens until EOS, a stop string or max_new_tokens ends the run; returns how many were added.
+        `rows` [len(tokens), vocab]: the target logits each token was chosen from (None: forced by the grammar).
 
         With a grammar, each token advances the matcher before it joins the output (a forbidden token raises
         `grammars.GrammarError`), and the grammar can end the run, as finish_reason "eos": when the model emits EOS
@@ -184,6 +188,13 @@ class DecodeState:
         for token, source in zip(tokens, sources, strict=True):
             if self.finished:
                 break
+            if rows is not None and self.sampling.greedy:
+                row = rows[added].float()
+                if self.grammar is not None:
+                    row = row.masked_fill(~self.grammar.allowed().to(row.device), float("-inf"))
+                self.stats.argmax_gaps.append(float(row.max() - row[token]))
+            elif self.sampling.greedy:
+                self.stats.argmax_gaps.append(None)
             if self.grammar is not None:
                 self.grammar.advance([token])
             self.tokens.append(int(token))

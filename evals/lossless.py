@@ -32,8 +32,13 @@ the low-precision verdict is judged by it:
 float32_gap <= max(tolerance, NOISE_MARGIN * rounding_error) is a numeric tie: in the exact model the two tokens are
 closer than the dtype's rounding is seen to move a gap at this very position, so rounding alone can order them either
 way (the run's own scoring call is not replayed: NOISE_MARGIN allows it to err twice as far as the two replayed ones).
-A token that float32 ranks further from greedy's, on either side, is still a failure. The copy is made only when a
-divergence needs it, at most once per `check`, and dropped when `check` returns.
+A token that float32 ranks further from greedy's, on either side, is still a failure - unless the run's own record
+shows the target chose it: a decodekit run keeps, per token, how far it fell below the best logit of the target call
+that verified or chose it (`Stats.argmax_gaps`). A token that call ranked first, on a gap float32 puts within
+CHOSEN_MARGIN x that bound, is a numeric tie: the target's choice, made over cached keys and values that other call
+shapes than greedy's rounded (the drift adds up over the earlier positions, which the replayed scorings do not
+share). A strategy that keeps a wrong draft token has a gap above 0 in that record and still fails. The copy is made
+only when a divergence needs it, at most once per `check`, and dropped when `check` returns.
 Anything else - a gap beyond the tolerance every way, or a length difference - is a **failure**: the strategy is not
 lossless.
 
@@ -60,6 +65,7 @@ REL_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2.0**-7, torch.float16: 2.
 RECHECKED = (torch.bfloat16, torch.float16)  # dtypes whose wide gaps are judged again in float32
 NOISE_TOKENS = 10  # rounding_error is measured on the gaps to this many of float32's top tokens
 NOISE_MARGIN = 2.0  # how much further than the two replayed scorings the run's own scoring call may err
+CHOSEN_MARGIN = 2.0  # and how much further still when the target itself chose the run's token (its cache drifted)
 
 
 def tolerance(dtype: torch.dtype, top1: float) -> float:
@@ -142,6 +148,7 @@ def verdict(
     reference: Sequence[int],
     candidate: Sequence[int],
     exact: Float32Model | None = None,  # the float32 judge to share across calls; default: one made for this call
+    gaps: Sequence[float | None] = (),  # the run's `Stats.argmax_gaps`: 0 where the verifying call chose the token
 ) -> dict:
     """Compare a run's tokens with greedy's: {"status": "exact" | "tie" | "failed", "position", "margin", ...,
     "reason"}, the reason one line a user can read."""
@@ -154,7 +161,7 @@ def verdict(
                 "reason": f"length differs ({len(candidate)} tokens vs greedy's {len(reference)}; {longer} goes on)"}
     if exact is None:
         with Float32Model(lm) as exact:
-            return verdict(lm, prompt, reference, candidate, exact)
+            return verdict(lm, prompt, reference, candidate, exact, gaps)
     name = str(lm.dtype).removeprefix("torch.")
     logits = margin_at(lm, prompt, reference, position)  # [vocab]
     top = torch.topk(logits, 2).values
@@ -186,6 +193,11 @@ def verdict(
     if abs(lead) <= bound:
         return {**found, "reason": f"numeric tie: {greedy_gap:.3g} apart in {name}, {abs(lead):.2g} in float32, "
                                    f"where {name} errs by up to {noise:.2g}"}
+    chosen = position < len(gaps) and gaps[position] == 0.0
+    if chosen and abs(lead) <= CHOSEN_MARGIN * bound:
+        return {**found, "reason": f"numeric tie: the target's own choice in the call that verified it, whose cached "
+                                   f"keys and values were rounded in other calls than greedy's; {abs(lead):.2g} apart "
+                                   f"in float32, within the {CHOSEN_MARGIN * bound:.2g} that {name} drift explains"}
     side = "below" if lead > 0 else "above"
     return {**found, "status": "failed",
             "reason": f"different token: float32 ranks it {abs(lead):.3g} {side} greedy's, beyond the {bound:.2g} "
@@ -248,4 +260,5 @@ def check(
                 run.lossless = validity(lm, run, *(schemas or {})[run.prompt_id])
             else:
                 expected = reference(run.prompt_id, run.grammar)
-                run.lossless = verdict(lm, prompts[run.prompt_id], expected, run.tokens, exact)
+                run.lossless = verdict(lm, prompts[run.prompt_id], expected, run.tokens, exact,
+                                       getattr(run, "argmax_gaps", ()))

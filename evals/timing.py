@@ -46,6 +46,7 @@ class Run:
     grammar: bool = False  # ran under the prompt's JSON-schema constraint
     rank: int = 0  # the process that ran it (accelerate launch)
     lossless: dict[str, Any] | None = None  # filled by evals.lossless.check
+    argmax_gaps: list[float | None] = field(default_factory=list)  # decoders.Stats.argmax_gaps (greedy mode)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -152,6 +153,6 @@ def run_decodekit(
         draft_seconds=watch.draft.seconds if stats.draft_calls and watch.draft_metered else None,
         peak_memory_bytes=watch.peak_bytes, finish_reason=state.finish_reason,
         tokens=list(tokens), sources=list(state.sources), pieces=pieces(lm, tokens),
-        timeline=watch.marks, grammar=grammar is not None,
+        timeline=watch.marks, grammar=grammar is not None, argmax_gaps=list(stats.argmax_gaps),
         extra={"driver_seconds": stats.seconds, "driver_ttft_seconds": stats.ttft_seconds, **stats.details},
     )

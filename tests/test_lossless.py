@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import decoders
-from conftest import tiny_model, tiny_tokenizer
+from conftest import tiny_lm, tiny_model, tiny_tokenizer
 from evals import lossless, suites
 
 PROMPT = "The digits of Pi are 3.14159"
@@ -194,3 +194,28 @@ def test_a_verification_calls_flips_on_smollm2_in_bfloat16_are_not_failures():
     for position, token in sorted(flips):
         found = lossless.verdict(lm, prompt, reference, reference[:position] + [token])
         assert found["status"] == "tie", found
+
+
+def test_a_token_the_verifying_call_chose_is_a_tie_only_within_the_drift_bound(monkeypatch):
+    """The run's record says the target itself ranked its token first (gap 0): a float32 gap a little past the
+    replayed rounding is then cache drift, a tie; far past it, or with a gap above 0 in the record, still a failure."""
+    lm = tiny_lm("llama")
+    bf16 = decoders.wrap(copy.deepcopy(lm.model).to(torch.bfloat16), lm.tokenizer)
+    prompt, reference, candidate = [1, 2, 3], [5, 6], [5, 7]
+
+    def view(gap):  # greedy's token 6 ahead of the run's 7 by 1.0 in bfloat16, by `gap` in float32; the bfloat16
+        def logits(model, *args):  # gaps to float32's other top tokens are off by 0.15 (the rounding seen here)
+            out = torch.full((bf16.vocab_size,), -10.0)
+            out[7] = 0.0
+            out[6] = 1.0 if model is bf16 else gap
+            out[10:20] = torch.linspace(-2, -1, 10) + ((1.0 - gap - 0.15) if model is bf16 else 0.0)
+            return out
+        return logits
+
+    # rounding seen 0.15: float32 gaps up to 0.3 are ties anyway; up to 0.6 only for the target's own choice
+    for float32_gap, gaps, status in [(0.5, [0.0, 0.0], "tie"), (0.5, [0.0, 0.25], "failed"),
+                                      (0.9, [0.0, 0.0], "failed"), (0.5, [], "failed"), (0.2, [], "tie")]:
+        monkeypatch.setattr(lossless, "margin_at", view(float32_gap))
+        monkeypatch.setattr(lossless, "incremental_logits", lambda model, *args, g=float32_gap: view(g)(bf16))
+        found = lossless.verdict(bf16, prompt, reference, candidate, gaps=gaps)
+        assert found["status"] == status, (float32_gap, gaps, found)

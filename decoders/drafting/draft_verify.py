@@ -47,8 +47,8 @@ class DraftVerify(Decoder):
         if grammar is not None:
             draft, masks = restrict_to_grammar(grammar, draft, type(drafter).__name__, state.lm.eos_token_ids)  # masks: [k + 1, vocab]
         start = len(state.tokens)  # where the draft begins in the target cache after the call
-        path, token = verify(state, draft, masks)
-        added = state.accept([draft.tokens[i] for i in path] + [token], [draft.source] * len(path) + ["target"])
+        path, token, rows = verify(state, draft, masks)
+        added = state.accept([draft.tokens[i] for i in path] + [token], [draft.source] * len(path) + ["target"], rows)
         kept = min(len(path), added)  # fewer when the run ended (EOS, stop string) inside the accepted draft
         drafted = len(draft.tokens) if kept == len(path) else kept  # a run that ended counts what it used
         state.stats.count_accepted(drafted, kept, levels=drafted if draft.is_chain else depth(draft))
@@ -63,8 +63,9 @@ class DraftVerify(Decoder):
             finish(state)
 
 
-def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None) -> tuple[list[int], int]:
-    """One target call on the uncached tail plus the draft; returns (accepted node indices, next token).
+def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None) -> tuple[list[int], int, torch.Tensor]:
+    """One target call on the uncached tail plus the draft; returns (accepted node indices, next token, the logits
+    [len(path) + 1, vocab] each of those tokens was verified or chosen with).
 
     `masks` [k + 1, vocab] (a grammar's allowed tokens at each scored position) restrict the target first.
     """
@@ -78,7 +79,10 @@ def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None) -> tupl
             accepted, token = verify_greedy(drafted, logits)
         else:
             accepted, token = verify_sampling(drafted, draft.probs, state.sampling.probs(logits), state.generator)
-        return list(range(accepted)), token
+        return list(range(accepted)), token, logits[: accepted + 1]
     if greedy:
-        return verify_tree_greedy(draft.tokens, draft.links, logits)
-    return verify_tree_sampling(draft.tokens, draft.links, draft.probs, state.sampling.probs(logits), state.generator)
+        path, token = verify_tree_greedy(draft.tokens, draft.links, logits)
+    else:
+        path, token = verify_tree_sampling(draft.tokens, draft.links, draft.probs, state.sampling.probs(logits),
+                                           state.generator)
+    return path, token, logits[[0] + [1 + node for node in path]]  # row 0, then the row after each path node

@@ -15,4 +15,4 @@ class Greedy(Decoder):
 
     def step(self, state: DecodeState) -> None:
         logits = state.score()  # [1, vocab]: only the last position predicts a new token
-        state.accept([state.choose(logits[-1])], ["target"])
+        state.accept([state.choose(logits[-1])], ["target"], rows=logits[-1:])

@@ -29,4 +29,4 @@ class Guided(Decoder):
             if state.finished:  # the grammar completed, or max_new_tokens ran out
                 return
         logits = state.score()  # [1, vocab]: scores the uncached tail, forced tokens included, in one call
-        state.accept([state.choose(logits[-1])], ["target"])
+        state.accept([state.choose(logits[-1])], ["target"], rows=logits[-1:])
