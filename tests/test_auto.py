@@ -44,3 +44,15 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
         result = decoders.generate(lm, prompt, strategy="auto", draft=lm, grammar=constraint, temperature=1.0,
                                    seed=seed, max_new_tokens=12)
         assert result.text in (" red", " green")
+
+
+def test_a_model_without_tree_masks_gets_the_suffix_trees_main_branch(monkeypatch):
+    from conftest import tiny_model, tiny_tokenizer
+    from decoders.models import lm as lm_module
+
+    lm = lm_module.wrap(tiny_model("llama"), tiny_tokenizer())
+    monkeypatch.setattr(lm_module.LM, "_tree_attention_mask", lambda self, tree, positions, past: None)
+    prompt = lm.encode(PROMPTS[2]) * 2  # repeated text: the suffix index drafts
+    want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
+    got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
+    assert got.tokens == want and got.stats.details["steps"].get("suffix", 0) > 0

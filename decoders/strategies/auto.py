@@ -1,8 +1,10 @@
 """`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second.
 
 Proposers, all through the shared draft-then-verify loop: runs the grammar forces (free, taken by the loop itself),
-prompt lookup (copies from the context: near free), the draft model when one is given (`draft=` a model or
-"self:int8"; drafted one token at a time while the next token still pays), and nothing (a plain greedy step).
+the suffix index of the context (`suffix`'s trees of what followed the longest matching suffix, near free; cut to the
+levels that pay, and to its main branch on a model that cannot take tree masks), the draft model when one is given
+(`draft=` a model or "self:int8"; drafted one token at a time while the next token still pays), and nothing (a plain
+greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
@@ -23,9 +25,10 @@ from decoders.drafting import Draft, DraftVerify, stack_probs
 from decoders.drafting.draft_model import draft_model
 from decoders.drafting.chooser import Chooser
 from decoders.drafting.cost import calibrate
+from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
+from decoders.drafting.tree import ancestry, depth
 from decoders.options import check_whole
 from decoders.registry import register
-from decoders.strategies.prompt_lookup import lookup
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,10 @@ class AutoOptions:
     """Options of `auto`: bounds only; what to draft and how much is measured, not set."""
 
     max_draft: int = 16  # the most draft-model tokens per target call
-    max_lookup: int = 16  # the most copied tokens per target call
-    max_ngram: int = 3  # longest context suffix prompt lookup matches
+    max_tree: int = 24  # the most suffix-tree nodes per target call (suffix's own bound)
 
     def __post_init__(self):
-        check_whole(self, max_draft=1, max_lookup=1, max_ngram=1)
+        check_whole(self, max_draft=1, max_tree=1)
 
 
 class AutoDrafter:
@@ -46,18 +48,30 @@ class AutoDrafter:
     def __init__(self, state: DecodeState, options: AutoOptions) -> None:
         self.options = options
         self.model = draft_model(state) if state.draft is not None else None
+        self.suffix = SuffixOptions(max_tree=options.max_tree)
+        self.index = SuffixIndex()  # the run's own text, grown with every accepted token
+        self.index.extend("run", state.tokens)
+        self.seen = len(state.tokens)
+        self.trees = _takes_trees(state)
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = Chooser(self.cost)
         self.proposer: str | None = None  # what the last proposal came from
-        self.confidences: list[float] = []  # [k] the draft model's probability of each token it drafted
+        self.confidences: list[float] = []  # [levels] the proposer's probability of each level it drafted
         self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
         self.clock = 0.0
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
         context, o = len(state.cache), self.options
-        copied = lookup(state.tokens, min(o.max_lookup, limit), o.max_ngram, 1) if limit > 0 else []
-        candidates = [self.chooser.candidate("lookup", len(copied))] if copied else []
+        tree = propose(self.index, None, state.tokens, limit, self.suffix)
+        if not self.trees:
+            tree = main_branch(tree)
+        levels = summarize(tree)  # (confidence, nodes up to here) per level
+        candidates = []
+        if levels:
+            candidates.append(self.chooser.candidate("suffix", len(levels), [c for c, _ in levels],
+                                                     nodes=tuple(n for _, n in levels)))
+            self.levels = [c for c, _ in levels]
         if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
             per_token = self.cost.draft_seconds(1, context)
             catch_up = self.cost.draft_seconds(1, context, len(self.model.uncached())) - per_token
@@ -66,8 +80,11 @@ class AutoDrafter:
         plan = self.chooser.choose(candidates, context)
         self.record(state, plan)
         self.proposer, self.confidences = plan.proposer, []
-        if plan.proposer == "lookup":
-            draft = Draft(copied[: plan.k], source="lookup")
+        if plan.proposer == "suffix":
+            _, depths = ancestry(tree.parents)
+            draft = Draft(tree.tokens, None, tree.parents, source="suffix").subset(
+                [n for n, d in enumerate(depths) if d < plan.k])
+            self.confidences = self.levels[: plan.k]
         elif plan.proposer == "draft":
             draft = self.draft_with_model(state, plan.k if plan.probe else room, plan.k, catch_up)
         else:
@@ -102,10 +119,12 @@ class AutoDrafter:
         state.lm.synchronize()
         self.cost.observe("target", self.scored, self.context, time.perf_counter() - self.clock)
         if self.proposer is not None and draft.tokens:
-            confidences = self.confidences[: len(draft.tokens)] if self.proposer == "draft" else None
-            self.chooser.update(self.proposer, len(draft.tokens), accepted, confidences)
+            levels = depth(draft)  # fewer than proposed when the grammar or an EOS cut it
+            self.chooser.update(self.proposer, levels, accepted, self.confidences[:levels])
         if self.model is not None:
             self.model.rewind()
+        self.index.extend("run", state.tokens[self.seen:])
+        self.seen = len(state.tokens)
 
     def record(self, state: DecodeState, plan) -> None:
         """What auto chose, for reports: steps per proposer, and the predicted tokens and seconds."""
@@ -114,6 +133,39 @@ class AutoDrafter:
         details["steps"][name] = details["steps"].get(name, 0) + 1
         details["predicted_tokens"] += plan.expected_tokens
         details["predicted_seconds"] += plan.seconds
+
+
+def _takes_trees(state: DecodeState) -> bool:
+    """Whether the target can score a token tree in one call (probed once per model and cached on it)."""
+    try:
+        state.lm.check_tree_mask()
+    except TypeError:
+        return False
+    return True
+
+
+def main_branch(tree: SuffixDraft) -> SuffixDraft:
+    """The tree's first child at every level (its most frequent continuation): a chain."""
+    keep, above = [], -1
+    for node, parent in enumerate(tree.parents):
+        if parent == above:
+            keep.append(node)
+            above = node
+    return SuffixDraft([tree.tokens[n] for n in keep], list(range(-1, len(keep) - 1)),
+                       [tree.probs[n] for n in keep], tree.match)
+
+
+def summarize(tree: SuffixDraft) -> list[tuple[float, int]]:
+    """Per level of a suffix tree: (the index's probability of its best node given the best node above, the nodes
+    in this and the levels above)."""
+    _, depths = ancestry(tree.parents)
+    levels: list[tuple[float, int]] = []
+    best_above = 1.0
+    for level in range(max(depths, default=-1) + 1):
+        best = max(p for p, d in zip(tree.probs, depths) if d == level)
+        levels.append((min(1.0, best / best_above), sum(d <= level for d in depths)))
+        best_above = best
+    return levels
 
 
 @register("auto")
