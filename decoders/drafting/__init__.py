@@ -3,7 +3,7 @@ trees (tree.py), the loop (draft_verify.py), drafts under a grammar (grammar.py)
 """
 
 from decoders.drafting.draft import Draft, Drafter, Window
-from decoders.drafting.draft_model import DraftModel, stack_probs
+from decoders.drafting.draft_model import DraftModel, draft_model, stack_probs
 from decoders.drafting.draft_verify import DraftVerify
 
-__all__ = ["Draft", "Drafter", "Window", "DraftModel", "DraftVerify", "stack_probs"]
+__all__ = ["Draft", "Drafter", "Window", "DraftModel", "DraftVerify", "draft_model", "stack_probs"]

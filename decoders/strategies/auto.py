@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass
 
 from decoders.base import DecodeState
-from decoders.drafting import Draft, DraftVerify, stack_probs
-from decoders.drafting.draft_model import draft_model
+from decoders.drafting import Draft, DraftVerify, draft_model, stack_probs
 from decoders.drafting.chooser import Chooser
 from decoders.drafting.cost import calibrate
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from decoders.base import DecodeState
-from decoders.registry import register
 from decoders.drafting import Draft, DraftVerify, Window
 from decoders.options import check_whole
+from decoders.registry import register
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from decoders.base import DecodeState
-from decoders.registry import register
 from decoders.drafting import Draft, DraftVerify
 from decoders.options import check_whole
+from decoders.registry import register
 
 
 @dataclass(frozen=True)

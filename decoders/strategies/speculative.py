@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decoders.base import DecodeState
-from decoders.registry import register
-from decoders.drafting import Draft, DraftVerify, stack_probs
-from decoders.drafting.draft_model import draft_model
+from decoders.drafting import Draft, DraftVerify, draft_model, stack_probs
 from decoders.options import whole
+from decoders.registry import register
 
 
 @dataclass(frozen=True)
