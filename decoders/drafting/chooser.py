@@ -110,8 +110,13 @@ class Chooser:
 
     def acceptance(self, proposer: str, depth: int, confidence: float | None = None) -> float:
         """Estimated P(level `depth` (from 1) accepted | the levels before it accepted), given the drafter's
-        probability for that token when known (else pooled over all probabilities)."""
+        probability for that token when known (else pooled over all probabilities). A pooled level past the first
+        starts from the estimate of the level above it, so what the first levels learned reaches the deeper ones
+        before any draft has gone that deep (a short probe would otherwise never lift them)."""
+        depth = min(depth, self.options.max_depth)  # deeper levels share the last estimate
         key, prior = self._cell(proposer, depth, confidence)
+        if confidence is None and depth > 1:
+            prior = self.acceptance(proposer, depth - 1)
         accepted, rejected = self.counts.get(key, (0.0, 0.0))
         strength = self.options.prior_strength
         return (accepted + strength * prior) / (accepted + rejected + strength)
