@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the model hub
+# auto's cost calibrations of tiny test models go to a throwaway folder, not the user's cache
+os.environ.setdefault("DECODEKIT_CALIBRATION", tempfile.mkdtemp(prefix="decodekit-calibration-"))
 
 import pytest
 import torch

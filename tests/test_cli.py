@@ -327,6 +327,7 @@ def test_bench_greedy_prints_the_ratio_and_the_roofline_fraction(model_dir, caps
 
 def test_calibrate_prints_measured_call_costs_and_plots_them(model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path / "cache"))  # the fit is cached here, not in the user's cache
+    monkeypatch.delenv("DECODEKIT_CALIBRATION")  # the default folder under DECODEKIT_CACHE
     plot = tmp_path / "cost.png"
     args = ["calibrate", "--model", model_dir, "--draft", "self:int8", "--no-progress", "--plot", str(plot)]
     assert cli.main(args) == 0

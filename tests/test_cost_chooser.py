@@ -220,6 +220,7 @@ def test_calibration_is_positive_and_monotone():
 
 def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypatch):
     monkeypatch.setenv("DECODEKIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("DECODEKIT_CALIBRATION")  # the tests' own folder; here the default under DECODEKIT_CACHE
     target, draft = CountingLM(tiny_lm("llama")), CountingLM(tiny_lm("qwen2"))
     first = calibrate(target, draft, budget=0.0)
     assert target.calls == 7 and draft.calls == 6  # 2 warm-up calls + one round each

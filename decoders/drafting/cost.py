@@ -161,11 +161,12 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
 
 
 def cache_file(key: dict, folder: Path | None = None) -> Path:
-    """The JSON file of a calibration key: `<folder or cache_dir()/calibration>/<role>-<name>-<hash>.json`."""
+    """The JSON file of a calibration key: `<folder>/<role>-<name>-<hash>.json`; the folder defaults to
+    $DECODEKIT_CALIBRATION, else `cache_dir()/calibration` (the tests point the variable at a temporary folder)."""
     if folder is None:
         from decoders.models.zoo import cache_dir
 
-        folder = cache_dir() / "calibration"
+        folder = os.environ.get("DECODEKIT_CALIBRATION") or cache_dir() / "calibration"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", key["name"])[-60:]
     return Path(folder) / f"{key['role']}-{name}-{digest}.json"

@@ -54,6 +54,9 @@ class AutoDrafter:
         self.trees = _takes_trees(state)
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = Chooser(self.cost)
+        if self.model is not None:  # probe the draft model at once: its confidences then inform every later choice
+            self.chooser.declined["draft"] = self.chooser.options.probe_after
+        self.recent: list[float] = []  # the draft model's confidence in each token of its last draft
         self.proposer: str | None = None  # what the last proposal came from
         self.confidences: list[float] = []  # [levels] the proposer's probability of each level it drafted
         self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
@@ -74,7 +77,11 @@ class AutoDrafter:
         if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
             per_token = self.cost.draft_seconds(1, context)
             catch_up = self.cost.draft_seconds(1, context, len(self.model.uncached())) - per_token
-            candidates.append(self.chooser.candidate("draft", room, per_token_seconds=per_token,
+            # the next draft is judged by the confidence the draft model had in its last one (its acceptance is
+            # learned per confidence bucket, whose prior is the bucket's middle): a draft that is nearly always
+            # right is drafted long from its first probe on, instead of after many probes have lifted a 0.5 prior
+            typical = [sum(self.recent) / len(self.recent)] * room if self.recent else None
+            candidates.append(self.chooser.candidate("draft", room, typical, per_token_seconds=per_token,
                                                      fixed_seconds=catch_up))
         plan = self.chooser.choose(candidates, context)
         self.record(state, plan)
@@ -112,6 +119,7 @@ class AutoDrafter:
         if tokens:
             self.cost.observe("draft", 1, context, (time.perf_counter() - start) / len(tokens))
         self.confidences = [p / before if before else 0.0 for p, before in zip(cumulative, [1.0, *cumulative])]
+        self.recent = self.confidences or self.recent
         return Draft(tokens, stack_probs(rows))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
