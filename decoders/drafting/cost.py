@@ -99,11 +99,6 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     return CallCost(tuple(sizes), tuple(knots), float(solution[-1]), 1.0, tuple(samples))
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _resize(cache, length: int) -> None:
     """Make `cache` hold `length` positions: crop it, or tile its keys and values (timing does not read them)."""
     if len(cache) >= length:
@@ -135,10 +130,10 @@ def measure(lm, role: str = "target", sizes: tuple[int, ...] = TARGET_SIZES, bud
         while best[-1] == math.inf or time.perf_counter() - begin < budget:
             for i, (n, context) in enumerate(plan):
                 _resize(cache, context)
-                _synchronize(lm.device)
+                lm.synchronize()
                 start = time.perf_counter()
                 lm.forward(ids[:n], cache, keep=n if role == "target" else 1)
-                _synchronize(lm.device)
+                lm.synchronize()
                 best[i] = min(best[i], time.perf_counter() - start)
     return [(n, context, seconds) for (n, context), seconds in zip(plan, best)]
 
