@@ -53,6 +53,7 @@ def test_int8_layer_matches_float_reference_within_the_scale_bound(kind, bias, i
     if layer.bias is not None:
         layer.bias.data.copy_(torch.randn(out_features))
     int8 = Int8Linear.from_float(layer)
+    int8.float_from = None  # the int8 path at every call size (long calls may run on the float weight)
     assert int8.fused == (in_features % 16 == 0)
     x = torch.randint(-8, 9, (1, 5, in_features)) / 4  # [1, T, in], exact in bfloat16
     with torch.no_grad():
@@ -74,6 +75,7 @@ def test_weights_that_are_multiples_of_their_scale_come_back_exactly():
     layer = nn.Linear(4, 2, bias=False)
     layer.weight.data.copy_(weight)
     int8 = Int8Linear.from_float(layer)
+    int8.float_from = None
     x = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
     assert torch.equal(int8.scales.float(), torch.full((2,), 1 / 64))
     assert torch.equal(int8(x), x @ weight.T)
@@ -84,9 +86,32 @@ def test_int8_layer_takes_an_unaligned_bfloat16_input():
     torch.manual_seed(0)
     layer = nn.Linear(64, 8).to(torch.bfloat16)
     int8 = Int8Linear.from_float(layer)
+    int8.float_from = None
     assert int8.fused
     x = torch.randn(3 * 64 + 1, dtype=torch.bfloat16)[1:].reshape(1, 3, 64)  # starts 2 bytes into its storage
     assert x.data_ptr() % 64 and torch.equal(int8(x), int8(x.clone()))
+
+
+def test_long_calls_run_on_the_shared_float_weight_from_the_measured_size(monkeypatch):
+    from decoders.models import quantize as module
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 8)
+    monkeypatch.setattr(module, "_crossovers", {})
+    monkeypatch.setattr(module, "_seconds", lambda call, device: 1.0)  # float never faster
+    int8 = Int8Linear.from_float(layer)
+    assert int8.float_from is None and int8.float_weight is None  # never faster: not kept
+
+    timings = iter([2.0, 1.0, 2.0, 1.0, 0.5, 1.0])  # (float, int8) at 2, 4, 8 rows: faster from 8
+    monkeypatch.setattr(module, "_crossovers", {})
+    monkeypatch.setattr(module, "_seconds", lambda call, device: next(timings))
+    int8 = Int8Linear.from_float(layer)
+    assert int8.float_from == 8 and int8.float_weight.data_ptr() == layer.weight.data_ptr()  # shared, not copied
+    x = torch.randn(1, 8, 64)
+    with torch.no_grad():
+        assert torch.equal(int8(x), layer(x))  # 8 rows: the float layer's own result
+        assert not torch.equal(int8(x[:, :7]), layer(x[:, :7]))  # 7 rows: the int8 weights
+    assert Int8Linear.from_float(nn.Linear(64, 8)).float_from == 8  # measured once per shape
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
