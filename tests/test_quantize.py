@@ -3,6 +3,8 @@ architecture, the original untouched, sharing, tied heads and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -112,6 +114,28 @@ def test_long_calls_run_on_the_shared_float_weight_from_the_measured_size(monkey
         assert torch.equal(int8(x), layer(x))  # 8 rows: the float layer's own result
         assert not torch.equal(int8(x[:, :7]), layer(x[:, :7]))  # 7 rows: the int8 weights
     assert Int8Linear.from_float(nn.Linear(64, 8)).float_from == 8  # measured once per shape
+
+
+def test_a_self_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_found_it():
+    from decoders.driver import _prepare
+    from decoders.drafting.draft_model import DraftModel, SharedCacheDraft, draft_model
+
+    lm = tiny_lm("llama")
+    prompt = lm.encode(PROMPTS[1])
+    state, _ = _prepare(lm, prompt, strategy="speculative", draft="self:int8", max_new_tokens=20)
+    assert isinstance(draft_model(state), SharedCacheDraft)
+    assert type(draft_model(dataclasses.replace(state, draft=quantize(tiny_lm("qwen2")))))) is DraftModel  # not this one's copy
+    with torch.inference_mode():
+        lm.forward(prompt[:-1], state.cache)
+        keys = [layer.keys.clone() for layer in state.cache.hf.layers]
+        model = draft_model(state)
+        fed = []
+        original = model.lm.forward
+        model.lm.forward = lambda tokens, cache, **kw: fed.append(list(tokens)) or original(tokens, cache, **kw)
+        tokens, _, _ = model.draft_chain(4)
+    assert fed == [prompt[-1:], *([t] for t in tokens[:-1])]  # no prefill: only the uncached token, then its drafts
+    assert len(tokens) == 4 and len(state.cache) == len(prompt) - 1
+    assert all(torch.equal(k, layer.keys) for k, layer in zip(keys, state.cache.hf.layers))
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))

@@ -17,12 +17,15 @@ from decoders.models.lm import LM
 
 
 def draft_model(state: DecodeState) -> DraftModel:
-    """The run's draft model: a `DraftModel` when the draft shares the target's vocabulary, else a
-    `TranslatedDraftModel`, which drafts in the target's ids through text."""
+    """The run's chain-drafting model: a `DraftModel` when the draft shares the target's vocabulary (a
+    `SharedCacheDraft` when it is the target's own quantized copy), else a `TranslatedDraftModel`, which drafts in
+    the target's ids through text."""
     if state.draft is not None and state.draft.vocab_key != state.lm.vocab_key:
         from decoders.drafting.translate import TranslatedDraftModel
 
         return TranslatedDraftModel(state)
+    if state.draft is not None and getattr(state.draft, "quantized_from", lambda: None)() is state.lm:
+        return SharedCacheDraft(state)
     return DraftModel(state)
 
 
@@ -112,6 +115,30 @@ class DraftModel:
     def rewind(self) -> None:
         """Forget drafted positions the target did not accept: keep only a prefix of the run's tokens."""
         self.cache.crop(min(len(self.cache), len(self.state.tokens) - 1))
+
+
+class SharedCacheDraft(DraftModel):
+    """The target's own quantized copy (`decoders.quantize`, "self:int8"), drafting on the target's KV cache.
+
+    Both models have the same layers, so the copy can attend to the keys and values the target computed: it needs no
+    prefill of its own (a second prompt's worth of calls: 3.4 s for 400 tokens of the 1.5B here) and no catch-up after
+    steps it sat out or long accepted runs, and it drafts from the target's own view of the context. Its drafted
+    positions are cut from the cache before the target verifies, so the target's cache holds only its own work.
+    """
+
+    def __init__(self, state: DecodeState) -> None:
+        super().__init__(state)
+        self.cache = state.cache
+
+    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
+        committed = len(self.cache)
+        try:
+            return super().draft_chain(limit, keep_going)
+        finally:
+            self.cache.crop(committed)
+
+    def rewind(self) -> None:
+        """Nothing to forget: `draft_chain` left the target's cache as it found it."""
 
 
 def stack_probs(rows: list[torch.Tensor | None]) -> torch.Tensor | None:

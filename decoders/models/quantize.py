@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -200,7 +201,9 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
                     setattr(parent, name, replaced[id(child)])
     if not replaced:
         raise ValueError(f"{lm.name!r} has no nn.Linear or Conv1D layer to quantize")
-    return LM(twin, lm.tokenizer, name=f"{lm.name}:{scheme}")
+    copy_ = LM(twin, lm.tokenizer, name=f"{lm.name}:{scheme}")
+    copy_.quantized_from = weakref.ref(lm)  # a draft of its original may share its KV cache (DraftModel)
+    return copy_
 
 
 def is_quantized(lm: LM) -> str | None:
