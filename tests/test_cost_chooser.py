@@ -127,6 +127,17 @@ def test_draft_confidence_buckets_learn_separately():
     assert chooser.acceptance("draft", 1, 0.95) > 0.95
     assert chooser.acceptance("draft", 1, 0.05) < 0.05
     assert chooser.acceptance("draft", 1) == pytest.approx(0.5, abs=0.05)  # pooled over both
+    assert chooser.acceptance("draft", 1, 0.25) == pytest.approx(chooser.acceptance("draft", 1))  # unexplored: pooled
+
+
+def test_an_unexplored_bucket_starts_from_the_pooled_estimate_when_that_is_higher():
+    chooser = Chooser(cpu_like())
+    for _ in range(50):  # a draft that is right even when unsure
+        chooser.update("draft", drafted=2, accepted=2, confidences=[0.9, 0.7])
+    pooled = chooser.acceptance("draft", 1)
+    assert pooled > 0.95
+    assert chooser.acceptance("draft", 1, 0.3) == pytest.approx(pooled)  # not the bucket's middle, 0.3
+    assert chooser.acceptance("draft", 1, 0.9) > 0.95
     assert chooser.candidate("draft", 1, [0.9], per_token_seconds=0.25).accept == (chooser.acceptance("draft", 1, 0.9),)
 
 
