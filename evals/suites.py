@@ -10,7 +10,9 @@ Three formats; the file's first line decides which one the whole file is read as
 A `schema` (JSON schema) marks a structured-output prompt: grammar-constrained strategies (`guided`) run only there.
 It is checked against the JSON Schema meta-schema when the suite is read, so a bad one fails before any model loads.
 `all` is every shipped suite except `default` (a small mix of every category) and `agentic` (a session whose later
-requests repeat earlier prompts and outputs: run it on its own, in order).
+requests repeat earlier prompts and outputs: run it on its own, in order; its `regenerate` requests ask again for
+code an earlier request produced, with changes, without that code in the prompt: what only a store of past outputs
+can draft from).
 """
 
 from __future__ import annotations

@@ -288,9 +288,33 @@ def test_staged_lower_stage_saves_draft_calls(monkeypatch):
     oracle = lambda tokens, k, max_ngram, min_ngram: future[len(tokens) - len(prompt):][:k]  # noqa: E731
     monkeypatch.setattr(staged, "lookup", oracle)
     runs = {ngram: decoders.generate(lm, prompt, strategy="staged", draft=lm, max_new_tokens=40, ngram=ngram,
-                                     max_depth=6) for ngram in (0, 3)}
+                                     max_depth=6, lower="lookup") for ngram in (0, 3)}
     assert runs[0].tokens == runs[3].tokens == future[:40]
     assert runs[3].stats.draft_calls < runs[0].stats.draft_calls / 2
+
+
+def test_staged_suffix_lower_stage_drafts_from_the_runs_suffix_index(monkeypatch):
+    """The default lower stage asks the run's suffix index (holding the prompt and the output so far) and follows
+    the main branch of its tree."""
+    from decoders.drafting.suffix_index import SuffixDraft
+    from decoders.strategies import staged
+
+    lm = tiny_lm("llama")
+    prompt = lm.encode(PROMPTS[3])
+    future = decoders.generate(lm, prompt, max_new_tokens=60).tokens
+    asked = []
+
+    def oracle(index, store, context, limit, options):  # a two-branch tree whose main branch is the future
+        asked.append(len(prompt) <= len(index) <= len(context))  # the run so far; the context adds a tree path
+        chain = future[len(context) - len(prompt):][:limit]
+        return SuffixDraft([*chain, 7], [*range(-1, len(chain) - 1), -1], [1.0] * len(chain) + [0.1], 3)
+
+    monkeypatch.setattr(staged, "propose", oracle)
+    runs = {ngram: decoders.generate(lm, prompt, strategy="staged", draft=lm, max_new_tokens=40, ngram=ngram,
+                                     max_depth=6) for ngram in (0, 3)}  # ngram=0: no lower stage
+    assert runs[0].tokens == runs[3].tokens == future[:40]
+    assert runs[3].stats.draft_calls < runs[0].stats.draft_calls / 2
+    assert asked and all(asked)
 
 
 def test_lookahead_finds_copied_text():
@@ -385,6 +409,7 @@ def test_a_model_without_tree_masks_fails_fast(strategy, monkeypatch):
         ("staged", dict(max_depth=2.5), "max_depth must be"),
         ("staged", dict(width=True), "width must be"),
         ("staged", dict(ngram=-1), "ngram must be a whole number >= 0"),
+        ("staged", dict(lower="ngram"), "lower must be one of suffix, lookup"),
         ("staged", dict(min_prob=1.5), "min_prob must be a probability"),
         ("staged", dict(expand_prob=-0.1), "expand_prob must be a probability"),
         ("lookahead", dict(window=-1), "window must be a whole number >= 0"),

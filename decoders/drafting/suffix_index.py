@@ -73,6 +73,16 @@ class SuffixDraft:
         """Expected number of accepted tokens if the index's frequencies were the model's."""
         return sum(self.probs)
 
+    def main_branch(self) -> SuffixDraft:
+        """The tree's first child at every level (its most frequent continuation): a chain."""
+        keep, above = [], -1
+        for node, parent in enumerate(self.parents):
+            if parent == above:
+                keep.append(node)
+                above = node
+        return SuffixDraft([self.tokens[n] for n in keep], list(range(-1, len(keep) - 1)),
+                           [self.probs[n] for n in keep], self.match)
+
 
 class _Node:
     """A substring that occurs at least twice (or once, when eviction could not tell where)."""

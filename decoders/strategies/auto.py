@@ -67,7 +67,7 @@ class AutoDrafter:
         context, o = len(state.cache), self.options
         tree = propose(self.index, None, state.tokens, limit, self.suffix)
         if not self.trees:
-            tree = main_branch(tree)
+            tree = tree.main_branch()
         levels = summarize(tree)  # (confidence, nodes up to here) per level
         candidates = []
         if levels:
@@ -149,17 +149,6 @@ def _takes_trees(state: DecodeState) -> bool:
     except TypeError:
         return False
     return True
-
-
-def main_branch(tree: SuffixDraft) -> SuffixDraft:
-    """The tree's first child at every level (its most frequent continuation): a chain."""
-    keep, above = [], -1
-    for node, parent in enumerate(tree.parents):
-        if parent == above:
-            keep.append(node)
-            above = node
-    return SuffixDraft([tree.tokens[n] for n in keep], list(range(-1, len(keep) - 1)),
-                       [tree.probs[n] for n in keep], tree.match)
 
 
 def summarize(tree: SuffixDraft) -> list[tuple[float, int]]:

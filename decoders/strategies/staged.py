@@ -1,4 +1,4 @@
-"""`staged`: staged speculative decoding - the draft model grows a token tree, and an n-gram lookup drafts for it.
+"""`staged`: staged speculative decoding - the draft model grows a token tree, and a draft-free stage drafts for it.
 
 Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding". Two changes to `speculative`:
 
@@ -7,9 +7,10 @@ Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding"
    probability: each draft call expands the `width` most probable leaves at once (one call, with a tree mask over
    the draft's own cache), each expanded node gets up to `branching` children, until `budget` nodes or `max_depth`.
    The target then checks the whole tree in one call (the shared loop in `decoders.drafting`).
-2. **A lower stage under the draft model.** In every draft call, prompt lookup (`decoders.strategies.prompt_lookup.lookup`,
-   on the context plus the path to the most probable leaf) proposes a chain under that leaf, which the draft model
-   verifies in the same call exactly as the target verifies drafts (greedy: its argmax; sampling: rejection sampling
+2. **A lower stage under the draft model.** In every draft call, a draft-free proposer (`lower="suffix"`: the main
+   branch of the run's suffix index, `decoders.drafting.suffix_index`; `lower="lookup"`: prompt lookup,
+   `decoders.strategies.prompt_lookup.lookup`), on the context plus the path to the most probable leaf, proposes a
+   chain under that leaf, which the draft model verifies in the same call exactly as the target verifies drafts (greedy: its argmax; sampling: rejection sampling
    against its own distribution). Copied text thus grows the tree's main branch by several levels per draft call:
    on this CPU a draft call costs about half a target call, so draft calls are what staged saves.
 
@@ -20,6 +21,7 @@ multi-candidate rejection sampling in `samplers.verify` needs to stay exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,11 +29,15 @@ import torch
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify
+from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
 from decoders.drafting.tree import keep_path, visibility
 from decoders.options import check_whole, probability
 from decoders.registry import register
 from decoders.strategies.prompt_lookup import lookup
 from samplers.verify import verify_greedy, verify_sampling
+
+
+LOWER_STAGES = ("suffix", "lookup")
 
 
 @dataclass(frozen=True)
@@ -47,10 +53,13 @@ class StagedOptions:
     width: int = 2  # leaves expanded per draft call (the frontier), most probable first
     min_prob: float = 0.05  # add a child only while P(parent's path) x the mass not drawn yet reaches this (cheap)
     expand_prob: float = 0.3  # another draft call only if the most probable leaf's path has at least this probability
-    ngram: int = 3  # longest context suffix the lower stage (prompt lookup) matches; 0 turns the lower stage off
+    ngram: int = 3  # longest context suffix prompt lookup matches (lower="lookup"); 0 turns the lower stage off
+    lower: str = "suffix"  # the lower stage: "suffix" (the run's suffix index) or "lookup" (prompt lookup)
 
     def __post_init__(self):
         check_whole(self, branching=1, budget=1, max_depth=1, width=1, ngram=0)
+        if self.lower not in LOWER_STAGES:
+            raise ValueError(f"lower must be one of {', '.join(LOWER_STAGES)}, got {self.lower!r}")
         probability("min_prob", self.min_prob, high_open=True)
         probability("expand_prob", self.expand_prob, high_open=True)
 
@@ -70,10 +79,13 @@ class Node:
     children: list[int] = field(default_factory=list)  # their tokens, in the order drawn
 
 
-def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int) -> list[Node]:
+Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of at most room tokens to follow it
+
+
+def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower) -> list[Node]:
     """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order).
 
-    Every draft call also carries the lower stage's lookup chain under its most probable leaf (the first call: under
+    Every draft call also carries the lower stage's chain under its most probable leaf (the first call: under
     the root, after the uncached tail), so copied text adds several levels per call. The draft cache ends up holding
     the accepted tokens plus the nodes with a `slot` (and rejected chain tokens, which no mask ever shows again).
     """
@@ -81,7 +93,7 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
     nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
     frontier: list[int] = []  # empty: the first call, which expands the root
     while cap >= 1:
-        draft_call(model, state, o, nodes, frontier, cap)
+        draft_call(model, state, o, nodes, frontier, cap, lower)
         for n in sorted((n for n in range(len(nodes)) if nodes[n].dist is not None), key=lambda n: -nodes[n].cum):
             node = nodes[n]  # more children, most probable parent first, without replacement
             while len(node.children) < o.branching and len(nodes) <= o.budget:
@@ -101,13 +113,13 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
 
 
 def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
-               cap: int) -> None:
+               cap: int, lower: Lower) -> None:
     """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus the lower stage's chain under
     the first leaf. The draft checks that chain against its own distributions as a target checks a draft (argmax, or
     rejection sampling); the agreed part plus the draft's next token join the tree under that leaf."""
     leaves = frontier or [0]
     head = leaves[0]  # the most probable leaf
-    chain = lower_stage(state, o, nodes, head, cap)
+    chain = lower_stage(state, o, nodes, head, cap, lower)
     masks = None  # [leaves + chain, vocab]: the grammar's allowed tokens after each
     if nodes[head].matcher is not None:
         valid, along = nodes[head].matcher.masks_along(chain)  # [valid + 1, vocab], row 0 = the head's
@@ -132,14 +144,15 @@ def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: l
     add_child(nodes, parent, token)
 
 
-def lower_stage(state: DecodeState, o: StagedOptions, nodes: list[Node], head: int, cap: int) -> list[int]:
-    """Prompt lookup on the context plus the path to `head`: a chain to try under it, with room left below it for
+def lower_stage(state: DecodeState, o: StagedOptions, nodes: list[Node], head: int, cap: int, lower: Lower
+                ) -> list[int]:
+    """The lower stage on the context plus the path to `head`: a chain to try under it, with room left below it for
     the draft's own token, and never reaching an EOS (whose children the draft could not score)."""
     room = min(cap - nodes[head].depth - 2, o.budget - len(nodes))
     if not o.ngram or room <= 0:
         return []
     path = [nodes[n].token for n in reversed(ancestors(nodes, head))] + ([nodes[head].token] if head else [])
-    chain = lookup(state.tokens + path, room, o.ngram, 1)
+    chain = lower(state.tokens + path, room)
     return chain[: next((i for i, t in enumerate(chain) if t in state.lm.eos_token_ids), len(chain))]
 
 
@@ -208,9 +221,20 @@ class TreeDrafter:
     def __init__(self, state: DecodeState, options: StagedOptions) -> None:
         self.model, self.options = DraftModel(state), options
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
+        self.index = SuffixIndex()  # the run's own tokens, for the suffix lower stage
+        self.seen = 0  # tokens of the run the index holds
+        self.suffix = SuffixOptions()
+
+    def lower(self, context: list[int], room: int) -> list[int]:
+        """The lower stage's chain after `context` (the run's tokens plus a tree path), at most `room` tokens."""
+        if self.options.lower == "lookup":
+            return lookup(context, room, self.options.ngram, 1)
+        return propose(self.index, None, context, room, self.suffix).main_branch().tokens
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
-        nodes = grow_tree(self.model, state, self.options, self.model.room(limit))[1:]
+        self.index.extend("run", state.tokens[self.seen:])
+        self.seen = len(state.tokens)
+        nodes = grow_tree(self.model, state, self.options, self.model.room(limit), self.lower)[1:]
         self.start, self.slots = len(state.tokens), [n.slot for n in nodes]
         probs = None if state.sampling.greedy or not nodes else torch.stack([n.drawn_from for n in nodes])
         return Draft([n.token for n in nodes], probs, [n.parent - 1 for n in nodes])
@@ -223,7 +247,7 @@ class TreeDrafter:
 
 @register("staged")
 class Staged(DraftVerify):
-    """Tree speculative decoding with a draft model, itself sped up by prompt lookup."""
+    """Tree speculative decoding with a draft model, itself sped up by a draft-free lower stage."""
 
     Options = StagedOptions
     drafter = TreeDrafter
