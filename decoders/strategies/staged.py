@@ -223,7 +223,9 @@ class TreeDrafter:
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
         self.index = SuffixIndex()  # the run's own tokens, for the suffix lower stage
         self.seen = 0  # tokens of the run the index holds
-        self.suffix = SuffixOptions()
+        # the draft model checks the lower stage's chain in a call it makes anyway, where a longer chain costs little:
+        # so the chain may run past the match length (suffix's own depth_factor 1.0 is for target calls)
+        self.suffix = SuffixOptions(max_tree=options.budget, depth_factor=float(options.budget))
 
     def lower(self, context: list[int], room: int) -> list[int]:
         """The lower stage's chain after `context` (the run's tokens plus a tree path), at most `room` tokens."""
