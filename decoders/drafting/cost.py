@@ -21,13 +21,17 @@ from pathlib import Path
 
 import torch
 
-VERSION = 1  # of the cache file format and the measuring plan: files of another version are measured again
+VERSION = 2  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
+# float, which changed their costs): files of another version are measured again
 TARGET_SIZES = (1, 8, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1); beyond 32:
 # extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter, drafts
 DRAFT_SIZES = (1, 8)  # a draft call scores one token, more when it catches up after steps it sat out
 SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
 BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least one), so only cheap calls repeat
-WEIGHT = 0.1  # how far one observation moves the correction factor (in log space): about the last 10 calls count
+WEIGHT = 0.1  # how far one observation moves the correction factor (in log space): about the last 10 calls count;
+# a run's first calls weigh 1, 1/2, 1/3 ... (a running mean) until that falls to WEIGHT, so a calibration measured on a
+# busy machine (one draft calibration here had a 0.5B call at 0.65 of a 1.5B call; runs measured 0.33) is corrected
+# by the run's first call instead of after tens of calls, which auto might never make while the draft looks too dear
 Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
 
 
@@ -40,6 +44,7 @@ class CallCost:
     per_position: float = 0.0  # seconds per cached position (attention over the context), >= 0
     scale: float = 1.0  # online correction: a running geometric mean of observed / fitted seconds
     samples: tuple[Sample, ...] = ()  # the measurements it was fitted to, kept for reports and plots
+    observations: int = 0  # calls observed since loaded (not saved: each run corrects from its own first call)
 
     def fitted(self, n: int, context: int) -> float:
         """Seconds of the calibrated fit, before the online correction."""
@@ -52,9 +57,12 @@ class CallCost:
         return self.scale * self.fitted(n, context)
 
     def observe(self, n: int, context: int, seconds: float) -> None:
-        """Move the correction factor toward a measured call (one outlier moves it at most WEIGHT * log 4)."""
+        """Move the correction factor toward a measured call: the mean of the first 1 / WEIGHT calls' ratios, then
+        an exponential average (an outlier among them moves it at most WEIGHT * log 4)."""
         ratio = min(max(seconds / self.fitted(n, context), 0.25), 4.0)
-        self.scale = math.exp((1 - WEIGHT) * math.log(self.scale) + WEIGHT * math.log(ratio))
+        self.observations += 1
+        weight = max(WEIGHT, 1.0 / self.observations)
+        self.scale = math.exp((1 - weight) * math.log(self.scale) + weight * math.log(ratio))
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,
