@@ -44,7 +44,8 @@ class CallCost:
     per_position: float = 0.0  # seconds per cached position (attention over the context), >= 0
     scale: float = 1.0  # online correction: a running geometric mean of observed / fitted seconds
     samples: tuple[Sample, ...] = ()  # the measurements it was fitted to, kept for reports and plots
-    observations: int = 0  # calls observed since loaded (not saved: each run corrects from its own first call)
+    observations: int = field(default=0, compare=False)  # calls observed since loaded (not saved: each run corrects
+    # from its own first call)
 
     def fitted(self, n: int, context: int) -> float:
         """Seconds of the calibrated fit, before the online correction."""
