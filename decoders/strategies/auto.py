@@ -2,7 +2,9 @@
 
 Proposers, all through the shared draft-then-verify loop: runs the grammar forces (free, taken by the loop itself),
 the suffix index of the context (`suffix`'s trees of what followed the longest matching suffix, near free; cut to the
-levels that pay, and to its main branch on a model that cannot take tree masks), the draft model when one is given
+levels that pay, and to its main branch on a model that cannot take tree masks), prompt lookup (`prompt_lookup`'s
+chain after the most recent match of the last 1-3 tokens: where the output copies the prompt at length, it drafts
+long at once, where the suffix tree grows with the match), the draft model when one is given
 (`draft=` a model or "self:int8"; drafted one token at a time while the next token still pays), and nothing (a plain
 greedy step).
 
@@ -28,6 +30,7 @@ from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptio
 from decoders.drafting.tree import ancestry, depth
 from decoders.options import check_whole
 from decoders.registry import register
+from decoders.strategies.prompt_lookup import lookup
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,10 @@ class AutoOptions:
 
     max_draft: int = 16  # the most draft-model tokens per target call
     max_tree: int = 24  # the most suffix-tree nodes per target call (suffix's own bound)
+    max_lookup: int = 10  # the longest prompt-lookup chain (prompt_lookup's own k)
 
     def __post_init__(self):
-        check_whole(self, max_draft=1, max_tree=1)
+        check_whole(self, max_draft=1, max_tree=1, max_lookup=1)
 
 
 class AutoDrafter:
@@ -58,7 +62,8 @@ class AutoDrafter:
             self.chooser.declined["draft"] = self.chooser.options.probe_after
         self.recent: list[float] = []  # the draft model's confidence in each token of its last draft
         self.proposer: str | None = None  # what the last proposal came from
-        self.confidences: list[float] = []  # [levels] the proposer's probability of each level it drafted
+        self.confidences: list[float] | None = []  # [levels] the proposer's probability of each level it drafted
+        # (None: a proposer that knows none)
         self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
         self.clock = 0.0
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
@@ -74,6 +79,9 @@ class AutoDrafter:
             candidates.append(self.chooser.candidate("suffix", len(levels), [c for c, _ in levels],
                                                      nodes=tuple(n for _, n in levels)))
             self.levels = [c for c, _ in levels]
+        chain = lookup(state.tokens, min(o.max_lookup, limit), 3, 1)
+        if chain:
+            candidates.append(self.chooser.candidate("lookup", len(chain)))
         if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
             per_token = self.cost.draft_seconds(1, context)
             catch_up = self.cost.draft_seconds(1, context, len(self.model.uncached())) - per_token
@@ -91,6 +99,8 @@ class AutoDrafter:
             draft = Draft(tree.tokens, None, tree.parents, source="suffix").subset(
                 [n for n, d in enumerate(depths) if d < plan.k])
             self.confidences = self.levels[: plan.k]
+        elif plan.proposer == "lookup":
+            draft, self.confidences = Draft(chain[: plan.k], source="lookup"), None
         elif plan.proposer == "draft":
             draft = self.draft_with_model(state, plan.k if plan.probe else room, plan.k, catch_up)
         else:
@@ -127,7 +137,8 @@ class AutoDrafter:
         self.cost.observe("target", self.scored, self.context, time.perf_counter() - self.clock)
         if self.proposer is not None and draft.tokens:
             levels = depth(draft)  # fewer than proposed when the grammar or an EOS cut it
-            self.chooser.update(self.proposer, levels, accepted, self.confidences[:levels])
+            confidences = None if self.confidences is None else self.confidences[:levels]
+            self.chooser.update(self.proposer, levels, accepted, confidences)
         if self.model is not None:
             self.model.rewind()
         self.index.extend("run", state.tokens[self.seen:])
