@@ -124,7 +124,8 @@ def test_a_self_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_found_it()
     prompt = lm.encode(PROMPTS[1])
     state, _ = _prepare(lm, prompt, strategy="speculative", draft="self:int8", max_new_tokens=20)
     assert isinstance(draft_model(state), SharedCacheDraft)
-    assert type(draft_model(dataclasses.replace(state, draft=quantize(tiny_lm("qwen2"))))) is DraftModel  # not this one's copy
+    other = dataclasses.replace(state, draft=quantize(tiny_lm("qwen2")))  # another model's copy: its own cache
+    assert type(draft_model(other)) is DraftModel
     with torch.inference_mode():
         lm.forward(prompt[:-1], state.cache)
         keys = [layer.keys.clone() for layer in state.cache.hf.layers]

@@ -75,11 +75,11 @@ class Int8Linear(nn.Module):
         weight = weight.T if isinstance(layer, Conv1D) else weight  # [out, in]
         compute = torch.bfloat16 if weight.device.type == "cpu" else weight.dtype
         weight_int8, scales = quantize_rows(weight, compute)
-        layer = cls(weight_int8, scales, layer.bias, fused=_kernel_takes(weight_int8, scales))
-        layer.float_from, layer.float_weight = _float_from(layer, weight), weight
-        if layer.float_from is None:
-            layer.float_weight = None
-        return layer
+        int8 = cls(weight_int8, scales, layer.bias, fused=_kernel_takes(weight_int8, scales))
+        float_from = _float_from(int8, weight)
+        if float_from is not None:
+            int8.float_from, int8.float_weight = float_from, weight
+        return int8
 
     @property
     def weight(self) -> torch.Tensor:
@@ -153,7 +153,8 @@ def _float_from(layer: Int8Linear, weight: torch.Tensor) -> int | None:
         _crossovers[key] = None
         for rows in ROWS:
             x = torch.zeros(rows, layer.in_features, dtype=weight.dtype, device=weight.device)
-            if _seconds(lambda: nn.functional.linear(x, weight), x.device) < _seconds(lambda: layer.quantized(x), x.device):
+            as_float = _seconds(lambda: nn.functional.linear(x, weight), x.device)
+            if as_float < _seconds(lambda: layer.quantized(x), x.device):
                 _crossovers[key] = rows
                 break
     return _crossovers[key]

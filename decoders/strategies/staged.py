@@ -10,9 +10,10 @@ Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding"
 2. **A lower stage under the draft model.** In every draft call, a draft-free proposer (`lower="suffix"`: the main
    branch of the run's suffix index, `decoders.drafting.suffix_index`; `lower="lookup"`: prompt lookup,
    `decoders.strategies.prompt_lookup.lookup`), on the context plus the path to the most probable leaf, proposes a
-   chain under that leaf, which the draft model verifies in the same call exactly as the target verifies drafts (greedy: its argmax; sampling: rejection sampling
-   against its own distribution). Copied text thus grows the tree's main branch by several levels per draft call:
-   on this CPU a draft call costs about half a target call, so draft calls are what staged saves.
+   chain under that leaf, which the draft model verifies in the same call exactly as the target verifies drafts
+   (greedy: its argmax; sampling: rejection sampling against its own distribution). Copied text thus grows the
+   tree's main branch by several levels per draft call: on this CPU a draft call costs about half a target call, so
+   draft calls are what staged saves.
 
 Children are the draft's top tokens in greedy mode. In sampling mode they are drawn one after another without
 replacement from the draft's distribution (under the grammar's mask, if any) and never dropped once drawn: what the
