@@ -9,10 +9,11 @@ Three formats; the file's first line decides which one the whole file is read as
   and `schema` are read as above; other fields are ignored.
 A `schema` (JSON schema) marks a structured-output prompt: grammar-constrained strategies (`guided`) run only there.
 It is checked against the JSON Schema meta-schema when the suite is read, so a bad one fails before any model loads.
-`all` is every shipped suite except `default` (a small mix of every category) and `agentic` (a session whose later
-requests repeat earlier prompts and outputs: run it on its own, in order; its `regenerate` requests ask again for
-code an earlier request produced, with changes, without that code in the prompt: what only a store of past outputs
-can draft from).
+`all` is every shipped suite except `default` (a small mix of every category of `all`), `mixed` (QA, translation,
+summarization and math: held out, to check defaults on categories none was tuned on) and `agentic` (a session whose
+later requests repeat earlier prompts and outputs: run it on its own, in order; its `regenerate` requests ask again
+for code an earlier request produced, with changes, without that code in the prompt: what only a store of past
+outputs can draft from).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import jsonschema
 
 SUITES_DIR = Path(__file__).parent / "suites"
-NOT_IN_ALL = ("default", "agentic")
+NOT_IN_ALL = ("default", "agentic", "mixed")
 _FIELDS = {"id": str, "category": str, "prompt": str, "max_new_tokens": int, "schema": dict}
 _REQUIRED = ("id", "category", "prompt")
 

@@ -161,3 +161,9 @@ def test_the_agentic_suite_repeats_earlier_work_in_three_or_more_categories():
 def test_the_agentic_suite_is_not_part_of_all():
     assert "agentic" in suites.names()
     assert not {p.id for p in suites.load("agentic")} & {p.id for p in suites.load("all")}
+
+
+def test_the_mixed_suite_is_held_out_of_all_and_has_four_categories():
+    mixed = suites.load("mixed")
+    assert {p.category for p in mixed} == {"qa", "translation", "summarization", "math"}
+    assert not {p.id for p in mixed} & {p.id for p in suites.load("all")}
