@@ -13,11 +13,7 @@ from importlib import metadata
 
 import torch
 
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued device work, so the clock reads finished work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from decoders.models.lm import synchronize
 
 
 class ForwardMeter:

@@ -28,6 +28,12 @@ _DTYPES = {
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on `device` (CUDA kernels run asynchronously), so a clock read after it sees it done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class LM:
     """A transformers causal LM plus its tokenizer, batch 1, in evaluation mode."""
 
@@ -51,8 +57,7 @@ class LM:
 
     def synchronize(self) -> None:
         """Wait for this model's device (CUDA kernels run asynchronously), before reading a clock."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for this model."""

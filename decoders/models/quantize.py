@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from decoders.models.lm import LM
+from decoders.models.lm import LM, synchronize
 
 SCHEMES = ("int8",)
 
@@ -164,18 +164,13 @@ def _seconds(call, device: torch.device) -> float:
     """The best of three timed calls (after one untimed), the device synchronized around each."""
     times = []
     for _ in range(4):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         with torch.no_grad():
             call()
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return min(times[1:])
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":  # kernels run asynchronously there
-        torch.cuda.synchronize(device)
 
 
 def quantize(lm: LM, scheme: str = "int8") -> LM:
