@@ -56,8 +56,6 @@ class Int8Linear(nn.Module):
         scales: torch.Tensor,  # [out], in the dtype the kernel computes in
         bias: nn.Parameter | None,  # [out], shared with the float layer this replaces
         fused: bool,  # True: torch's int8 kernel; False: dequantize inside the matmul
-        float_weight: torch.Tensor | None = None,  # [out, in] the float layer's weight (a view, shared), or None
-        float_from: int | None = None,  # calls of at least this many rows use float_weight; None: never
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
@@ -65,8 +63,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = bias
         self.fused = fused
-        self.float_from = float_from if float_weight is not None else None
-        self.register_buffer("float_weight", float_weight if self.float_from is not None else None, persistent=False)
+        self.float_from: int | None = None  # calls of at least this many rows use float_weight; None: never
+        self.register_buffer("float_weight", None, persistent=False)  # [out, in] the float layer's (shared), or None
 
     @classmethod
     def from_float(cls, layer: nn.Linear | Conv1D) -> Int8Linear:
