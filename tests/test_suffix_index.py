@@ -323,3 +323,14 @@ def test_bad_sizes_are_refused():
         SuffixStore(max_tokens=0)
     with pytest.raises(ValueError, match="count needs"):
         SuffixIndex(4).count([1] * 5)
+
+
+def test_follow_appends_only_what_the_sequence_lacks():
+    tokens = [5, 1, 2, 5, 1, 3, 5, 1]
+    grown, whole = SuffixIndex(), SuffixIndex()
+    grown.follow("run", tokens[:3])
+    grown.follow("run", tokens[:3])  # nothing new
+    grown.follow("run", tokens)
+    whole.extend("run", tokens)
+    assert len(grown) == len(whole) == len(tokens)
+    assert grown.continuations([5, 1]) == whole.continuations([5, 1]) == {2: 1, 3: 1}

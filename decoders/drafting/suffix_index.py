@@ -147,6 +147,11 @@ class SuffixIndex:
                 else:
                     del suffixes[start]
 
+    def follow(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """Make sequence `seq_id` hold `tokens`, a sequence that only grows (a run's tokens): append what it lacks."""
+        number = self._numbers.get(seq_id)
+        self.extend(seq_id, tokens[0 if number is None else len(self._tokens[number]):])
+
     def _split(self, leaf: int, length: int, here: int) -> _Node:
         """The node replacing `leaf` (a substring of `length` tokens seen once) now that it occurs again at `here`."""
         node = _Node(2, here)

@@ -53,8 +53,7 @@ class AutoDrafter:
         self.model = draft_model(state) if state.draft is not None else None
         self.suffix = SuffixOptions(max_tree=options.max_tree)
         self.index = SuffixIndex()  # the run's own text, grown with every accepted token
-        self.index.extend("run", state.tokens)
-        self.seen = len(state.tokens)
+        self.index.follow("run", state.tokens)
         self.trees = _takes_trees(state)
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = Chooser(self.cost)
@@ -141,8 +140,7 @@ class AutoDrafter:
             self.chooser.update(self.proposer, levels, accepted, confidences)
         if self.model is not None:
             self.model.rewind()
-        self.index.extend("run", state.tokens[self.seen:])
-        self.seen = len(state.tokens)
+        self.index.follow("run", state.tokens)
 
     def record(self, state: DecodeState, plan) -> None:
         """What auto chose, for reports: steps per proposer, and the predicted tokens and seconds."""

@@ -226,7 +226,6 @@ class TreeDrafter:
         self.model, self.options = DraftModel(state), options
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
         self.index = SuffixIndex()  # the run's own tokens, for the suffix lower stage
-        self.seen = 0  # tokens of the run the index holds
         # the draft model checks the lower stage's chain in a call it makes anyway, where a longer chain costs little:
         # so the chain may run past the match length (suffix's own depth_factor 1.0 is for target calls)
         self.suffix = SuffixOptions(max_tree=options.budget, depth_factor=float(options.budget))
@@ -238,8 +237,8 @@ class TreeDrafter:
         return propose(self.index, None, context, room, self.suffix).main_branch().tokens
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
-        self.index.extend("run", state.tokens[self.seen:])
-        self.seen = len(state.tokens)
+        if self.options.lower == "suffix" and self.options.ngram:
+            self.index.follow("run", state.tokens)
         nodes = grow_tree(self.model, state, self.options, self.model.room(limit), self.lower)[1:]
         self.start, self.slots = len(state.tokens), [n.slot for n in nodes]
         probs = None if state.sampling.greedy or not nodes else torch.stack([n.drawn_from for n in nodes])

@@ -42,16 +42,14 @@ class SuffixDrafter:
     def __init__(self, state: DecodeState, options: SuffixDecodingOptions) -> None:
         self.options = options
         self.index = SuffixIndex(options.store.depth if options.store is not None else 48)
-        self.index.extend("run", state.tokens)
-        self.seen = len(state.tokens)
+        self.index.follow("run", state.tokens)
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
         tree = propose(self.index, self.options.store, state.tokens, limit, self.options)
         return Draft(tree.tokens, None, tree.parents, source="suffix")
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        self.index.extend("run", state.tokens[self.seen:])
-        self.seen = len(state.tokens)
+        self.index.follow("run", state.tokens)
 
     def finish(self, state: DecodeState) -> None:
         """Remember the run's output (and prompt) in the store for later calls."""
