@@ -24,7 +24,7 @@ def draft_model(state: DecodeState) -> DraftModel:
         from decoders.drafting.translate import TranslatedDraftModel
 
         return TranslatedDraftModel(state)
-    if state.draft is not None and getattr(state.draft, "quantized_from", lambda: None)() is state.lm:
+    if state.draft is not None and state.draft.quantized_from is not None and state.draft.quantized_from() is state.lm:
         return SharedCacheDraft(state)
     return DraftModel(state)
 

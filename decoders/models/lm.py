@@ -48,6 +48,7 @@ class LM:
         self.device, self.dtype = first.device, first.dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width, may exceed len(tokenizer)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.quantized_from = None  # a weakref to the float LM this is a quantized copy of (`decoders.quantize`)
         self.context_length = next(
             (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
         )

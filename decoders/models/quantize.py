@@ -195,9 +195,9 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
                     setattr(parent, name, replaced[id(child)])
     if not replaced:
         raise ValueError(f"{lm.name!r} has no nn.Linear or Conv1D layer to quantize")
-    copy_ = LM(twin, lm.tokenizer, name=f"{lm.name}:{scheme}")
-    copy_.quantized_from = weakref.ref(lm)  # a draft of its original may share its KV cache (DraftModel)
-    return copy_
+    quantized = LM(twin, lm.tokenizer, name=f"{lm.name}:{scheme}")
+    quantized.quantized_from = weakref.ref(lm)  # as a draft of its original it may share its KV cache (draft_model)
+    return quantized
 
 
 def is_quantized(lm: LM) -> str | None:

@@ -30,7 +30,10 @@ from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptio
 from decoders.drafting.tree import ancestry, depth
 from decoders.options import check_whole
 from decoders.registry import register
-from decoders.strategies.prompt_lookup import lookup
+from decoders.strategies.prompt_lookup import PromptLookupOptions, lookup
+
+
+LOOKUP = PromptLookupOptions()  # auto's prompt lookup matches n-grams as `prompt_lookup` does by default
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class AutoOptions:
 
     max_draft: int = 16  # the most draft-model tokens per target call
     max_tree: int = 24  # the most suffix-tree nodes per target call (suffix's own bound)
-    max_lookup: int = 10  # the longest prompt-lookup chain (prompt_lookup's own k)
+    max_lookup: int = LOOKUP.k  # the longest prompt-lookup chain
 
     def __post_init__(self):
         check_whole(self, max_draft=1, max_tree=1, max_lookup=1)
@@ -78,7 +81,7 @@ class AutoDrafter:
             candidates.append(self.chooser.candidate("suffix", len(levels), [c for c, _ in levels],
                                                      nodes=tuple(n for _, n in levels)))
             self.levels = [c for c, _ in levels]
-        chain = lookup(state.tokens, min(o.max_lookup, limit), 3, 1)
+        chain = lookup(state.tokens, min(o.max_lookup, limit), LOOKUP.max_ngram, LOOKUP.min_ngram)
         if chain:
             candidates.append(self.chooser.candidate("lookup", len(chain)))
         if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
