@@ -56,3 +56,43 @@ def test_a_model_without_tree_masks_gets_the_suffix_trees_main_branch(monkeypatc
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
     got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
     assert got.tokens == want and got.stats.details["steps"].get("suffix", 0) > 0
+
+
+def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
+    """A draft of its own cache gets trees (staged's, on auto's draft cache); the self draft, which drafts on the
+    target's cache, and `draft_trees=False` get chains only."""
+    offered = []
+
+    def choose(self, candidates, context):
+        offered.append({c.proposer for c in candidates})
+        tree = next((c for c in candidates if c.proposer == "tree"), None)
+        return chooser.Plan("tree", len(tree.accept), 1.0, 1.0) if tree else chooser.Plan(None, 0, 1.0, 1.0)
+
+    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    lm, prompt = tiny_lm("llama"), PROMPTS[0]
+    want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
+    got = decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=30)
+    assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0 and got.stats.draft_calls > 0
+    for draft, options in (("self:int8", {}), (lm, {"draft_trees": False})):
+        offered.clear()
+        got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=30, **options)
+        assert got.tokens == want and offered and not any("tree" in o for o in offered)
+        assert any("draft" in o for o in offered)
+    with pytest.raises(ValueError, match="draft_trees"):
+        decoders.generate(lm, prompt, strategy="auto", draft=lm, draft_trees="no")
+
+
+def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch):
+    """The first chain drafts after the whole prompt: that call scores the prompt, and must not be taken for a
+    one-token call (it made the draft look 4x dearer than it is, and auto declined it)."""
+    from decoders.drafting.cost import CostModel
+
+    observed = []
+    monkeypatch.setattr(CostModel, "observe", lambda self, kind, n, context, seconds: observed.append((kind, n)))
+    monkeypatch.setattr(chooser.Chooser, "choose",
+                        lambda self, candidates, context: chooser.Plan("draft", 3, 1.0, 1.0, probe=True))
+    lm = tiny_lm("llama")
+    prompt = lm.encode(PROMPTS[0])
+    decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=10, draft_trees=False)
+    drafts = [n for kind, n in observed if kind == "draft"]
+    assert drafts[:2] == [len(prompt), 1]  # the prompt's call, then the 2 one-token calls of the first chain

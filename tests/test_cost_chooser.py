@@ -79,6 +79,17 @@ def test_tree_levels_cost_their_nodes():
     assert chooser.evaluate(tree, 1, context=0).seconds == pytest.approx(1.0 + 0.02 * 3)
 
 
+def test_listed_drafting_costs_replace_the_per_token_rule():
+    chooser = Chooser(cpu_like())
+    # a draft-model tree whose first call also grows two copied levels: levels 1-3 cost one call, level 4 another
+    tree = Candidate("tree", (0.9, 0.9, 0.9, 0.5), per_token_seconds=9.0, nodes=(1, 2, 3, 5),
+                     drafting=(0.25, 0.25, 0.25, 0.5))
+    assert chooser.evaluate(tree, 3, context=0).seconds == pytest.approx(0.25 + 1.0 + 0.02 * 3)
+    assert chooser.evaluate(tree, 4, context=0).seconds == pytest.approx(0.5 + 1.0 + 0.02 * 5)
+    # E(3) = 1 + 0.9 + 0.81 + 0.729 = 3.439 over 1.31 s beats E(4) = 3.8035 over 1.6 s
+    assert chooser.best(tree, context=0).k == 3
+
+
 @pytest.mark.parametrize("target", [linear(1.0, 0.02, 1e-4), linear(0.1, 0.05), CallCost((1, 8, 16), (1.0, 1.05, 1.5))])
 def test_marginal_rule_agrees_with_brute_force(target):
     rng = random.Random(0)

@@ -6,6 +6,7 @@ Verifying its first i levels in one target call, after L cached tokens, gains an
 
     E(i) = 1 + sum_{j=1..i} prod_{l<=j} p_l               tokens (the target's own next token included)
     S(i) = extra(i) + t(1 + nodes(i), L)                   seconds, extra(i) = fixed + i * per_token (extra(0) = 0)
+                                                           or as the candidate lists it
 
 and the plan is the candidate and i of highest E / S; i = 0 is a plain step (one token per target call), which wins
 ties. E's increments prod p never grow, so E is concave in i; where S is convex in i (measured costs are: flat, then
@@ -64,6 +65,8 @@ class Candidate:
     per_token_seconds: float = 0.0  # drafting cost per level: one draft-model call each; lookup and grammar: 0
     fixed_seconds: float = 0.0  # drafting cost of any nonempty prefix (e.g. a draft model catching up)
     nodes: tuple[int, ...] = ()  # [k] tree nodes in levels 1..i, scored by the target; empty: a chain (i nodes)
+    drafting: tuple[float, ...] = ()  # [k] seconds of drafting levels 1..i when not fixed + i * per_token (a draft
+    # model's tree, whose first call also grows the levels a lower stage proposes)
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,10 @@ class Chooser:
         if candidate is None or k == 0:
             return Plan(None, 0, 1.0, self.cost.target_seconds(1, context))
         nodes = candidate.nodes[k - 1] if candidate.nodes else k
-        extra = candidate.fixed_seconds + k * candidate.per_token_seconds
+        if candidate.drafting:
+            extra = candidate.drafting[k - 1]
+        else:
+            extra = candidate.fixed_seconds + k * candidate.per_token_seconds
         seconds = extra + self.cost.target_seconds(1 + nodes, context)
         return Plan(candidate.proposer, k, expected_tokens(candidate.accept[:k]), seconds)
 

@@ -222,10 +222,12 @@ def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, m
 class TreeDrafter:
     """The draft model and its cache for one run, plus where the last tree's nodes sit in that cache."""
 
-    def __init__(self, state: DecodeState, options: StagedOptions) -> None:
-        self.model, self.options = DraftModel(state), options
+    def __init__(self, state: DecodeState, options: StagedOptions, model: DraftModel | None = None,
+                 index: SuffixIndex | None = None) -> None:
+        """`model` and `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new."""
+        self.model, self.options = model if model is not None else DraftModel(state), options
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
-        self.index = SuffixIndex()  # the run's own tokens, for the suffix lower stage
+        self.index = index if index is not None else SuffixIndex()  # the run's own tokens, for the suffix lower stage
         # the draft model checks the lower stage's chain in a call it makes anyway, where a longer chain costs little:
         # so the chain may run past the match length (suffix's own depth_factor 1.0 is for target calls)
         self.suffix = SuffixOptions(max_tree=options.budget, depth_factor=float(options.budget))
