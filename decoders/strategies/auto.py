@@ -77,8 +77,11 @@ class AutoDrafter:
             self.chooser.declined["tree"] = self.chooser.options.probe_after
         # what a tree costs per level, learned from the trees drafted: draft seconds as a multiple of one 1-token
         # draft call (a call grows a level or more: the lower stage's chain adds several), and target nodes. Priors:
-        # a call a level, `branching` nodes a level
-        self.tree_calls, self.tree_nodes = Mean(1.0), Mean(float(TREE.branching))
+        # a call of `width` leaves a level (an int8 draft's call of 2 tokens costs up to 2x its 1-token call: torch's
+        # int8 kernel grows with the rows), `branching` nodes a level
+        if self.tree is not None:
+            one, wide = (self.cost.draft.predict(n, len(state.tokens)) for n in (1, TREE.width))
+            self.tree_calls, self.tree_nodes = Mean(wide / one), Mean(float(TREE.branching))
         self.recent: list[float] = []  # the draft model's confidence in each token of its last draft
         self.proposer: str | None = None  # what the last proposal came from
         self.confidences: list[float] | None = []  # [levels] the proposer's probability of each level it drafted
