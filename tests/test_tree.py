@@ -278,6 +278,23 @@ def test_staged_grows_a_tree_within_its_budget_and_reports_it():
     assert set(result.sources) <= {"draft", "target"}
 
 
+@pytest.mark.parametrize("second_token, width", [(0.02, 2), (0.15, 1)])
+def test_staged_expands_two_leaves_a_call_only_where_the_draft_scores_two_tokens_almost_for_free(
+        monkeypatch, second_token, width):
+    """width=None follows the draft's calibrated costs: a bfloat16 draft's 2-token call cost 2.5% more than its
+    1-token call here, its int8 copy's 10-18% more; a frontier of 2 leaves per call pays only on the former."""
+    from decoders.drafting.cost import CallCost
+    from decoders.strategies import staged
+
+    monkeypatch.setattr(staged, "call_cost", lambda lm, role: CallCost((1, 2), (0.1, 0.1 * (1 + second_token))))
+    widths = []
+    monkeypatch.setattr(staged, "grow_tree", lambda model, state, o, limit, lower: widths.append(o.width) or [None])
+    lm = tiny_lm("llama")
+    decoders.generate(lm, PROMPTS[0], strategy="staged", draft=lm, max_new_tokens=3)
+    decoders.generate(lm, PROMPTS[0], strategy="staged", draft=lm, max_new_tokens=3, width=3)
+    assert widths[0] == width and widths[-1] == 3
+
+
 def test_staged_lower_stage_saves_draft_calls(monkeypatch):
     """When the n-gram stage proposes what the draft model would say, its chain is accepted in one draft call."""
     from decoders.strategies import staged

@@ -77,10 +77,10 @@ class AutoDrafter:
             self.chooser.declined["tree"] = self.chooser.options.probe_after
         # what a tree costs per level, learned from the trees drafted: draft seconds as a multiple of one 1-token
         # draft call (a call grows a level or more: the lower stage's chain adds several), and target nodes. Priors:
-        # a call of `width` leaves a level (an int8 draft's call of 2 tokens costs up to 2x its 1-token call: torch's
-        # int8 kernel grows with the rows), `branching` nodes a level
+        # a call of `width` leaves a level (the width the draft's costs set, see StagedOptions), `branching` nodes a
+        # level
         if self.tree is not None:
-            one, wide = (self.cost.draft.predict(n, len(state.tokens)) for n in (1, TREE.width))
+            one, wide = (self.cost.draft.predict(n, len(state.tokens)) for n in (1, self.tree.options.width))
             self.tree_calls, self.tree_nodes = Mean(wide / one), Mean(float(TREE.branching))
         self.recent: list[float] = []  # the draft model's confidence in each token of its last draft
         self.proposer: str | None = None  # what the last proposal came from

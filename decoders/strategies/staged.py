@@ -23,13 +23,14 @@ multi-candidate rejection sampling in `samplers.verify` needs to stay exact.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify
+from decoders.drafting.cost import call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
 from decoders.drafting.tree import keep_path, visibility
 from decoders.options import check_whole, probability
@@ -39,6 +40,7 @@ from samplers.verify import verify_greedy, verify_sampling
 
 
 LOWER_STAGES = ("suffix", "lookup")
+WIDE_CALL = 0.05  # a second leaf per draft call pays where it adds less than this to the call (see StagedOptions)
 
 
 @dataclass(frozen=True)
@@ -49,19 +51,29 @@ class StagedOptions:
     expand_prob 0.5 did not). The suffix lower stage against prompt lookup, same pair and bench suite (code / edit /
     prose): 97 / 53 / 79 draft calls against 96 / 53 / 80, 1.97 / 2.89 / 1.43x greedy against 1.81 / 2.67 / 1.36x in
     one run. It follows the longest matching context (up to 24 tokens) and its most frequent continuation, where
-    prompt lookup follows the most recent match of at most `ngram` tokens."""
+    prompt lookup follows the most recent match of at most `ngram` tokens.
+
+    `width` follows the draft's measured cost: expanding a second leaf in the same call costs little where one more
+    token adds little to a draft call (the bfloat16 0.5B: 2.5%, from its calibration), and a lot where it does (its
+    int8 copy: 10-18%, torch's int8 kernel grows with the rows). Bench, 1.5B target, one run each: with the int8
+    draft width 1 ran 2.14 / 2.48 / 1.30x greedy (code / edit / prose) against 1.91 / 2.14 / 1.24x for width 2 (83
+    against 104 ms a draft call); with the bfloat16 draft 2.21 / 2.58 / 1.23x against 2.06 / 2.54 / 1.42x (prose
+    needs the second leaf)."""
 
     branching: int = 2  # children per expanded node: the draft's top tokens, or draws without replacement
     budget: int = 16  # the most tree nodes per target call
     max_depth: int = 12  # the longest root-to-leaf path (draft tokens accepted per target call at most)
-    width: int = 2  # leaves expanded per draft call (the frontier), most probable first
+    width: int | None = None  # leaves expanded per draft call (the frontier), most probable first; None: 2 where
+    # one more token adds under WIDE_CALL to a draft call (measured, `decoders.drafting.cost`), else 1
     min_prob: float = 0.05  # add a child only while P(parent's path) x the mass not drawn yet reaches this (cheap)
     expand_prob: float = 0.3  # another draft call only if the most probable leaf's path has at least this probability
     ngram: int = 3  # longest context suffix prompt lookup matches (lower="lookup"); 0 turns the lower stage off
     lower: str = "suffix"  # the lower stage: "suffix" (the run's suffix index) or "lookup" (prompt lookup)
 
     def __post_init__(self):
-        check_whole(self, branching=1, budget=1, max_depth=1, width=1, ngram=0)
+        check_whole(self, branching=1, budget=1, max_depth=1, ngram=0)
+        if self.width is not None:
+            check_whole(self, width=1)
         if self.lower not in LOWER_STAGES:
             raise ValueError(f"lower must be one of {', '.join(LOWER_STAGES)}, got {self.lower!r}")
         probability("min_prob", self.min_prob, high_open=True)
@@ -110,7 +122,7 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
                 else:
                     add_child(nodes, n, int(torch.multinomial(rest, 1, generator=state.generator)))
         leaves = [n for n in range(1, len(nodes)) if expandable(nodes[n], cap, state) and nodes[n].cum >= o.min_prob]
-        frontier = sorted(leaves, key=lambda n: -nodes[n].cum)[: o.width]  # more leaves in a call cost little
+        frontier = sorted(leaves, key=lambda n: -nodes[n].cum)[: o.width]  # (width: see StagedOptions)
         if not frontier or nodes[frontier[0]].cum < o.expand_prob or len(nodes) > o.budget:
             break
     return nodes
@@ -219,13 +231,23 @@ def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, m
     return probs
 
 
+def frontier_width(draft) -> int:
+    """`StagedOptions.width` for this draft model: 2 if a 2-token call costs under 1 + WIDE_CALL times a 1-token call
+    in its calibrated costs (measured once per model, dtype, device and threads, and cached), else 1."""
+    cost = call_cost(draft, "draft")
+    return 2 if cost.predict(2, 0) < (1 + WIDE_CALL) * cost.predict(1, 0) else 1
+
+
 class TreeDrafter:
     """The draft model and its cache for one run, plus where the last tree's nodes sit in that cache."""
 
     def __init__(self, state: DecodeState, options: StagedOptions, model: DraftModel | None = None,
                  index: SuffixIndex | None = None) -> None:
         """`model` and `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new."""
-        self.model, self.options = model if model is not None else DraftModel(state), options
+        self.model = model if model is not None else DraftModel(state)
+        if options.width is None:
+            options = replace(options, width=frontier_width(state.draft))
+        self.options = options
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
         self.index = index if index is not None else SuffixIndex()  # the run's own tokens, for the suffix lower stage
         # the draft model checks the lower stage's chain in a call it makes anyway, where a longer chain costs little:
