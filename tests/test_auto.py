@@ -96,3 +96,34 @@ def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch
     decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=10, draft_trees=False)
     drafts = [n for kind, n in observed if kind == "draft"]
     assert drafts[:2] == [len(prompt), 1]  # the prompt's call, then the 2 one-token calls of the first chain
+
+
+def test_lookahead_guesses_run_the_window_only_in_the_steps_that_take_them(monkeypatch):
+    """auto's lookahead proposer: its candidates count the Jacobi window in the tokens a call scores, a step that
+    takes them scores the window (whose logits move it on), and the result is greedy's."""
+    seen = {"offered": 0, "windows": 0}
+
+    def choose(self, candidates, context):
+        ahead = next((c for c in candidates if c.proposer == "lookahead"), None)
+        if ahead is None:
+            return chooser.Plan(None, 0, 1.0, 1.0)
+        seen["offered"] += 1
+        assert ahead.nodes[0] > 1  # the window's tokens plus the first level's guesses
+        return chooser.Plan("lookahead", len(ahead.accept), 1.0, 1.0)
+
+    from decoders.strategies.lookahead import LookaheadDrafter
+
+    update = LookaheadDrafter.update
+
+    def counting_update(self, state, draft, accepted):
+        seen["windows"] += draft.window is not None and draft.window.logits is not None
+        update(self, state, draft, accepted)
+
+    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    monkeypatch.setattr(LookaheadDrafter, "update", counting_update)
+    lm = tiny_lm("qwen2")
+    prompt = lm.encode(PROMPTS[2]) * 2  # repeated text: the pool has guesses
+    want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
+    got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
+    assert got.tokens == want and got.stats.details["steps"].get("lookahead", 0) == seen["offered"] > 0
+    assert seen["windows"] == seen["offered"]

@@ -8,7 +8,8 @@ long at once, where the suffix tree grows with the match), the draft model when 
 (`draft=` a model or "self:int8"; drafted one token at a time while the next token still pays), the draft model's
 token trees (`staged`'s, grown on the same draft cache with the run's suffix index as their lower stage: where a
 draft's first choice is often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84
-for chains with the bf16 0.5B draft of the 1.5B), and nothing (a plain greedy step).
+for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the
+steps that take them, and the context), and nothing (a plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
@@ -33,12 +34,14 @@ from decoders.drafting.tree import ancestry, depth
 from decoders.models.lm import LM
 from decoders.options import check_whole
 from decoders.registry import register
+from decoders.strategies.lookahead import LookaheadDrafter, LookaheadOptions
 from decoders.strategies.prompt_lookup import PromptLookupOptions, lookup
 from decoders.strategies.staged import StagedOptions, TreeDrafter
 
 
 LOOKUP = PromptLookupOptions()  # auto's prompt lookup matches n-grams as `prompt_lookup` does by default
 TREE = StagedOptions()  # auto's draft-model trees grow as `staged`'s do by default
+LOOKAHEAD = LookaheadOptions()  # and its lookahead window and n-gram guesses are `lookahead`'s
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class AutoDrafter:
         self.index = SuffixIndex()  # the run's own text, grown with every accepted token
         self.index.follow("run", state.tokens)
         self.trees = _takes_trees(state.lm)
+        self.ahead = LookaheadDrafter(state, LOOKAHEAD) if self.trees else None  # (its window needs tree masks)
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = Chooser(self.cost)
         if self.model is not None:  # probe the draft model at once: its confidences then inform every later choice
@@ -101,6 +105,12 @@ class AutoDrafter:
             candidates.append(self.chooser.candidate("suffix", len(levels), [c for c, _ in levels],
                                                      nodes=tuple(n for _, n in levels)))
             self.levels = [c for c, _ in levels]
+        guesses = self.ahead.propose(state, limit) if self.ahead is not None else Draft([])
+        if guesses.tokens:
+            _, ahead_depths = ancestry(guesses.parents)
+            window = len(guesses.window.tokens) if guesses.window is not None else 0
+            nodes = tuple(window + sum(d <= level for d in ahead_depths) for level in range(max(ahead_depths) + 1))
+            candidates.append(self.chooser.candidate("lookahead", len(nodes), nodes=nodes))
         chain = lookup(state.tokens, min(o.max_lookup, limit), LOOKUP.max_ngram, LOOKUP.min_ngram)
         if chain:
             candidates.append(self.chooser.candidate("lookup", len(chain)))
@@ -124,6 +134,9 @@ class AutoDrafter:
             draft = Draft(tree.tokens, None, tree.parents, source="suffix").subset(
                 [n for n, d in enumerate(depths) if d < plan.k])
             self.confidences = self.levels[: plan.k]
+        elif plan.proposer == "lookahead":
+            draft = guesses.subset([n for n, d in enumerate(ahead_depths) if d < plan.k])
+            self.confidences = None
         elif plan.proposer == "lookup":
             draft, self.confidences = Draft(chain[: plan.k], source="lookup"), None
         elif plan.proposer == "draft":
@@ -207,6 +220,8 @@ class AutoDrafter:
             self.tree.update(state, draft, accepted)  # keeps the accepted path in the draft cache
         elif self.model is not None:
             self.model.rewind()
+        if self.ahead is not None:  # the window moves on in steps that scored it; the pool learns the text
+            self.ahead.update(state, draft, accepted)
         self.index.follow("run", state.tokens)
 
     def record(self, state: DecodeState, plan) -> None:
