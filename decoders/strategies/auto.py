@@ -76,7 +76,7 @@ class AutoDrafter:
             self.chooser.declined["draft"] = self.chooser.options.probe_after
         self.tree: TreeDrafter | None = None  # the draft model's trees: on its own cache (not the target's, which a
         # self draft shares and a tree would fill with nodes), in its own vocabulary, both models taking tree masks
-        if (options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft)):
+        if options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft):
             self.tree = TreeDrafter(state, TREE, model=self.model, index=self.index)
             self.chooser.declined["tree"] = self.chooser.options.probe_after
         # what a tree costs per level, learned from the trees drafted: draft seconds as a multiple of one 1-token
@@ -190,7 +190,8 @@ class AutoDrafter:
         state.lm.synchronize()
         end = time.perf_counter()
         first = stamps[0] if stamps else end  # (no stamp: the first token ended the chain)
-        self.cost.observe("draft", fed, context, first - start)
+        if tokens:  # (none: the grammar was complete, no call made)
+            self.cost.observe("draft", fed, context, first - start)
         if len(tokens) > 1:
             self.cost.observe("draft", 1, context, (end - first) / (len(tokens) - 1))
         self.confidences = [p / before if before else 0.0 for p, before in zip(cumulative, [1.0, *cumulative])]
