@@ -25,8 +25,14 @@ from evals import peers
 from evals.metrics import BASELINE
 
 
+PYTHON_WORDS = {"True": True, "False": False, "None": None}  # what a Python user types for JSON's true, false, null
+
+
 def parse_value(raw: str) -> Any:
-    """A command-line option value: JSON when it parses as JSON (4, 0.5, true, [1, 2]), else the string itself."""
+    """A command-line option value: JSON when it parses as JSON (4, 0.5, true, [1, 2]) or is Python's True, False or
+    None, else the string itself."""
+    if raw in PYTHON_WORDS:
+        return PYTHON_WORDS[raw]
     try:
         return json.loads(raw)
     except json.JSONDecodeError:

@@ -19,6 +19,7 @@ def test_one_parser_for_settings_and_options():
     assert split("staged@max_depth=12@min_prob=0.05") == ("staged", {"max_depth": 12, "min_prob": 0.05})
     assert split("hf:greedy") == ("hf:greedy", {})
     assert split("x@name=abc@on=true") == ("x", {"name": "abc", "on": True})
+    assert split("auto@draft_trees=False@store=None") == ("auto", {"draft_trees": False, "store": None})
     with pytest.raises(ValueError, match="STRATEGY@KEY=VALUE"):
         split("prompt_lookup@k")
     assert option_pairs(["k=4", "name=abc"], scoped=False) == {"k": 4, "name": "abc"}
