@@ -59,8 +59,9 @@ def test_a_model_without_tree_masks_gets_the_suffix_trees_main_branch(monkeypatc
 
 
 def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
-    """A draft of its own cache gets trees (staged's, on auto's draft cache); the self draft, which drafts on the
-    target's cache, and `draft_trees=False` get chains only."""
+    """A draft of its own cache gets trees (staged's, on auto's draft cache) where it scores two tokens a call almost
+    for free; the self draft, which drafts on the target's cache, a draft whose calls grow with their rows, and
+    `draft_trees=False` get chains only."""
     offered = []
 
     def choose(self, candidates, context):
@@ -68,12 +69,17 @@ def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
         tree = next((c for c in candidates if c.proposer == "tree"), None)
         return chooser.Plan("tree", len(tree.accept), 1.0, 1.0) if tree else chooser.Plan(None, 0, 1.0, 1.0)
 
+    from decoders.strategies import auto
+
     monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    monkeypatch.setattr(auto, "frontier_width", lambda draft: 2)  # as measured for a bf16 draft
     lm, prompt = tiny_lm("llama"), PROMPTS[0]
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
     got = decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=30)
     assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0 and got.stats.draft_calls > 0
-    for draft, options in (("self:int8", {}), (lm, {"draft_trees": False})):
+    cases = [("self:int8", {}, 2), (lm, {"draft_trees": False}, 2), (lm, {}, 1)]  # 1: a draft whose calls grow
+    for draft, options, width in cases:  # with their rows (an int8 one): chains only
+        monkeypatch.setattr(auto, "frontier_width", lambda draft, width=width: width)
         offered.clear()
         got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=30, **options)
         assert got.tokens == want and offered and not any("tree" in o for o in offered)

@@ -36,7 +36,7 @@ from decoders.options import check_whole
 from decoders.registry import register
 from decoders.strategies.lookahead import LookaheadDrafter, LookaheadOptions
 from decoders.strategies.prompt_lookup import PromptLookupOptions, lookup
-from decoders.strategies.staged import StagedOptions, TreeDrafter
+from decoders.strategies.staged import StagedOptions, TreeDrafter, frontier_width
 
 
 LOOKUP = PromptLookupOptions()  # auto's prompt lookup matches n-grams as `prompt_lookup` does by default
@@ -75,8 +75,12 @@ class AutoDrafter:
         if self.model is not None:  # probe the draft model at once: its confidences then inform every later choice
             self.chooser.declined["draft"] = self.chooser.options.probe_after
         self.tree: TreeDrafter | None = None  # the draft model's trees: on its own cache (not the target's, which a
-        # self draft shares and a tree would fill with nodes), in its own vocabulary, both models taking tree masks
-        if options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft):
+        # self draft shares and a tree would fill with nodes), in its own vocabulary, both models taking tree masks,
+        # and only where the draft scores several tokens a call almost for free (`staged.frontier_width`): an int8
+        # draft's calls grow with their rows, and its trees lost to its chains in every run here (staged 1.91-2.70x
+        # greedy on code against threshold's 2.37-3.32x; auto with them fell to 0.64-0.80 of threshold on edit)
+        if (options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft)
+                and frontier_width(state.draft) == 2):
             self.tree = TreeDrafter(state, TREE, model=self.model, index=self.index)
             self.chooser.declined["tree"] = self.chooser.options.probe_after
         # what a tree costs per level, learned from the trees drafted: draft seconds as a multiple of one 1-token
@@ -124,8 +128,10 @@ class AutoDrafter:
             candidates.append(self.chooser.candidate("draft", room, typical, per_token_seconds=per_token,
                                                      fixed_seconds=catch_up))
             if self.tree is not None:
-                candidates.append(self.tree_candidate(min(room, TREE.max_depth), context,
-                                                      candidates[0] if levels else None, candidates[-1]))
+                levels_room = min(room, TREE.max_depth)
+                lower = len(self.tree.lower(state.tokens, levels_room - 1)) if TREE.ngram else 0
+                candidates.append(self.tree_candidate(levels_room, context, candidates[0] if levels else None, lower,
+                                                      candidates[-1]))
         plan = self.chooser.choose(candidates, context)
         self.record(state, plan)
         self.proposer, self.confidences = plan.proposer, []
@@ -149,21 +155,26 @@ class AutoDrafter:
         self.clock = time.perf_counter()
         return draft
 
-    def tree_candidate(self, room: int, context: int, suffix: Candidate | None, chain: Candidate) -> Candidate:
+    def tree_candidate(self, room: int, context: int, suffix: Candidate | None, lower: int, chain: Candidate
+                       ) -> Candidate:
         """The draft model's tree, up to `room` levels. Its main branch is the draft model's `chain`, with the
         draft's next choices beside it, so each level is at least as likely as the chain's (and as the tree's own
-        estimate). Its first draft call also checks the suffix index's main branch (`suffix`'s levels, when it has
-        some), so levels 1..m + 1 cost one call there and are at least as likely as the suffix's; deeper levels cost
-        what trees have cost per level so far. Catching the draft up on steps it sat out costs once, as for
-        chains."""
-        call = self.cost.draft_seconds(1, context)
-        catch_up = self.cost.draft_seconds(1, context, len(self.model.uncached())) - call
+        estimate), and as the suffix index's (`suffix`'s levels, when it has some) where its first call checks the
+        index's main branch. That first call checks the `lower` tokens the tree's lower stage proposes (the index's
+        main branch, not cut to the match length: the draft model, not the target, checks it), so levels 1..lower + 1
+        cost one call of that many tokens more (cheap for a bf16 draft on a CPU, not for an int8 one, whose calls grow
+        with their rows); deeper levels cost what trees have cost per level so far. Catching the draft up on steps it
+        sat out costs once, as for chains."""
+        call, fed = self.cost.draft_seconds(1, context), len(self.model.uncached())
+        catch_up = self.cost.draft_seconds(1, context, fed) - call
         per_level = self.tree_calls.mean * call
-        copied = min(len(suffix.accept), room - 1) if suffix is not None else 0
         accept = tuple(max(a, c) for a, c in zip(self.chooser.chain("tree", room), chain.accept))
-        if copied:
-            accept = tuple(max(a, s) for a, s in zip(accept, suffix.accept[:copied])) + accept[copied:]
-        drafting = tuple(catch_up + (per_level * d if not copied else call + per_level * max(0, d - copied - 1))
+        if suffix is not None:
+            known = min(len(suffix.accept), room)
+            accept = tuple(max(a, s) for a, s in zip(accept, suffix.accept[:known])) + accept[known:]
+        copied = min(lower, room - 1)
+        first = self.cost.draft_seconds(1, context, fed + copied)  # the first call, when it carries a chain
+        drafting = tuple(first + per_level * max(0, d - copied - 1) if copied else catch_up + per_level * d
                          for d in range(1, room + 1))
         nodes = tuple(min(TREE.budget, max(d, round(self.tree_nodes.mean * d))) for d in range(1, room + 1))
         return Candidate("tree", accept, nodes=nodes, drafting=drafting)
