@@ -72,14 +72,14 @@ def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
     from decoders.strategies import auto
 
     monkeypatch.setattr(chooser.Chooser, "choose", choose)
-    monkeypatch.setattr(auto, "frontier_width", lambda draft: 2)  # as measured for a bf16 draft
+    monkeypatch.setattr(auto, "frontier_width", lambda cost: 2)  # as measured for a bf16 draft
     lm, prompt = tiny_lm("llama"), PROMPTS[0]
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
     got = decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=30)
     assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0 and got.stats.draft_calls > 0
     cases = [("self:int8", {}, 2), (lm, {"draft_trees": False}, 2), (lm, {}, 1)]  # 1: a draft whose calls grow
     for draft, options, width in cases:  # with their rows (an int8 one): chains only
-        monkeypatch.setattr(auto, "frontier_width", lambda draft, width=width: width)
+        monkeypatch.setattr(auto, "frontier_width", lambda cost, width=width: width)
         offered.clear()
         got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=30, **options)
         assert got.tokens == want and offered and not any("tree" in o for o in offered)

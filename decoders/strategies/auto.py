@@ -23,7 +23,7 @@ Every token is verified by the target as in any drafting strategy: exact in gree
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify, draft_model, stack_probs
@@ -80,8 +80,8 @@ class AutoDrafter:
         # draft's calls grow with their rows, and its trees lost to its chains in every run here (staged 1.91-2.70x
         # greedy on code against threshold's 2.37-3.32x; auto with them fell to 0.64-0.80 of threshold on edit)
         if (options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft)
-                and frontier_width(state.draft) == 2):
-            self.tree = TreeDrafter(state, TREE, model=self.model, index=self.index)
+                and frontier_width(self.cost.draft) == 2):
+            self.tree = TreeDrafter(state, replace(TREE, width=2), model=self.model, index=self.index)
             self.chooser.declined["tree"] = self.chooser.options.probe_after
         # what a tree costs per level, learned from the trees drafted: draft seconds as a multiple of one 1-token
         # draft call (a call grows a level or more: the lower stage's chain adds several), and target nodes. Priors:
@@ -119,8 +119,7 @@ class AutoDrafter:
         if chain:
             candidates.append(self.chooser.candidate("lookup", len(chain)))
         if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
-            per_token = self.cost.draft_seconds(1, context)
-            catch_up = self.cost.draft_seconds(1, context, len(self.model.uncached())) - per_token
+            per_token, catch_up = self.draft_call(context)
             # the next draft is judged by the confidence the draft model had in its last one (its acceptance is
             # learned per confidence bucket, whose prior is the bucket's middle): a draft that is nearly always
             # right is drafted long from its first probe on, instead of after many probes have lifted a 0.5 prior
@@ -155,6 +154,12 @@ class AutoDrafter:
         self.clock = time.perf_counter()
         return draft
 
+    def draft_call(self, context: int, more: int = 0) -> tuple[float, float]:
+        """(seconds of a one-token draft call after `context` cached tokens, seconds the next draft's first call costs
+        beyond that: it feeds what the draft has not seen, plus `more` tokens)."""
+        call = self.cost.draft_seconds(1, context)
+        return call, self.cost.draft_seconds(1, context, len(self.model.uncached()) + more) - call
+
     def tree_candidate(self, room: int, context: int, suffix: Candidate | None, lower: int, chain: Candidate
                        ) -> Candidate:
         """The draft model's tree, up to `room` levels. Its main branch is the draft model's `chain`, with the
@@ -165,15 +170,14 @@ class AutoDrafter:
         cost one call of that many tokens more (cheap for a bf16 draft on a CPU, not for an int8 one, whose calls grow
         with their rows); deeper levels cost what trees have cost per level so far. Catching the draft up on steps it
         sat out costs once, as for chains."""
-        call, fed = self.cost.draft_seconds(1, context), len(self.model.uncached())
-        catch_up = self.cost.draft_seconds(1, context, fed) - call
+        call, catch_up = self.draft_call(context)
         per_level = self.tree_calls.mean * call
         accept = tuple(max(a, c) for a, c in zip(self.chooser.chain("tree", room), chain.accept))
         if suffix is not None:
             known = min(len(suffix.accept), room)
             accept = tuple(max(a, s) for a, s in zip(accept, suffix.accept[:known])) + accept[known:]
         copied = min(lower, room - 1)
-        first = self.cost.draft_seconds(1, context, fed + copied)  # the first call, when it carries a chain
+        first = call + self.draft_call(context, copied)[1]  # the first call, when it carries a chain
         drafting = tuple(first + per_level * max(0, d - copied - 1) if copied else catch_up + per_level * d
                          for d in range(1, room + 1))
         nodes = tuple(min(TREE.budget, max(d, round(self.tree_nodes.mean * d))) for d in range(1, room + 1))
@@ -212,8 +216,7 @@ class AutoDrafter:
     def draft_tree(self, state: DecodeState, limit: int) -> Draft:
         """A draft-model tree of at most `limit` levels; learns what it cost per level (catching up aside)."""
         context, start = len(state.cache), time.perf_counter()
-        call = self.cost.draft_seconds(1, context)
-        catch_up = self.cost.draft_seconds(1, context, len(self.model.uncached())) - call
+        call, catch_up = self.draft_call(context)
         draft = self.tree.propose(state, limit)
         state.lm.synchronize()
         if levels := depth(draft):

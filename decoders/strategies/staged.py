@@ -30,7 +30,7 @@ import torch
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify
-from decoders.drafting.cost import call_cost
+from decoders.drafting.cost import CallCost, call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
 from decoders.drafting.tree import keep_path, visibility
 from decoders.options import check_whole, probability
@@ -231,10 +231,10 @@ def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, m
     return probs
 
 
-def frontier_width(draft) -> int:
-    """`StagedOptions.width` for this draft model: 2 if a 2-token call costs under 1 + WIDE_CALL times a 1-token call
-    in its calibrated costs (measured once per model, dtype, device and threads, and cached), else 1."""
-    cost = call_cost(draft, "draft")
+def frontier_width(cost: CallCost) -> int:
+    """`StagedOptions.width` for a draft model of these calibrated call costs (`decoders.drafting.cost`, measured once
+    per model, dtype, device and threads, and cached): 2 if a 2-token call costs under 1 + WIDE_CALL times a 1-token
+    call, else 1."""
     return 2 if cost.predict(2, 0) < (1 + WIDE_CALL) * cost.predict(1, 0) else 1
 
 
@@ -246,7 +246,7 @@ class TreeDrafter:
         """`model` and `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new."""
         self.model = model if model is not None else DraftModel(state)
         if options.width is None:
-            options = replace(options, width=frontier_width(state.draft))
+            options = replace(options, width=frontier_width(call_cost(state.draft, "draft")))
         self.options = options
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
         self.index = index if index is not None else SuffixIndex()  # the run's own tokens, for the suffix lower stage
