@@ -15,7 +15,7 @@ import torch
 
 import decoders
 import grammars
-from conftest import tiny_lm, tiny_model, tiny_tokenizer
+from conftest import PROMPTS, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.strategies.greedy import Greedy
 from evals import cli, lossless, report, suites
 from evals.methods import build, plan
@@ -382,3 +382,26 @@ def test_accelerate_with_two_cpu_processes_gives_the_same_table_as_one(tmp_path,
     assert rows(two) == rows(one)
     assert [s["strategy"] for s in two["summary"]] == [s["strategy"] for s in one["summary"]]
     assert [report.lossless_cell(s) for s in two["summary"]] == [report.lossless_cell(s) for s in one["summary"]]
+
+
+def test_replay_reproduces_the_target_calls_of_real_runs():
+    """evals.replay_drafts replays greedy outputs through model-free drafters: its target calls must be those of the
+    real runs (greedy in float32 is exact, so no tie can make the run take another branch)."""
+    from evals.replay_drafts import replay
+
+    lm = tiny_lm("llama")
+    prompts = []
+    for i, text in enumerate(PROMPTS + PROMPTS[:2]):  # two prompts twice: a warm store has something to draft from
+        ids = lm.encode(text)
+        out = decoders.generate(lm, ids, strategy="greedy", max_new_tokens=48).tokens
+        prompts.append((f"p{i}", "c", ids, out))
+    cost = SimpleNamespace(predict=lambda n, context: float(n))  # seconds = tokens scored: checks the costing too
+    for name in ("suffix", "suffix@depth_factor=1", "suffix@store=run", "prompt_lookup"):
+        tally = replay(name, prompts, cost)
+        decoder = build(name).decoder  # store=run: one store across the prompts, in order, as compare keeps it
+        for prompt_id, _, ids, out in prompts:
+            run = decoders.generate(lm, ids, strategy=decoder, max_new_tokens=48)
+            assert run.tokens == out
+            assert tally.per_prompt[prompt_id][1] == run.stats.target_calls, (name, prompt_id)
+        assert tally.calls < tally.tokens  # drafts were accepted: the replay had something to get right
+        assert tally.seconds == tally.calls + tally.drafted

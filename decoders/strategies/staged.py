@@ -251,7 +251,7 @@ class TreeDrafter:
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
         self.index = index if index is not None else SuffixIndex()  # the run's own tokens, for the suffix lower stage
         # the draft model checks the lower stage's chain in a call it makes anyway, where a longer chain costs little:
-        # so the chain may run past the match length (suffix's own depth_factor 1.0 is for target calls)
+        # so the chain may run past the match length (suffix's own depth_factor is for target calls)
         self.suffix = SuffixOptions(max_tree=options.budget, depth_factor=float(options.budget))
 
     def lower(self, context: list[int], room: int) -> list[int]:
