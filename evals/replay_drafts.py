@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decoders  # noqa: E402
+from decoders.drafting import Draft  # noqa: E402
 from decoders.drafting.cost import call_cost  # noqa: E402
 from evals import methods, suites  # noqa: E402
 
@@ -93,16 +94,15 @@ def replay(name: str, prompts: list[tuple[str, str, list[int], list[int]]], cost
             done = len(state.tokens) - len(ids)
             limit = len(truth) - done - 1  # room for the target's own token, as DraftVerify leaves it
             if drafter is None:
-                draft, parents = hf_lookup(state.tokens, limit, **HF_LOOKUP), None
+                draft = Draft(hf_lookup(state.tokens, limit, **HF_LOOKUP), source="lookup")
             else:
-                d = drafter.propose(state, limit)
-                draft, parents = d.tokens, d.links
-            got = accepted(draft, parents or list(range(-1, len(draft) - 1)), truth[done:])
-            calls, drafted = calls + 1, drafted + len(draft)
-            seconds += cost.predict(1 + len(draft), len(state.tokens))
+                draft = drafter.propose(state, limit)
+            got = accepted(draft.tokens, draft.links, truth[done:])
+            calls, drafted = calls + 1, drafted + len(draft.tokens)
+            seconds += cost.predict(1 + len(draft.tokens), len(state.tokens))
             state.tokens.extend(truth[done: done + got + 1])
             if drafter is not None:
-                drafter.update(state, d, got)
+                drafter.update(state, draft, got)
         if drafter is not None and hasattr(drafter, "finish"):
             drafter.finish(state)
         out.calls, out.seconds, out.tokens, out.drafted = (out.calls + calls, out.seconds + seconds,
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     categories = list(dict.fromkeys(c for _, c, _, _ in prompts))
     tallies = {name: replay(name, prompts, cost) for name in names}
     print(f"{model['name']}: {len(prompts)} prompts; target calls and estimated decode seconds")
-    print(f"| method | calls | seconds | tokens/call | " + " | ".join(categories) + " |")
+    print("| method | calls | seconds | tokens/call | " + " | ".join(categories) + " |")
     print("|:---|---:|---:|---:|" + "---:|" * len(categories))
     for name, t in tallies.items():
         by = {c: [0, 0.0] for c in categories}
