@@ -129,27 +129,24 @@ def test_estimates_converge_to_observed_frequencies():
     assert chooser.chain("lookup", 2) == (chooser.acceptance("lookup", 1), chooser.acceptance("lookup", 2))
 
 
-def test_draft_confidence_buckets_learn_separately():
-    chooser = Chooser(cpu_like())
-    assert chooser.acceptance("draft", 1, 0.95) == pytest.approx(0.9)  # the bucket's middle is its prior
-    for _ in range(100):
-        chooser.update("draft", drafted=1, accepted=1, confidences=[0.95])
-        chooser.update("draft", drafted=1, accepted=0, confidences=[0.05])
-    assert chooser.acceptance("draft", 1, 0.95) > 0.95
-    assert chooser.acceptance("draft", 1, 0.05) < 0.05
-    assert chooser.acceptance("draft", 1) == pytest.approx(0.5, abs=0.05)  # pooled over both
-    assert chooser.acceptance("draft", 1, 0.25) == pytest.approx(chooser.acceptance("draft", 1))  # unexplored: pooled
-
-
-def test_an_unexplored_bucket_starts_from_the_pooled_estimate_when_that_is_higher():
-    chooser = Chooser(cpu_like())
-    for _ in range(50):  # a draft that is right even when unsure
-        chooser.update("draft", drafted=2, accepted=2, confidences=[0.9, 0.7])
-    pooled = chooser.acceptance("draft", 1)
-    assert pooled > 0.95
-    assert chooser.acceptance("draft", 1, 0.3) == pytest.approx(pooled)  # not the bucket's middle, 0.3
-    assert chooser.acceptance("draft", 1, 0.9) > 0.95
-    assert chooser.candidate("draft", 1, [0.9], per_token_seconds=0.25).accept == (chooser.acceptance("draft", 1, 0.9),)
+def test_a_drafters_probabilities_are_calibrated_by_what_was_accepted():
+    """P(accepted | probability c) = c ** gamma, gamma learned from every verified token: a draft as sure as it is
+    right (accepted with probability c) is judged near c, one right far more often than it believes near 1."""
+    fresh = Chooser(cpu_like())
+    assert 0.5 < fresh.acceptance("draft", 1, 0.5) < 0.8  # no evidence: an even weighing of gammas, a little hopeful
+    assert fresh.acceptance("draft", 1, 0.9) > fresh.acceptance("draft", 1, 0.5) > fresh.acceptance("draft", 1, 0.1)
+    honest, sure = Chooser(cpu_like()), Chooser(cpu_like())
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        c = float(torch.rand((), generator=generator)) * 0.9 + 0.05
+        honest.update("draft", drafted=1, accepted=int(torch.rand((), generator=generator) < c), confidences=[c])
+        sure.update("draft", drafted=2, accepted=2, confidences=[c, c])
+    for c in (0.2, 0.5, 0.8):
+        assert honest.acceptance("draft", 1, c) == pytest.approx(c, abs=0.1)
+        assert honest.acceptance("draft", 4, c) == honest.acceptance("draft", 1, c)  # one curve for every depth
+        assert sure.acceptance("draft", 2, c) > 0.95
+    assert honest.acceptance("draft", 1) == pytest.approx(0.5, abs=0.1)  # the pooled estimate learns as well
+    assert sure.candidate("draft", 1, [0.3], per_token_seconds=0.25).accept == (sure.acceptance("draft", 1, 0.3),)
 
 
 def test_estimates_follow_a_change():
@@ -171,8 +168,8 @@ def test_break_even_guard_probes_after_the_set_number_of_plain_steps():
 def test_options_are_checked():
     with pytest.raises(ValueError, match="probe_after"):
         ChooserOptions(probe_after=0)
-    with pytest.raises(ValueError, match="confidence_edges"):
-        ChooserOptions(confidence_edges=(0.5, 0.2))
+    with pytest.raises(ValueError, match="decay"):
+        ChooserOptions(decay=1.5)
 
 
 # --- the cost model -----------------------------------------------------------------------------------------------

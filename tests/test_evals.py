@@ -405,3 +405,34 @@ def test_replay_reproduces_the_target_calls_of_real_runs():
             assert tally.per_prompt[prompt_id][1] == run.stats.target_calls, (name, prompt_id)
         assert tally.calls < tally.tokens  # drafts were accepted: the replay had something to get right
         assert tally.seconds == tally.calls + tally.drafted
+
+
+def test_chain_replay_reproduces_the_target_calls_of_real_runs():
+    """evals.replay_chains replays greedy outputs through draft-model chain rules from one recorded draft call per
+    prompt: its target calls must be those of real `speculative` and `threshold` runs (in float32, where the draft's
+    one long call and its one-token calls agree)."""
+    import copy
+
+    from decoders.drafting.cost import CallCost, CostModel
+    from evals.replay_chains import record, replay
+
+    lm = tiny_lm("llama")
+    noisy = copy.deepcopy(tiny_model("llama"))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for p in noisy.parameters():  # a draft that agrees with the target often, not always
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=generator))
+    draft = decoders.wrap(noisy, tiny_tokenizer(), name="tiny-llama-noisy")
+    prompts = []
+    for i, text in enumerate(PROMPTS):
+        ids = lm.encode(text)
+        prompts.append((f"p{i}", "c", ids, decoders.generate(lm, ids, strategy="greedy", max_new_tokens=40).tokens))
+    recordings = {pid: record(draft, ids, out) for pid, _, ids, out in prompts}
+    cost = CostModel(CallCost((1,), (1.0,)), CallCost((1,), (0.25,)))
+    for name in ("speculative@k=3", "threshold", "threshold@min_threshold=0.1"):
+        tally = replay(name, prompts, recordings, cost, shares_cache=False)
+        for prompt_id, _, ids, out in prompts:
+            run = decoders.generate(lm, ids, strategy=build(name).decoder, draft=draft, max_new_tokens=40)
+            assert run.tokens == out
+            assert tally.per_prompt[prompt_id][1] == run.stats.target_calls, (name, prompt_id)
+        assert tally.calls < tally.tokens  # drafts were accepted: the replay had something to get right

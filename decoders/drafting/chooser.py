@@ -16,14 +16,18 @@ rising) E / S rises, then falls, and stopping at the first i >= 1 where one more
 where three do.
 
 The p_i are learned online per proposer and depth (depths past `max_depth` share one estimate) as Beta posteriors
-with forgetting; a drafter that knows its probability for a drafted token also gets one estimate per probability
-bucket. Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens,
+with forgetting. A drafter that knows its own probability c of a drafted token (a draft model, the suffix index) gets
+a calibration curve instead: P(accepted | c) = c ** gamma, one gamma per proposer, fitted to every drafted token it
+verifies whatever its depth (`calibrated`). One parameter learns from a few steps what a table of probability
+buckets by depth took a whole run to fill: a draft's low-probability tokens are rare, and while their cells still
+held optimistic priors `auto` drafted through them (replayed with the int8 0.5B draft of the 1.5B, `evals.
+replay_chains`: 8-16% more estimated seconds than with the curve). Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens,
 so that estimates it lost can recover.
 """
 
 from __future__ import annotations
 
-import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -31,15 +35,20 @@ from decoders.drafting.cost import CostModel
 from decoders.options import probability, whole
 
 
+GAMMAS = tuple(0.02 * 200 ** (i / 39) for i in range(40))
+GAMMAS = tuple(0.02 * 200 ** (i / 39) for i in range(40))  # the calibration exponents weighed, 0.02 to 4 evenly in
+# log: from a draft whose every guess is accepted (its int8 copy: c ** 0.02 is near 1 for any c it drafts) to one
+# far less often right than it believes; equally likely before any evidence
+
+
 @dataclass(frozen=True)
 class ChooserOptions:
     """Options of the `Chooser`; defaults chosen for runs of a few hundred tokens (tens of steps)."""
 
     max_depth: int = 4  # depths past this share one estimate: few steps reach them, and p barely changes there
-    confidence_edges: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)  # draft-probability bucket bounds
-    prior_mean: float = 0.5  # prior acceptance without a draft probability (with one: the bucket's middle)
+    prior_mean: float = 0.5  # prior acceptance without a drafter's probability (with one: see GAMMAS)
     prior_strength: float = 2.0  # pseudo-observations of the prior: two steps of evidence outweigh it
-    decay: float = 0.99  # per observation of a cell, old evidence fades: about the last 100 count
+    decay: float = 0.99  # per observation of a cell or curve, old evidence fades: about the last 100 count
     probe_after: int = 16  # declined steps in a row before a proposer is probed; 1 probe in 17 costs little
     probe_tokens: int = 2  # levels of a probe: a small draft that also teaches depth 2
 
@@ -48,10 +57,6 @@ class ChooserOptions:
             whole(name, getattr(self, name))
         probability("prior_mean", self.prior_mean)
         probability("decay", self.decay)
-        for edge in self.confidence_edges:
-            probability("each of confidence_edges", edge)
-        if list(self.confidence_edges) != sorted(set(self.confidence_edges)):
-            raise ValueError(f"confidence_edges must increase, got {self.confidence_edges}")
         if not self.prior_strength > 0:
             raise ValueError(f"prior_strength must be > 0 pseudo-observations, got {self.prior_strength}")
 
@@ -99,35 +104,33 @@ class Chooser:
 
     def __init__(self, cost: CostModel, options: ChooserOptions | None = None) -> None:
         self.cost, self.options = cost, options or ChooserOptions()
-        self.counts: dict[tuple[str, int, int | None], list[float]] = {}  # (proposer, depth, bucket) -> [acc, rej]
+        self.counts: dict[tuple[str, int], list[float]] = {}  # (proposer, depth) -> [accepted, rejected]
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
-
-    def _cell(self, proposer: str, depth: int, confidence: float | None) -> tuple[tuple, float]:
-        """The key of an estimate and its prior mean."""
-        if confidence is None:
-            return (proposer, min(depth, self.options.max_depth), None), self.options.prior_mean
-        edges = self.options.confidence_edges
-        bucket = bisect.bisect_right(edges, confidence)
-        low, high = ((0.0, *edges)[bucket], (*edges, 1.0)[bucket])
-        return (proposer, min(depth, self.options.max_depth), bucket), (low + high) / 2
+        self.fits: dict[str, list[float]] = {}  # proposer -> log-likelihood of each of GAMMAS, decayed
 
     def acceptance(self, proposer: str, depth: int, confidence: float | None = None) -> float:
-        """Estimated P(level `depth` (from 1) accepted | the levels before it accepted), given the drafter's
-        probability for that token when known (else pooled over all probabilities). A pooled level past the first
+        """Estimated P(level `depth` (from 1) accepted | the levels before it accepted): from the drafter's own
+        probability for that token when known (`calibrated`), else pooled per depth. A pooled level past the first
         starts from the estimate of the level above it, so what the first levels learned reaches the deeper ones
-        before any draft has gone that deep (a short probe would otherwise never lift them). A probability bucket
-        starts from its middle or the pooled estimate, whichever is higher: optimistic, so that a bucket is drafted
-        and learns rather than staying unexplored (a draft's own probability understates how often the target agrees
-        with it: the 1.5B bench runs accepted its int8 copy's drafts at 1.00, whatever that copy's own probability)."""
+        before any draft has gone that deep (a short probe would otherwise never lift them)."""
+        if confidence is not None:
+            return self.calibrated(proposer, confidence)
         depth = min(depth, self.options.max_depth)  # deeper levels share the last estimate
-        key, prior = self._cell(proposer, depth, confidence)
-        if confidence is None and depth > 1:
-            prior = self.acceptance(proposer, depth - 1)
-        elif confidence is not None:
-            prior = max(prior, self.acceptance(proposer, depth))
-        accepted, rejected = self.counts.get(key, (0.0, 0.0))
+        prior = self.acceptance(proposer, depth - 1) if depth > 1 else self.options.prior_mean
+        accepted, rejected = self.counts.get((proposer, depth), (0.0, 0.0))
         strength = self.options.prior_strength
         return (accepted + strength * prior) / (accepted + rejected + strength)
+
+    def calibrated(self, proposer: str, confidence: float) -> float:
+        """P(accepted | the drafter gave the token probability `confidence`) = E[confidence ** gamma], gamma weighed
+        over GAMMAS by how well each explained this proposer's verified tokens (a posterior from an even prior). A
+        draft that is right more often than it believes (the target's int8 copy) gets a small gamma, one as sure as
+        it is right gamma near 1; before any evidence a token of probability 0.5 is judged 0.7 likely, so the
+        drafter is tried and learns."""
+        fit = self.fits.get(proposer, [0.0] * len(GAMMAS))
+        top = max(fit)
+        weights = [math.exp(f - top) for f in fit]
+        return sum(w * confidence ** g for w, g in zip(weights, GAMMAS)) / sum(weights)
 
     def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None) -> tuple[float, ...]:
         """[k] estimates for levels 1..k (`confidences` [k]: the drafter's probability of each drafted token)."""
@@ -144,10 +147,14 @@ class Chooser:
         decay = self.options.decay
         for depth in range(1, min(accepted + 1, drafted) + 1):
             confidence = None if confidences is None else confidences[depth - 1]
-            for conf in {None, confidence}:  # the pooled estimate always, the bucket's too when known
-                counts = self.counts.setdefault(self._cell(proposer, depth, conf)[0], [0.0, 0.0])
-                counts[0], counts[1] = decay * counts[0], decay * counts[1]
-                counts[0 if depth <= accepted else 1] += 1.0
+            took = depth <= accepted
+            counts = self.counts.setdefault((proposer, min(depth, self.options.max_depth)), [0.0, 0.0])
+            counts[0], counts[1] = decay * counts[0] + took, decay * counts[1] + (not took)
+            if confidence is not None:  # the calibration curve learns from every token with a probability
+                fit = self.fits.setdefault(proposer, [0.0] * len(GAMMAS))
+                c = min(max(confidence, 1e-6), 1 - 1e-6)
+                for i, gamma in enumerate(GAMMAS):
+                    fit[i] = decay * fit[i] + (gamma * math.log(c) if took else math.log1p(-c ** gamma))
 
     def evaluate(self, candidate: Candidate | None, k: int, context: int) -> Plan:
         """E(k) and S(k) of verifying the first `k` levels of `candidate` after `context` cached tokens."""
@@ -179,6 +186,14 @@ class Chooser:
         for c in offered:
             self.declined[c.proposer] = 0 if c.proposer == plan.proposer else self.declined.get(c.proposer, 0) + 1
         return plan
+
+    def keep_drafting(self, proposer: str, confidences: Sequence[float], context: int, fixed_seconds: float = 0.0
+                      ) -> bool:
+        """Whether a drafter that has drafted tokens it gave these probabilities [k >= 1] should draft one more, the
+        next one judged by the probability of the last (`should_continue` with this chooser's estimates)."""
+        accept = self.chain(proposer, len(confidences), confidences)
+        next_token = self.acceptance(proposer, len(confidences) + 1, confidences[-1])
+        return self.should_continue(accept, next_token, context, fixed_seconds=fixed_seconds)
 
     def should_continue(self, accept: Sequence[float], p_next: float, context: int,
                         per_token_seconds: float | None = None, fixed_seconds: float = 0.0) -> bool:

@@ -13,7 +13,7 @@ steps that take them, and the context), and nothing (a plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
-draft model, per bucket of its own confidence) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a
+draft model and the suffix index, as a calibration curve of their own probabilities) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a
 proposer it has turned down for a while. So the same code drafts long where draft calls are cheap (a GPU, an int8
 draft), short or not at all where they are not, and copies wherever the context repeats itself.
 
@@ -90,7 +90,6 @@ class AutoDrafter:
         if self.tree is not None:
             one, wide = (self.cost.draft.predict(n, len(state.tokens)) for n in (1, self.tree.options.width))
             self.tree_calls, self.tree_nodes = Mean(wide / one), Mean(float(TREE.branching))
-        self.recent: list[float] = []  # the draft model's confidence in each token of its last draft
         self.proposer: str | None = None  # what the last proposal came from
         self.confidences: list[float] | None = []  # [levels] the proposer's probability of each level it drafted
         # (None: a proposer that knows none)
@@ -120,11 +119,12 @@ class AutoDrafter:
             candidates.append(self.chooser.candidate("lookup", len(chain)))
         if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
             per_token, catch_up = self.draft_call(context)
-            # the next draft is judged by the confidence the draft model had in its last one (its acceptance is
-            # learned per confidence bucket, whose prior is the bucket's middle): a draft that is nearly always
-            # right is drafted long from its first probe on, instead of after many probes have lifted a 0.5 prior
-            typical = [sum(self.recent) / len(self.recent)] * room if self.recent else None
-            candidates.append(self.chooser.candidate("draft", room, typical, per_token_seconds=per_token,
+            # whether to draft at all is judged by the draft's acceptance per depth, how far by its probability of
+            # each token it drafts (`draft_with_model`). Judging the start by its probabilities in the last draft
+            # instead turned the draft down for 16 steps in a row after one unsure draft (until the next probe):
+            # replayed (evals.replay_chains) on the default and mixed suites that cost 8-16% with the int8 or bf16
+            # 0.5B draft of the 1.5B, and within 2% either way with the 1.5B's own int8 copy
+            candidates.append(self.chooser.candidate("draft", room, per_token_seconds=per_token,
                                                      fixed_seconds=catch_up))
             if self.tree is not None:
                 levels_room = min(room, TREE.max_depth)
@@ -145,7 +145,8 @@ class AutoDrafter:
         elif plan.proposer == "lookup":
             draft, self.confidences = Draft(chain[: plan.k], source="lookup"), None
         elif plan.proposer == "draft":
-            draft = self.draft_with_model(state, plan.k if plan.probe else room, plan.k, catch_up)
+            draft = self.draft_with_model(state, plan.k if plan.probe else room, plan.k if plan.probe else 1,
+                                          catch_up)
         elif plan.proposer == "tree":  # grown as staged grows it (best-first while a leaf is likely enough)
             draft, self.confidences = self.draft_tree(state, plan.k if plan.probe else limit), None
         else:
@@ -194,11 +195,8 @@ class AutoDrafter:
             stamps.append(time.perf_counter())  # a call has ended (its token's probability is on the host)
             before = confidences[-1][1] if confidences else 1.0
             confidences.append((cumulative / before if before else 0.0, cumulative))  # (this token's, the chain's)
-            if len(confidences) < planned:
-                return True
-            accept = [chooser.acceptance("draft", d + 1, c) for d, (c, _) in enumerate(confidences)]
-            next_token = chooser.acceptance("draft", len(accept) + 1, confidences[-1][0])
-            return chooser.should_continue(accept, next_token, context, fixed_seconds=catch_up)
+            return len(confidences) < planned or chooser.keep_drafting("draft", [c for c, _ in confidences], context,
+                                                                      catch_up)
 
         start = time.perf_counter()
         tokens, rows, cumulative = self.model.draft_chain(limit, keep_going)
@@ -210,7 +208,6 @@ class AutoDrafter:
         if len(tokens) > 1:
             self.cost.observe("draft", 1, context, (end - first) / (len(tokens) - 1))
         self.confidences = [p / before if before else 0.0 for p, before in zip(cumulative, [1.0, *cumulative])]
-        self.recent = self.confidences or self.recent
         return Draft(tokens, stack_probs(rows))
 
     def draft_tree(self, state: DecodeState, limit: int) -> Draft:
