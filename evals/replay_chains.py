@@ -13,7 +13,8 @@ conditioned on the missed token), which moves only where a rule stops drafting a
 costed with the calibrated cost curves `auto` uses: the draft's calls (the first feeding what the draft has not seen:
 1 token, 2 after a fully accepted draft, none for the target's own int8 copy, which shares its cache) and one target
 call of 1 + k tokens. One long call of the draft also differs from its one-token calls in rounding, so replayed
-acceptance is close to, not equal to, a run's.
+acceptance is close to, not equal to, a run's; for `self:int8` the recording runs the int8 copy on its own cache,
+where a run drafts on the target's.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ RULES = {"speculative": (Fixed, SpeculativeOptions), "threshold": (Threshold, Th
 
 
 def build(name: str, cost) -> Rule:
-    """A rule from a method name with @settings, e.g. `threshold@min_threshold=0.2` or `auto@prior_strength=4@decay=0.95`."""
+    """A rule from a method name with @settings, e.g. `threshold@min_threshold=0.2`, `auto@decay=0.95`."""
     base, settings = methods.split(name)
     if base not in RULES:
         raise SystemExit(f"{name}: replayable rules are {', '.join(RULES)}")

@@ -21,8 +21,8 @@ a calibration curve instead: P(accepted | c) = c ** gamma, one gamma per propose
 verifies whatever its depth (`calibrated`). One parameter learns from a few steps what a table of probability
 buckets by depth took a whole run to fill: a draft's low-probability tokens are rare, and while their cells still
 held optimistic priors `auto` drafted through them (replayed with the int8 0.5B draft of the 1.5B, `evals.
-replay_chains`: 8-16% more estimated seconds than with the curve). Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens,
-so that estimates it lost can recover.
+replay_chains`: 8-16% more estimated seconds than with the curve). Break-even guard: a proposer declined
+`probe_after` steps in a row is taken once with `probe_tokens` tokens, so that estimates it lost can recover.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from decoders.drafting.cost import CostModel
 from decoders.options import probability, whole
 
 
-GAMMAS = tuple(0.02 * 200 ** (i / 39) for i in range(40))
 GAMMAS = tuple(0.02 * 200 ** (i / 39) for i in range(40))  # the calibration exponents weighed, 0.02 to 4 evenly in
 # log: from a draft whose every guess is accepted (its int8 copy: c ** 0.02 is near 1 for any c it drafts) to one
 # far less often right than it believes; equally likely before any evidence

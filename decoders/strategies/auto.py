@@ -13,9 +13,10 @@ steps that take them, and the context), and nothing (a plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
-draft model and the suffix index, as a calibration curve of their own probabilities) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a
-proposer it has turned down for a while. So the same code drafts long where draft calls are cheap (a GPU, an int8
-draft), short or not at all where they are not, and copies wherever the context repeats itself.
+draft model and the suffix index, as a calibration curve of their own probabilities) by the
+`decoders.drafting.chooser.Chooser`, which also keeps probing a proposer it has turned down for a while. So the same
+code drafts long where draft calls are cheap (a GPU, an int8 draft), short or not at all where they are not, and
+copies wherever the context repeats itself.
 
 Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode.
 """
