@@ -31,6 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decoders  # noqa: E402
+from decoders.driver import resolve_draft  # noqa: E402
+from decoders.drafting import Draft  # noqa: E402
 from decoders.drafting.chooser import Chooser, ChooserOptions  # noqa: E402
 from decoders.drafting.cost import calibrate  # noqa: E402
 from decoders.models.quantize import Int8Linear  # noqa: E402
@@ -38,7 +40,7 @@ from decoders.strategies.auto import AutoOptions  # noqa: E402
 from decoders.strategies.speculative import SpeculativeOptions  # noqa: E402
 from decoders.strategies.threshold import ThresholdOptions, adapt_threshold  # noqa: E402
 from evals import methods  # noqa: E402
-from evals.replay_drafts import Tally, load_prompts  # noqa: E402
+from evals.replay_drafts import Tally, accepted, load_prompts, print_table  # noqa: E402
 
 MISS = -1  # a drafted token past the chain's first miss: it agrees with nothing
 
@@ -167,7 +169,7 @@ def replay(name: str, prompts, recordings: dict[str, Recorded], cost, shares_cac
             per_token = cost.draft_seconds(1, context)
             catch_up = 0.0 if shares_cache else cost.draft_seconds(1, context, fed) - per_token
             tokens, probs = rule.propose(recordings[prompt_id], truth, done, limit, context, (per_token, catch_up))
-            got = next((i for i, (t, g) in enumerate(zip(tokens, truth[done:])) if t != g), len(tokens))
+            got = accepted(tokens, Draft(tokens).links, truth[done:])
             if tokens:
                 seconds += cost.draft_seconds(len(tokens), context, 1 if shares_cache else fed)
                 fed = 2 if got == len(tokens) else 1
@@ -194,10 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = result["model"]
     lm = decoders.load(model["name"], dtype=result["environment"]["dtype"])
-    if args.draft == "self:int8":
-        draft = decoders.quantize(lm, "int8")
+    if args.draft_quantize is None:  # a name, or self:int8 (the target's own int8 copy)
+        draft = resolve_draft(lm, args.draft)
     else:
-        draft = decoders.load(args.draft, dtype=result["environment"]["dtype"], quantize=args.draft_quantize)
+        draft = decoders.load(args.draft, dtype=lm.dtype, device=lm.device, quantize=args.draft_quantize)
+    shares_cache = draft.quantized_from is not None and draft.quantized_from() is lm  # as draft_model(state) decides
     cost = calibrate(lm, draft)
     prompts = load_prompts(result, lm)
     recordings = {prompt_id: record(draft, ids, truth) for prompt_id, _, ids, truth in prompts}
@@ -206,16 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     greedy = sum(cost.target_seconds(1, len(ids) + i) for _, _, ids, truth in prompts for i in range(len(truth)))
     print(f"{model['name']} drafted by {draft.name}: {len(prompts)} prompts; target calls and estimated decode "
           f"seconds (greedy: {greedy:.1f} s)")
-    print("| method | calls | seconds | tokens/call | " + " | ".join(categories) + " |")
-    print("|:---|---:|---:|---:|" + "---:|" * len(categories))
-    for name in names:
-        t = replay(name, prompts, recordings, cost, shares_cache=args.draft == "self:int8")
-        by = {c: [0, 0.0] for c in categories}
-        for category, calls, seconds in t.per_prompt.values():
-            by[category][0] += calls
-            by[category][1] += seconds
-        cells = " | ".join(f"{by[c][0]} / {by[c][1]:.1f} s" for c in categories)
-        print(f"| {name} | {t.calls} | {t.seconds:.1f} | {t.tokens / t.calls:.2f} | {cells} |")
+    print_table({name: replay(name, prompts, recordings, cost, shares_cache) for name in names}, categories)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     categories = list(dict.fromkeys(c for _, c, _, _ in prompts))
     tallies = {name: replay(name, prompts, cost) for name in names}
     print(f"{model['name']}: {len(prompts)} prompts; target calls and estimated decode seconds")
+    print_table(tallies, categories)
+
+
+def print_table(tallies: dict[str, Tally], categories: list[str]) -> None:
+    """A markdown table: per method its target calls, estimated seconds, tokens per call, and both per category."""
     print("| method | calls | seconds | tokens/call | " + " | ".join(categories) + " |")
     print("|:---|---:|---:|---:|" + "---:|" * len(categories))
     for name, t in tallies.items():
