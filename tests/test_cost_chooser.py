@@ -130,21 +130,25 @@ def test_estimates_converge_to_observed_frequencies():
 
 
 def test_a_drafters_probabilities_are_calibrated_by_what_was_accepted():
-    """P(accepted | probability c) = c ** gamma, gamma learned from every verified token: a draft as sure as it is
-    right (accepted with probability c) is judged near c, one right far more often than it believes near 1."""
+    """P(accepted | probability c) = a * c ** gamma, (a, gamma) learned from every verified token: a draft as sure as
+    it is right (accepted with probability c) is judged near c, one right far more often than it believes near 1, and
+    one that says 1 and is right half the time near 1/2 (the suffix index's once-seen continuations)."""
     fresh = Chooser(cpu_like())
-    assert 0.5 < fresh.acceptance("draft", 1, 0.5) < 0.8  # no evidence: an even weighing of gammas, a little hopeful
+    assert 0.4 < fresh.acceptance("draft", 1, 0.5) < fresh.acceptance("draft", 1, 1.0) < 0.9  # no evidence: hopeful
     assert fresh.acceptance("draft", 1, 0.9) > fresh.acceptance("draft", 1, 0.5) > fresh.acceptance("draft", 1, 0.1)
-    honest, sure = Chooser(cpu_like()), Chooser(cpu_like())
+    honest, sure, overconfident = Chooser(cpu_like()), Chooser(cpu_like()), Chooser(cpu_like())
     generator = torch.Generator().manual_seed(0)
     for _ in range(300):
         c = float(torch.rand((), generator=generator)) * 0.9 + 0.05
         honest.update("draft", drafted=1, accepted=int(torch.rand((), generator=generator) < c), confidences=[c])
         sure.update("draft", drafted=2, accepted=2, confidences=[c, c])
+        overconfident.update("suffix", drafted=1, accepted=int(torch.rand((), generator=generator) < 0.5),
+                             confidences=[1.0])
     for c in (0.2, 0.5, 0.8):
         assert honest.acceptance("draft", 1, c) == pytest.approx(c, abs=0.1)
         assert honest.acceptance("draft", 4, c) == honest.acceptance("draft", 1, c)  # one curve for every depth
         assert sure.acceptance("draft", 2, c) > 0.95
+    assert overconfident.acceptance("suffix", 1, 1.0) == pytest.approx(0.5, abs=0.1)
     assert honest.acceptance("draft", 1) == pytest.approx(0.5, abs=0.1)  # the pooled estimate learns as well
     assert sure.candidate("draft", 1, [0.3], per_token_seconds=0.25).accept == (sure.acceptance("draft", 1, 0.3),)
 

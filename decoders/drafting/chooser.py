@@ -17,12 +17,16 @@ where three do.
 
 The p_i are learned online per proposer and depth (depths past `max_depth` share one estimate) as Beta posteriors
 with forgetting. A drafter that knows its own probability c of a drafted token (a draft model, the suffix index) gets
-a calibration curve instead: P(accepted | c) = c ** gamma, one gamma per proposer, fitted to every drafted token it
-verifies whatever its depth (`calibrated`). One parameter learns from a few steps what a table of probability
-buckets by depth took a whole run to fill: a draft's low-probability tokens are rare, and while their cells still
-held optimistic priors `auto` drafted through them (replayed with the int8 0.5B draft of the 1.5B, `evals.
-replay_chains`: 8-16% more estimated seconds than with the curve). Break-even guard: a proposer declined
-`probe_after` steps in a row is taken once with `probe_tokens` tokens, so that estimates it lost can recover.
+a calibration curve instead: P(accepted | c) = a * c ** gamma, one (a, gamma) per proposer, weighed over a grid by
+how well each explained every drafted token it verified, whatever its depth (`calibrated`). Two parameters learn from
+a few steps what a table of probability buckets by depth took a whole run to fill: a draft's low-probability tokens
+are rare, and while their cells still held optimistic priors `auto` drafted through them (replayed with the int8 0.5B
+draft of the 1.5B, `evals.replay_chains`: 8-16% more estimated seconds than with a curve). The ceiling a is for
+drafters that are sure and wrong: the suffix index gives a token it saw once after the matched suffix probability 1,
+and with c ** gamma alone (1 for c = 1, whatever gamma) `auto` expected every such level accepted (3.0 tokens for
+two-level drafts that gave 1.3 on average: predicted 164 tokens for a 110-token run on the AMD EPYC).
+Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens, so that
+estimates it lost can recover.
 """
 
 from __future__ import annotations
@@ -35,9 +39,15 @@ from decoders.drafting.cost import CostModel
 from decoders.options import probability, whole
 
 
-GAMMAS = tuple(0.02 * 200 ** (i / 39) for i in range(40))  # the calibration exponents weighed, 0.02 to 4 evenly in
+GAMMAS = tuple(0.02 * 200 ** (i / 23) for i in range(24))  # the calibration exponents weighed, 0.02 to 4 evenly in
 # log: from a draft whose every guess is accepted (its int8 copy: c ** 0.02 is near 1 for any c it drafts) to one
-# far less often right than it believes; equally likely before any evidence
+# far less often right than it believes
+CEILINGS = tuple(1 - miss for miss in (0.0, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
+# the calibration ceilings a = P(accepted | c = 1) weighed, fine near 1, where a draft's chain length turns on them
+# (1 / (1 - a) tokens)
+PRIOR = tuple(math.log(0.5 if a == 1 else 0.5 / (len(CEILINGS) - 1)) for a in CEILINGS)  # log prior of each ceiling:
+# even odds that the drafter is never wrong when sure (a draft model; one miss at probability 1 rules that out), the
+# other half spread evenly; every gamma equally likely
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,8 @@ class Chooser:
         self.cost, self.options = cost, options or ChooserOptions()
         self.counts: dict[tuple[str, int], list[float]] = {}  # (proposer, depth) -> [accepted, rejected]
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
-        self.fits: dict[str, list[float]] = {}  # proposer -> log-likelihood of each of GAMMAS, decayed
+        self.fits: dict[str, list[list[float]]] = {}  # proposer -> [CEILINGS][GAMMAS] log-likelihoods, decayed
+        self.curves: dict[str, list[float]] = {}  # proposer -> [GAMMAS] posterior weight x mean ceiling (cached)
 
     def acceptance(self, proposer: str, depth: int, confidence: float | None = None) -> float:
         """Estimated P(level `depth` (from 1) accepted | the levels before it accepted): from the drafter's own
@@ -121,15 +132,21 @@ class Chooser:
         return (accepted + strength * prior) / (accepted + rejected + strength)
 
     def calibrated(self, proposer: str, confidence: float) -> float:
-        """P(accepted | the drafter gave the token probability `confidence`) = E[confidence ** gamma], gamma weighed
-        over GAMMAS by how well each explained this proposer's verified tokens (a posterior from an even prior). A
-        draft that is right more often than it believes (the target's int8 copy) gets a small gamma, one as sure as
-        it is right gamma near 1; before any evidence a token of probability 0.5 is judged 0.7 likely, so the
-        drafter is tried and learns."""
-        fit = self.fits.get(proposer, [0.0] * len(GAMMAS))
-        top = max(fit)
-        weights = [math.exp(f - top) for f in fit]
-        return sum(w * confidence ** g for w, g in zip(weights, GAMMAS)) / sum(weights)
+        """P(accepted | the drafter gave the token probability `confidence`) = E[a * confidence ** gamma], (a, gamma)
+        weighed over CEILINGS x GAMMAS by how well each explained this proposer's verified tokens (a posterior from
+        PRIOR). A draft that is right more often than it believes (the target's int8 copy) gets a near 1 and a
+        small gamma, one as sure as it is right a near 1 and gamma near 1, the suffix index's once-seen continuations
+        (probability 1) a well below 1. Before any evidence a token of probability 1 is judged 0.83 likely and one
+        of 0.5 0.57, so a drafter is tried and learns."""
+        curve = self.curves.get(proposer)
+        if curve is None:
+            fit = [[prior + f for f in row] for prior, row in zip(PRIOR, self.fits.get(proposer) or self.no_fit())]
+            top = max(map(max, fit))
+            weights = [[math.exp(f - top) for f in row] for row in fit]
+            total = sum(map(sum, weights))
+            curve = self.curves[proposer] = [sum(a * row[g] for a, row in zip(CEILINGS, weights)) / total
+                                             for g in range(len(GAMMAS))]
+        return sum(w * confidence ** gamma for w, gamma in zip(curve, GAMMAS))
 
     def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None) -> tuple[float, ...]:
         """[k] estimates for levels 1..k (`confidences` [k]: the drafter's probability of each drafted token)."""
@@ -150,10 +167,25 @@ class Chooser:
             counts = self.counts.setdefault((proposer, min(depth, self.options.max_depth)), [0.0, 0.0])
             counts[0], counts[1] = decay * counts[0] + took, decay * counts[1] + (not took)
             if confidence is not None:  # the calibration curve learns from every token with a probability
-                fit = self.fits.setdefault(proposer, [0.0] * len(GAMMAS))
-                c = min(max(confidence, 1e-6), 1 - 1e-6)
-                for i, gamma in enumerate(GAMMAS):
-                    fit[i] = decay * fit[i] + (gamma * math.log(c) if took else math.log1p(-c ** gamma))
+                self.learn_curve(proposer, confidence, took)
+
+    @staticmethod
+    def no_fit() -> list[list[float]]:
+        """[CEILINGS][GAMMAS] log-likelihoods before any evidence."""
+        return [[0.0] * len(GAMMAS) for _ in CEILINGS]
+
+    def learn_curve(self, proposer: str, confidence: float, took: bool) -> None:
+        """Weigh every (a, gamma) of the calibration curve by the likelihood of one verified token."""
+        decay, fit = self.options.decay, self.fits.setdefault(proposer, [[0.0] * len(GAMMAS) for _ in CEILINGS])
+        c = min(max(confidence, 1e-6), 1 - 1e-6)
+        powers = [c ** gamma for gamma in GAMMAS]
+        for a, row in zip(CEILINGS, fit):
+            if took:
+                log_a, log_c = math.log(a), math.log(c)
+                row[:] = [decay * f + log_a + gamma * log_c for f, gamma in zip(row, GAMMAS)]
+            else:
+                row[:] = [decay * f + math.log1p(-a * power) for f, power in zip(row, powers)]
+        self.curves.pop(proposer, None)
 
     def evaluate(self, candidate: Candidate | None, k: int, context: int) -> Plan:
         """E(k) and S(k) of verifying the first `k` levels of `candidate` after `context` cached tokens."""
