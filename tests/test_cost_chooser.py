@@ -16,6 +16,7 @@ import decoders
 from decoders.drafting import cost as cost_module
 from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, expected_tokens
 from decoders.drafting.cost import CallCost, CostModel, calibrate, fit
+from decoders.strategies.auto import match_curve
 
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
 
@@ -151,6 +152,21 @@ def test_a_drafters_probabilities_are_calibrated_by_what_was_accepted():
     assert overconfident.acceptance("suffix", 1, 1.0) == pytest.approx(0.5, abs=0.1)
     assert honest.acceptance("draft", 1) == pytest.approx(0.5, abs=0.1)  # the pooled estimate learns as well
     assert sure.candidate("draft", 1, [0.3], per_token_seconds=0.25).accept == (sure.acceptance("draft", 1, 0.3),)
+
+
+def test_a_proposer_can_keep_one_calibration_curve_per_kind_of_draft():
+    """The suffix index's probability-1 tokens after a 1-token match are often wrong, after a long match rarely:
+    `auto` teaches them to separate curves (`match_curve`), while the proposer's pooled estimates stay one."""
+    chooser = Chooser(cpu_like())
+    for _ in range(50):
+        chooser.update("suffix", drafted=2, accepted=0, confidences=[1.0, 1.0], curve=match_curve(1))
+        chooser.update("suffix", drafted=2, accepted=2, confidences=[1.0, 1.0], curve=match_curve(12))
+    short = chooser.candidate("suffix", 2, [1.0, 1.0], curve=match_curve(1)).accept
+    long = chooser.candidate("suffix", 2, [1.0, 1.0], curve=match_curve(12)).accept
+    assert max(short) < 0.15 and min(long) > 0.95  # (the lowest ceiling is 0.1)
+    assert chooser.acceptance("suffix", 1) == pytest.approx(0.5, abs=0.05)  # pooled: half of the steps took both
+    assert [match_curve(m) for m in (1, 2, 3, 4, 7, 8, 100)] == ["suffix:1", "suffix:2", "suffix:2", "suffix:4",
+                                                                "suffix:4", "suffix:8", "suffix:8"]
 
 
 def test_estimates_follow_a_change():

@@ -118,13 +118,15 @@ class Chooser:
         self.fits: dict[str, list[list[float]]] = {}  # proposer -> [CEILINGS][GAMMAS] log-likelihoods, decayed
         self.curves: dict[str, list[float]] = {}  # proposer -> [GAMMAS] posterior weight x mean ceiling (cached)
 
-    def acceptance(self, proposer: str, depth: int, confidence: float | None = None) -> float:
+    def acceptance(self, proposer: str, depth: int, confidence: float | None = None, curve: str | None = None
+                   ) -> float:
         """Estimated P(level `depth` (from 1) accepted | the levels before it accepted): from the drafter's own
-        probability for that token when known (`calibrated`), else pooled per depth. A pooled level past the first
+        probability for that token when known (`calibrated`, on the proposer's curve or the one named `curve`), else
+        pooled per depth. A pooled level past the first
         starts from the estimate of the level above it, so what the first levels learned reaches the deeper ones
         before any draft has gone that deep (a short probe would otherwise never lift them)."""
         if confidence is not None:
-            return self.calibrated(proposer, confidence)
+            return self.calibrated(curve or proposer, confidence)
         depth = min(depth, self.options.max_depth)  # deeper levels share the last estimate
         prior = self.acceptance(proposer, depth - 1) if depth > 1 else self.options.prior_mean
         accepted, rejected = self.counts.get((proposer, depth), (0.0, 0.0))
@@ -148,18 +150,23 @@ class Chooser:
                                              for g in range(len(GAMMAS))]
         return sum(w * confidence ** gamma for w, gamma in zip(curve, GAMMAS))
 
-    def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None) -> tuple[float, ...]:
+    def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None, curve: str | None = None
+              ) -> tuple[float, ...]:
         """[k] estimates for levels 1..k (`confidences` [k]: the drafter's probability of each drafted token)."""
         given = confidences if confidences is not None else [None] * k
-        return tuple(self.acceptance(proposer, d + 1, given[d]) for d in range(k))
+        return tuple(self.acceptance(proposer, d + 1, given[d], curve) for d in range(k))
 
-    def candidate(self, proposer: str, k: int, confidences: Sequence[float] | None = None, **costs) -> Candidate:
+    def candidate(self, proposer: str, k: int, confidences: Sequence[float] | None = None, curve: str | None = None,
+                  **costs) -> Candidate:
         """A `Candidate` of k levels with this chooser's estimates; `costs`: per_token_seconds, fixed_seconds, nodes."""
-        return Candidate(proposer, self.chain(proposer, k, confidences), **costs)
+        return Candidate(proposer, self.chain(proposer, k, confidences, curve), **costs)
 
-    def update(self, proposer: str, drafted: int, accepted: int, confidences: Sequence[float] | None = None) -> None:
+    def update(self, proposer: str, drafted: int, accepted: int, confidences: Sequence[float] | None = None,
+               curve: str | None = None) -> None:
         """Learn from a verification that accepted `accepted` of `drafted` levels: levels 1..accepted were accepted,
-        the next one rejected, later ones tell nothing (they were conditional on it)."""
+        the next one rejected, later ones tell nothing (they were conditional on it). `curve`: the calibration curve
+        the confidences teach, when not the proposer's own (a drafter whose tokens are calibrated apart by kind, as
+        the suffix index's by match length)."""
         decay = self.options.decay
         for depth in range(1, min(accepted + 1, drafted) + 1):
             confidence = None if confidences is None else confidences[depth - 1]
@@ -167,7 +174,7 @@ class Chooser:
             counts = self.counts.setdefault((proposer, min(depth, self.options.max_depth)), [0.0, 0.0])
             counts[0], counts[1] = decay * counts[0] + took, decay * counts[1] + (not took)
             if confidence is not None:  # the calibration curve learns from every token with a probability
-                self.learn_curve(proposer, confidence, took)
+                self.learn_curve(curve or proposer, confidence, took)
 
     @staticmethod
     def no_fit() -> list[list[float]]:
