@@ -37,7 +37,7 @@ from decoders.drafting.chooser import Chooser, ChooserOptions  # noqa: E402
 from decoders.drafting.cost import calibrate  # noqa: E402
 from decoders.models.quantize import Int8Linear  # noqa: E402
 from decoders.strategies.auto import AutoOptions  # noqa: E402
-from decoders.strategies.speculative import SpeculativeOptions  # noqa: E402
+from decoders.strategies.speculative import ACCEPTANCE, SELF_ACCEPTANCE, SpeculativeOptions, default_k  # noqa: E402
 from decoders.strategies.threshold import ThresholdOptions, adapt_threshold  # noqa: E402
 from evals import methods  # noqa: E402
 from evals.replay_drafts import Tally, accepted, load_prompts, print_table  # noqa: E402
@@ -97,15 +97,17 @@ class Rule:
 
 
 class Fixed(Rule):
-    def __init__(self, options: SpeculativeOptions, cost) -> None:
-        self.k = options.k
+    def __init__(self, options: SpeculativeOptions, cost, shares_cache: bool) -> None:
+        self.k, self.cost, self.shares_cache = options.k, cost, shares_cache
 
     def propose(self, recorded, truth, start, limit, context, costs):
+        if self.k is None:  # chosen as `speculative` chooses it, at the prompt's length
+            self.k = default_k(self.cost, context, SELF_ACCEPTANCE if self.shares_cache else ACCEPTANCE)
         return recorded.chain(truth, start, min(self.k, limit), lambda probs: True)
 
 
 class Threshold(Rule):
-    def __init__(self, options: ThresholdOptions, cost) -> None:
+    def __init__(self, options: ThresholdOptions, cost, shares_cache: bool) -> None:
         self.options, self.threshold = options, options.threshold
 
     def propose(self, recorded, truth, start, limit, context, costs):
@@ -126,7 +128,8 @@ class Auto(Rule):
     """`auto` restricted to the draft model's chains: each step the chooser takes a chain or a plain step, and a
     chain runs while one more token is predicted to pay (as `auto` drafts with a draft model)."""
 
-    def __init__(self, options: ChooserOptions, cost, max_draft: int = AutoOptions.max_draft) -> None:
+    def __init__(self, options: ChooserOptions, cost, shares_cache: bool, max_draft: int = AutoOptions.max_draft
+                 ) -> None:
         self.chooser, self.max_draft = Chooser(cost, options), max_draft
         self.chooser.declined["draft"] = options.probe_after
 
@@ -150,20 +153,20 @@ RULES = {"speculative": (Fixed, SpeculativeOptions), "threshold": (Threshold, Th
          "auto": (Auto, ChooserOptions)}
 
 
-def build(name: str, cost) -> Rule:
+def build(name: str, cost, shares_cache: bool = False) -> Rule:
     """A rule from a method name with @settings, e.g. `threshold@min_threshold=0.2`, `auto@decay=0.95`."""
     base, settings = methods.split(name)
     if base not in RULES:
         raise SystemExit(f"{name}: replayable rules are {', '.join(RULES)}")
     rule, options = RULES[base]
-    return rule(options(**settings), cost)
+    return rule(options(**settings), cost, shares_cache)
 
 
 def replay(name: str, prompts, recordings: dict[str, Recorded], cost, shares_cache: bool) -> Tally:
     """Target calls and estimated seconds (draft calls included) of rule `name` over the prompts."""
     out = Tally()
     for prompt_id, category, ids, truth in prompts:
-        rule, done, calls, seconds, drafted, fed = build(name, cost), 0, 0, 0.0, 0, 1
+        rule, done, calls, seconds, drafted, fed = build(name, cost, shares_cache), 0, 0, 0.0, 0, 1
         while done < len(truth):
             context, limit = len(ids) + done, len(truth) - done - 1
             per_token = cost.draft_seconds(1, context)

@@ -202,16 +202,21 @@ def verdict(result: dict) -> str | None:
 
 def choices(result: dict) -> list[str]:
     """Per run of a strategy that chooses its proposer each step (`auto`): how often it took each, and its predicted
-    against its measured tokens per second."""
-    lines = []
+    against its measured tokens per second; per strategy that chose a setting from the measured costs
+    (`speculative`'s k), the setting."""
+    lines, settings = [], {}
     for run in result["runs"]:
         extra = run.get("extra") or {}
+        if "chosen_k" in extra:
+            settings.setdefault(run["strategy"], set()).add(extra["chosen_k"])
         if "steps" not in extra or run["repeat"] != 0:
             continue
         steps = ", ".join(f"{name} {count}" for name, count in sorted(extra["steps"].items()))
         predicted = extra["predicted_tokens"] / extra["predicted_seconds"] if extra.get("predicted_seconds") else 0
         lines.append(f"{run['strategy']} on {run['prompt_id']}: steps by proposer: {steps}; predicted "
                      f"{predicted:.1f} tok/s, measured {run['tokens_per_second']:.1f}")
+    for strategy, ks in settings.items():
+        lines.append(f"{strategy}: k={'/'.join(map(str, sorted(ks)))}, chosen from this device's measured call costs")
     return lines
 
 

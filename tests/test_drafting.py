@@ -9,6 +9,8 @@ import transformers
 import decoders
 from conftest import PROMPTS, VOCAB, on_device, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.driver import _prepare
+from decoders.drafting.cost import CallCost, CostModel
+from decoders.strategies.speculative import default_k
 from decoders.strategies.threshold import ThresholdOptions, adapt_threshold
 from samplers import SamplingConfig
 from stats import chi_square_fits
@@ -48,6 +50,19 @@ def test_speculative_drafts_k_tokens_per_call():
     stats = decoders.generate(lm, PROMPTS[0], strategy="speculative", draft=lm, k=3, max_new_tokens=41).stats
     assert stats.draft_lengths == [3] * 10 + [0]  # 10 calls of 3 accepted + 1 bonus = 40, then 1 left: no draft
     assert stats.target_calls == 11 and stats.accepted_by_position == [10, 10, 10]
+
+
+def test_speculative_k_defaults_to_what_the_measured_costs_favour():
+    flat = lambda seconds: CallCost((1, 2), (seconds, seconds), 0.0)  # noqa: E731  a call costs this, whatever n
+    # dear draft, often wrong: E(k) = 2 - 0.5 ** k tokens over 1 + 0.5 k seconds: k=1 1.0/s, k=2 0.875/s
+    assert default_k(CostModel(flat(1.0), flat(0.5)), 0, 0.5) == 1
+    # cheap draft, mostly right: E(k) = (1 - 0.9 ** (k + 1)) / 0.1 over 1 + 0.1 k: k=9 3.428/s, 10 3.431, 11 3.417
+    assert default_k(CostModel(flat(1.0), flat(0.1)), 0, 0.9) == 10
+    lm = tiny_lm("qwen2")
+    chosen = decoders.generate(lm, PROMPTS[0], strategy="speculative", draft=lm, max_new_tokens=20).stats
+    assert 1 <= chosen.details["chosen_k"] <= 16 and max(chosen.draft_lengths) == chosen.details["chosen_k"]
+    given = decoders.generate(lm, PROMPTS[0], strategy="speculative", draft=lm, k=3, max_new_tokens=20).stats
+    assert "chosen_k" not in given.details
 
 
 def test_prompt_lookup_copies_from_the_prompt():

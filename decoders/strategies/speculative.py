@@ -2,6 +2,14 @@
 
 Leviathan et al. 2023 / Chen et al. 2023. Exact in greedy mode (accept while the target's argmax agrees) and in
 sampling mode (rejection sampling in `samplers.verify`).
+
+k is fixed for the run. Unless given, it is the k this device's measured call costs favour (`default_k`): the best k
+turns on what a draft call costs against a target call, and that changes with the draft (bfloat16, int8, the
+target's own int8 copy) and the machine. Replayed on the 1.5B's greedy outputs (`evals.replay_chains`, AMD EPYC,
+estimated seconds): with the bfloat16 0.5B draft (a call 0.42 of the target's) k=2 / 3 / 5 took 44.9 / 48.1 / 50.6 s
+on `mixed` (k=5 lost to greedy on translation, 0.81x in a real run) and 32.2 / 32.3 / 31.4 s on `bench`; with the
+int8 0.5B draft (0.19) k=3 / 5 / 8 took 22.3 / 19.6 / 20.8 s on `bench`; with the target's own int8 copy (0.48,
+accepted at every position) k=5 / 8 / 12 took 27.8 / 26.4 / 26.7 s. `default_k` picks 3, 5 and 9 there.
 """
 
 from __future__ import annotations
@@ -10,18 +18,35 @@ from dataclasses import dataclass
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftVerify, draft_model, stack_probs
+from decoders.drafting.chooser import Candidate, Chooser
+from decoders.drafting.cost import CostModel, calibrate
+from decoders.drafting.draft_model import SharedCacheDraft
 from decoders.options import whole
 from decoders.registry import register
+
+ACCEPTANCE = 0.85  # the per-token acceptance `default_k` plans for with a separate draft model: lower planned
+# acceptances picked k=3-4 for the int8 0.5B draft, 6-14% slower than k=5 in the replays above
+SELF_ACCEPTANCE = 0.98  # with the target's own quantized copy, which agreed with it at every position measured
+MOST = 16  # the longest k `default_k` considers
 
 
 @dataclass(frozen=True)
 class SpeculativeOptions:
     """Options of `speculative`."""
 
-    k: int = 5  # draft tokens per target call
+    k: int | None = None  # draft tokens per target call; None: what this device's measured costs favour (default_k)
 
     def __post_init__(self):
-        whole("k (draft tokens per target call)", self.k)
+        if self.k is not None:
+            whole("k (draft tokens per target call)", self.k)
+
+
+def default_k(cost: CostModel, context: int, acceptance: float) -> int:
+    """The k of most expected tokens per second for a draft each of whose tokens is accepted with probability
+    `acceptance`: k draft calls and one target call of k + 1 tokens after `context` cached ones, priced by `cost`
+    (the chooser's own rule, `Chooser.best`)."""
+    draft = Candidate("draft", (acceptance,) * MOST, per_token_seconds=cost.draft_seconds(1, context))
+    return Chooser(cost).best(draft, context).k
 
 
 class FixedDrafter:
@@ -29,6 +54,10 @@ class FixedDrafter:
 
     def __init__(self, state: DecodeState, options: SpeculativeOptions) -> None:
         self.model, self.k = draft_model(state), options.k
+        if self.k is None:
+            acceptance = SELF_ACCEPTANCE if isinstance(self.model, SharedCacheDraft) else ACCEPTANCE
+            self.k = default_k(calibrate(state.lm, state.draft), len(state.tokens), acceptance)
+            state.stats.details = {"chosen_k": self.k}  # for reports
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
         tokens, rows, _ = self.model.draft_chain(min(self.k, limit))
@@ -40,7 +69,7 @@ class FixedDrafter:
 
 @register("speculative")
 class Speculative(DraftVerify):
-    """Speculative decoding with a fixed draft length k."""
+    """Speculative decoding with a fixed draft length k (by default the one this device's measured costs favour)."""
 
     Options = SpeculativeOptions
     drafter = FixedDrafter
