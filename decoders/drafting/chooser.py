@@ -115,16 +115,16 @@ class Chooser:
         self.cost, self.options = cost, options or ChooserOptions()
         self.counts: dict[tuple[str, int], list[float]] = {}  # (proposer, depth) -> [accepted, rejected]
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
-        self.fits: dict[str, list[list[float]]] = {}  # proposer -> [CEILINGS][GAMMAS] log-likelihoods, decayed
-        self.curves: dict[str, list[float]] = {}  # proposer -> [GAMMAS] posterior weight x mean ceiling (cached)
+        self.fits: dict[str, list[list[float]]] = {}  # curve -> [CEILINGS][GAMMAS] log-likelihoods, decayed
+        self.curves: dict[str, list[float]] = {}  # curve -> [GAMMAS] posterior weight x mean ceiling (cached)
 
     def acceptance(self, proposer: str, depth: int, confidence: float | None = None, curve: str | None = None
                    ) -> float:
         """Estimated P(level `depth` (from 1) accepted | the levels before it accepted): from the drafter's own
         probability for that token when known (`calibrated`, on the proposer's curve or the one named `curve`), else
-        pooled per depth. A pooled level past the first
-        starts from the estimate of the level above it, so what the first levels learned reaches the deeper ones
-        before any draft has gone that deep (a short probe would otherwise never lift them)."""
+        pooled per depth. A pooled level past the first starts from the estimate of the level above it, so what the
+        first levels learned reaches the deeper ones before any draft has gone that deep (a short probe would
+        otherwise never lift them)."""
         if confidence is not None:
             return self.calibrated(curve or proposer, confidence)
         depth = min(depth, self.options.max_depth)  # deeper levels share the last estimate
@@ -133,22 +133,22 @@ class Chooser:
         strength = self.options.prior_strength
         return (accepted + strength * prior) / (accepted + rejected + strength)
 
-    def calibrated(self, proposer: str, confidence: float) -> float:
+    def calibrated(self, curve: str, confidence: float) -> float:
         """P(accepted | the drafter gave the token probability `confidence`) = E[a * confidence ** gamma], (a, gamma)
-        weighed over CEILINGS x GAMMAS by how well each explained this proposer's verified tokens (a posterior from
-        PRIOR). A draft that is right more often than it believes (the target's int8 copy) gets a near 1 and a
+        weighed over CEILINGS x GAMMAS by how well each explained the verified tokens of this `curve` (a proposer's,
+        or a kind of its drafts; a posterior from PRIOR). A draft that is right more often than it believes (the target's int8 copy) gets a near 1 and a
         small gamma, one as sure as it is right a near 1 and gamma near 1, the suffix index's once-seen continuations
         (probability 1) a well below 1. Before any evidence a token of probability 1 is judged 0.83 likely and one
         of 0.5 0.57, so a drafter is tried and learns."""
-        curve = self.curves.get(proposer)
-        if curve is None:
-            fit = [[prior + f for f in row] for prior, row in zip(PRIOR, self.fits.get(proposer) or self.no_fit())]
+        weights = self.curves.get(curve)
+        if weights is None:
+            fit = [[prior + f for f in row] for prior, row in zip(PRIOR, self.fits.get(curve) or self.no_fit())]
             top = max(map(max, fit))
-            weights = [[math.exp(f - top) for f in row] for row in fit]
-            total = sum(map(sum, weights))
-            curve = self.curves[proposer] = [sum(a * row[g] for a, row in zip(CEILINGS, weights)) / total
-                                             for g in range(len(GAMMAS))]
-        return sum(w * confidence ** gamma for w, gamma in zip(curve, GAMMAS))
+            posterior = [[math.exp(f - top) for f in row] for row in fit]
+            total = sum(map(sum, posterior))
+            weights = self.curves[curve] = [sum(a * row[g] for a, row in zip(CEILINGS, posterior)) / total
+                                            for g in range(len(GAMMAS))]
+        return sum(w * confidence ** gamma for w, gamma in zip(weights, GAMMAS))
 
     def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None, curve: str | None = None
               ) -> tuple[float, ...]:
@@ -181,9 +181,9 @@ class Chooser:
         """[CEILINGS][GAMMAS] log-likelihoods before any evidence."""
         return [[0.0] * len(GAMMAS) for _ in CEILINGS]
 
-    def learn_curve(self, proposer: str, confidence: float, took: bool) -> None:
-        """Weigh every (a, gamma) of the calibration curve by the likelihood of one verified token."""
-        decay, fit = self.options.decay, self.fits.setdefault(proposer, [[0.0] * len(GAMMAS) for _ in CEILINGS])
+    def learn_curve(self, curve: str, confidence: float, took: bool) -> None:
+        """Weigh every (a, gamma) of the calibration curve `curve` by the likelihood of one verified token."""
+        decay, fit = self.options.decay, self.fits.setdefault(curve, self.no_fit())
         c = min(max(confidence, 1e-6), 1 - 1e-6)
         powers = [c ** gamma for gamma in GAMMAS]
         for a, row in zip(CEILINGS, fit):
@@ -192,7 +192,7 @@ class Chooser:
                 row[:] = [decay * f + log_a + gamma * log_c for f, gamma in zip(row, GAMMAS)]
             else:
                 row[:] = [decay * f + math.log1p(-a * power) for f, power in zip(row, powers)]
-        self.curves.pop(proposer, None)
+        self.curves.pop(curve, None)
 
     def evaluate(self, candidate: Candidate | None, k: int, context: int) -> Plan:
         """E(k) and S(k) of verifying the first `k` levels of `candidate` after `context` cached tokens."""
