@@ -136,10 +136,10 @@ class Chooser:
     def calibrated(self, curve: str, confidence: float) -> float:
         """P(accepted | the drafter gave the token probability `confidence`) = E[a * confidence ** gamma], (a, gamma)
         weighed over CEILINGS x GAMMAS by how well each explained the verified tokens of this `curve` (a proposer's,
-        or a kind of its drafts; a posterior from PRIOR). A draft that is right more often than it believes (the target's int8 copy) gets a near 1 and a
-        small gamma, one as sure as it is right a near 1 and gamma near 1, the suffix index's once-seen continuations
-        (probability 1) a well below 1. Before any evidence a token of probability 1 is judged 0.83 likely and one
-        of 0.5 0.57, so a drafter is tried and learns."""
+        or a kind of its drafts; a posterior from PRIOR). A draft that is right more often than it believes (the
+        target's int8 copy) gets a near 1 and a small gamma, one as sure as it is right a near 1 and gamma near 1, the
+        suffix index's once-seen continuations (probability 1) a well below 1. Before any evidence a token of
+        probability 1 is judged 0.83 likely and one of 0.5 0.57, so a drafter is tried and learns."""
         weights = self.curves.get(curve)
         if weights is None:
             fit = [[prior + f for f in row] for prior, row in zip(PRIOR, self.fits.get(curve) or self.no_fit())]
