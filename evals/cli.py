@@ -178,8 +178,11 @@ def cmd_compare(args) -> int:
     if comparison.takes_draft:
         draft = args.draft if args.draft.startswith("self:") else _load(args.draft, args, device)
     result = comparison.run(lm, draft, processes=processes)
-    if result is None:  # not the main process: it wrote nothing
-        return 0
+    return processes.exit(0 if result is None else _write_compare(args, result))  # (None: not the main process)
+
+
+def _write_compare(args, result: dict) -> int:
+    """Print and write compare's result as asked; the exit status (1 when a timed run raised)."""
     text = report.markdown(result)
     print(text)
     if args.out:
