@@ -16,7 +16,7 @@ import decoders
 from decoders.drafting import cost as cost_module
 from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, expected_tokens
 from decoders.drafting.cost import CallCost, CostModel, calibrate, fit
-from decoders.strategies.auto import match_curve
+from decoders.strategies.auto import at_least, match_curve
 
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
 
@@ -167,6 +167,15 @@ def test_a_proposer_can_keep_one_calibration_curve_per_kind_of_draft():
     assert chooser.acceptance("suffix", 1) == pytest.approx(0.5, abs=0.05)  # pooled: half of the steps took both
     assert [match_curve(m) for m in (1, 2, 3, 4, 7, 8, 100)] == ["suffix:1", "suffix:2", "suffix:2", "suffix:4",
                                                                 "suffix:4", "suffix:8", "suffix:8"]
+
+
+def test_a_tree_of_several_paths_is_as_likely_as_its_likeliest_path_to_each_depth():
+    """A tree holding a draft model's chain (0.8, 0.5) and a suffix branch (0.3, 0.95) reaches depth 1 with
+    probability at least 0.8 and depth 2 at least max(0.8 * 0.5, 0.3 * 0.95) = 0.4: its second level's acceptance
+    given the first is 0.5, not the suffix branch's 0.95 (that branch's first level is seldom the one accepted)."""
+    assert at_least([(0.5, 0.5), (0.8, 0.5), (0.3, 0.95)], 2) == pytest.approx((0.8, 0.5))
+    assert at_least([(0.9, 0.9, 0.9), (1.0,), ()], 3) == pytest.approx((1.0, 0.81, 0.9))  # shorter paths end early
+    assert at_least([(0.5, 0.0, 1.0)], 3) == (0.5, 0.0, 0.0)  # nothing past a level never accepted
 
 
 def test_estimates_follow_a_change():
