@@ -15,7 +15,7 @@ import torch
 import decoders
 from decoders.drafting import cost as cost_module
 from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, expected_tokens
-from decoders.drafting.cost import CallCost, CostModel, calibrate, fit
+from decoders.drafting.cost import TARGET_SIZES, CallCost, CostModel, calibrate, fit
 from decoders.strategies.auto import at_least, match_curve
 
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
@@ -236,6 +236,21 @@ def test_observe_moves_the_prediction_toward_observations():
         CostModel(linear(1.0, 0.1)).observe("draft", 1, 0, 1.0)
 
 
+def test_tree_calls_learn_what_they_cost_beyond_a_causal_call():
+    model = CostModel(linear(1.0, 0.1))
+    causal = model.target_seconds(4, 0)
+    assert model.target_seconds(4, 0, tree=True) == causal  # nothing learned: no extra
+    model.observe("target", 4, 0, causal + 0.5, tree=True)
+    assert model.target_seconds(4, 0, tree=True) == pytest.approx(causal + 0.5)  # the first one is believed
+    assert model.target_seconds(4, 0) == causal  # and leaves causal calls' costs alone
+    for _ in range(30):
+        model.observe("target", 4, 0, causal + 0.1, tree=True)
+    assert model.target_seconds(4, 0, tree=True) == pytest.approx(causal + 0.1, abs=0.01)
+    model.observe("target", TARGET_SIZES[-1] + 1, 0, 100.0)  # longer than calibration measures (a prompt): ignored
+    assert model.target_seconds(4, 0) == causal and model.observed == {"tree": 31}
+    assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+
+
 def test_cost_model_round_trips_through_json():
     model = CostModel(fit([(1, 16, 0.1), (4, 16, 0.12), (16, 16, 0.2), (1, 512, 0.11)], (1, 4, 16)), linear(0.05, 0.01))
     model.observe("target", 2, 50, 0.3)
@@ -268,7 +283,7 @@ def test_calibration_is_positive_and_monotone():
             costs = [part.predict(n, context) for n in range(1, 41)]
             assert costs[0] > 0 and all(b >= a * (1 - 1e-12) for a, b in zip(costs, costs[1:]))
         assert part.predict(8, 239) >= part.predict(8, 16)
-    assert len(model.target.samples) == 5 and len(model.draft.samples) == 4
+    assert len(model.target.samples) == len(TARGET_SIZES) + 2 and len(model.draft.samples) == 4
 
 
 def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypatch):
@@ -276,11 +291,12 @@ def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypat
     monkeypatch.delenv("DECODEKIT_CALIBRATION")  # the tests' own folder; here the default under DECODEKIT_CACHE
     target, draft = CountingLM(tiny_lm("llama")), CountingLM(tiny_lm("qwen2"))
     first = calibrate(target, draft, budget=0.0)
-    assert target.calls == 7 and draft.calls == 6  # 2 warm-up calls + one round each
+    one = 2 + len(TARGET_SIZES) + 2  # a target's calibration: 2 warm-up calls, every size, 2 at the long context
+    assert target.calls == one and draft.calls == 6  # one round each
     files = sorted(p.name for p in (tmp_path / "calibration").iterdir())
     assert len(files) == 2 and files[0].startswith("draft-tiny-qwen2-0") and files[1].startswith("target-tiny-llama-0")
 
-    assert calibrate(target, draft) == first and (target.calls, draft.calls) == (7, 6)  # reloaded, nothing measured
+    assert calibrate(target, draft) == first and (target.calls, draft.calls) == (one, 6)  # reloaded, nothing measured
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
@@ -288,16 +304,16 @@ def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypat
         calibrate(target, budget=0.0)
     finally:
         torch.set_num_threads(threads)
-    assert target.calls == 14 and len(list((tmp_path / "calibration").iterdir())) == 3
+    assert target.calls == 2 * one and len(list((tmp_path / "calibration").iterdir())) == 3
 
     bf16 = CountingLM(decoders.wrap(tiny_model("llama", 0, torch.bfloat16), tiny_tokenizer(), name="tiny-llama-0"))
     calibrate(bf16, budget=0.0)
-    assert bf16.calls == 7 and len(list((tmp_path / "calibration").iterdir())) == 4
+    assert bf16.calls == one and len(list((tmp_path / "calibration").iterdir())) == 4
 
     monkeypatch.setattr(cost_module, "VERSION", cost_module.VERSION + 1)
     calibrate(target, budget=0.0)
-    assert target.calls == 21  # another file format: measured again, and the file rewritten
+    assert target.calls == 3 * one  # another file format: measured again, and the file rewritten
     written = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("target-tiny-llama-0-*.json")]
     assert cost_module.VERSION in [data["version"] for data in written]
     calibrate(target)
-    assert target.calls == 21
+    assert target.calls == 3 * one

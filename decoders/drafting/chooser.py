@@ -81,6 +81,8 @@ class Candidate:
     nodes: tuple[int, ...] = ()  # [k] tree nodes in levels 1..i, scored by the target; empty: a chain (i nodes)
     drafting: tuple[float, ...] = ()  # [k] seconds of drafting levels 1..i when not fixed + i * per_token (a draft
     # model's tree, whose first call also grows the levels a lower stage proposes)
+    tree: bool | None = None  # whether the target scores it with a tree mask (`CostModel.tree_extra`); None: where
+    # its levels hold more nodes than one each
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,8 @@ class Chooser:
             extra = candidate.drafting[k - 1]
         else:
             extra = candidate.fixed_seconds + k * candidate.per_token_seconds
-        seconds = extra + self.cost.target_seconds(1 + nodes, context)
+        tree = candidate.tree if candidate.tree is not None else nodes > k
+        seconds = extra + self.cost.target_seconds(1 + nodes, context, tree)
         return Plan(candidate.proposer, k, expected_tokens(candidate.accept[:k]), seconds)
 
     def best(self, candidate: Candidate, context: int) -> Plan:

@@ -23,8 +23,11 @@ import torch
 
 VERSION = 2  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
 # float, which changed their costs): files of another version are measured again
-TARGET_SIZES = (1, 8, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1); beyond 32:
-# extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter, drafts
+TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1);
+# beyond 32: extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter,
+# drafts. The curve need not be convex: on the AMD EPYC, SmolLM2-135M in float32 took 41 ms for 1 token, 67-70 for 2,
+# 80-86 for 3, 61-71 for 4 and 57-60 for 6-8 (the 1.5B in bfloat16: 139-168 ms for 1-5, 156-171 for 8); knots at 1,
+# 8 and 32 alone costed its 2-token drafts (3 tokens scored) at 46 ms, and auto drafted them for 80 ms calls
 DRAFT_SIZES = (1, 8)  # a draft call scores one token, more when it catches up after steps it sat out
 SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
 BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least one), so only cheap calls repeat
@@ -124,7 +127,7 @@ def measure(lm, role: str = "target", sizes: tuple[int, ...] = TARGET_SIZES, bud
     """Time a few calls of `lm` as a target (logits of every position) or a draft (logits of the last position).
 
     Two warm-up calls (the SHORT prompt, then one token), then a round of every size at SHORT context and the smallest
-    and largest at LONG (5 calls for the target, 4 for a draft), repeated until `budget` seconds have passed; each
+    and largest at LONG (9 calls for the target, 4 for a draft), repeated until `budget` seconds have passed; each
     point keeps its fastest time, since a busy machine only ever adds time. A 1.5B model on a CPU gets one round.
     """
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
@@ -203,15 +206,24 @@ def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = F
 
 @dataclass
 class CostModel:
-    """Seconds of this run's target and draft calls."""
+    """Seconds of this run's target and draft calls.
+
+    A target call that scores a token tree (or carries lookahead's window) takes a 4D attention mask and, after it,
+    the accepted path is moved into place in the cache: it costs more than the causal call of as many tokens that
+    calibration measures, by `tree_extra` seconds, learned from the run's tree calls (not calibrated: a run without
+    trees pays nothing to measure it). On the AMD EPYC a tree step of SmolLM2-135M (float32) took 65-95 ms where a
+    causal call of its size took 45-60, one of the 1.5B (bfloat16) about 20% more than its causal call.
+    """
 
     target: CallCost
     draft: CallCost | None = None  # None: no draft model
     observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
+    tree_extra: float = 0.0  # seconds a tree call costs beyond a causal call of as many tokens (a running mean)
 
-    def target_seconds(self, n: int, context: int) -> float:
-        """One target call scoring `n` tokens (a draft of n - 1 plus one) after `context` cached ones."""
-        return self.target.predict(n, context)
+    def target_seconds(self, n: int, context: int, tree: bool = False) -> float:
+        """One target call scoring `n` tokens (a draft of n - 1 plus one) after `context` cached ones; `tree`: a
+        call with a tree mask."""
+        return self.target.predict(n, context) + (max(0.0, self.tree_extra) if tree else 0.0)
 
     def draft_seconds(self, calls: int, context: int, catch_up: int = 1) -> float:
         """A draft model's chain of `calls` tokens after `context`: its first call feeds the `catch_up` tokens the
@@ -222,22 +234,31 @@ class CostModel:
             raise ValueError("this cost model has no draft model: calibrate(lm, draft=...) to cost draft calls")
         return self.draft.predict(catch_up, context) + (calls - 1) * self.draft.predict(1, context)
 
-    def observe(self, kind: str, n: int, context: int, seconds: float) -> None:
-        """Refine the `kind` ("target" or "draft") cost with a measured call of `n` tokens after `context`."""
+    def observe(self, kind: str, n: int, context: int, seconds: float, tree: bool = False) -> None:
+        """Refine the `kind` ("target" or "draft") cost with a measured call of `n` tokens after `context`; a target
+        call with a tree mask (`tree`) refines `tree_extra` instead, weighed as `CallCost.observe` weighs."""
         part = self.target if kind == "target" else self.draft
         if kind not in ("target", "draft") or part is None:
             raise ValueError(f"cannot observe a {kind!r} call: kinds are 'target' and, with a draft model, 'draft'")
-        part.observe(n, context, seconds)
+        if kind == "target" and n > TARGET_SIZES[-1]:
+            return  # a call longer than calibration measures (the prompt's, mostly) is extrapolated: it tells little
+        kind = "tree" if tree and kind == "target" else kind
         self.observed[kind] = self.observed.get(kind, 0) + 1
+        if kind == "tree":
+            weight = max(WEIGHT, 1.0 / self.observed[kind])
+            self.tree_extra += weight * (seconds - part.predict(n, context) - self.tree_extra)
+        else:
+            part.observe(n, context, seconds)
 
     def to_dict(self) -> dict:
         return {"target": self.target.to_dict(), "draft": None if self.draft is None else self.draft.to_dict(),
-                "observed": dict(self.observed)}
+                "observed": dict(self.observed), "tree_extra": self.tree_extra}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
         draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
-        return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})))
+        return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})),
+                   data.get("tree_extra", 0.0))
 
 
 def calibrate(lm, draft=None, *, cache: bool = True, refresh: bool = False, folder: Path | None = None,

@@ -120,7 +120,7 @@ class AutoDrafter:
             _, ahead_depths = ancestry(guesses.parents)
             window = len(guesses.window.tokens) if guesses.window is not None else 0
             nodes = tuple(window + sum(d <= level for d in ahead_depths) for level in range(max(ahead_depths) + 1))
-            candidates.append(self.chooser.candidate("lookahead", len(nodes), nodes=nodes))
+            candidates.append(self.chooser.candidate("lookahead", len(nodes), nodes=nodes, tree=True))
         chain = lookup(state.tokens, min(o.max_lookup, limit), LOOKUP.max_ngram, LOOKUP.min_ngram)
         if chain:
             candidates.append(self.chooser.candidate("lookup", len(chain)))
@@ -174,8 +174,8 @@ class AutoDrafter:
         in every plain, suffix and lookup step: 87 / 45 / 77 calls, but up to 20% more per call; `lookahead`
         alone: 90 / 50 / 73 calls)."""
         scored = uncached + len(draft.tokens)
-        call = self.cost.target_seconds(scored, context)
-        if self.cost.target_seconds(scored + len(window.tokens), context) <= (1 + RIDE) * call:
+        call = self.cost.target_seconds(scored, context, not draft.is_chain)
+        if self.cost.target_seconds(scored + len(window.tokens), context, tree=True) <= (1 + RIDE) * call:
             draft.window = window
 
     def draft_call(self, context: int, more: int = 0) -> tuple[float, float]:
@@ -203,7 +203,7 @@ class AutoDrafter:
         drafting = tuple(first + per_level * max(0, d - copied - 1) if copied else catch_up + per_level * d
                          for d in range(1, room + 1))
         nodes = tuple(min(TREE.budget, max(d, round(self.tree_nodes.mean * d))) for d in range(1, room + 1))
-        return Candidate("tree", accept, nodes=nodes, drafting=drafting)
+        return Candidate("tree", accept, nodes=nodes, drafting=drafting, tree=True)
 
     def draft_with_model(self, state: DecodeState, limit: int, planned: int, catch_up: float) -> Draft:
         """Draft the `planned` tokens, then up to `limit` while the next one is predicted to pay, judged by the
@@ -244,7 +244,7 @@ class AutoDrafter:
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         state.lm.synchronize()
-        self.cost.observe("target", self.scored, self.context, time.perf_counter() - self.clock)
+        self.cost.observe("target", self.scored, self.context, time.perf_counter() - self.clock, not draft.is_chain)
         if self.proposer is not None and draft.tokens:
             levels = depth(draft)  # fewer than proposed when the grammar or an EOS cut it
             confidences = None if self.confidences is None else self.confidences[:levels]
