@@ -60,25 +60,33 @@ def test_a_model_without_tree_masks_gets_the_suffix_trees_main_branch(monkeypatc
 
 
 def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
-    """A draft of its own cache gets trees (staged's, on auto's draft cache) where it scores two tokens a call almost
-    for free; the self draft, which drafts on the target's cache, a draft whose calls grow with their rows, and
-    `draft_trees=False` get chains only."""
-    offered = []
+    """A draft of its own cache gets trees (staged's, on auto's draft cache) as wide as staged grows them for the
+    draft's measured costs: 2 where it scores two tokens a call almost for free, 1 (a chain grown best-first, with
+    the suffix index's chain checked alongside) where its calls grow with their rows; the self draft, which drafts
+    on the target's cache, and `draft_trees=False` get plain chains only."""
+    offered, widths = [], []
 
     def choose(self, candidates, context):
         offered.append({c.proposer for c in candidates})
         tree = next((c for c in candidates if c.proposer == "tree"), None)
         return chooser.Plan("tree", len(tree.accept), 1.0, 1.0) if tree else chooser.Plan(None, 0, 1.0, 1.0)
 
+    grown = auto.TreeDrafter.__init__
+
+    def tree_drafter(self, state, options, **shared):
+        widths.append(options.width)
+        grown(self, state, options, **shared)
+
     monkeypatch.setattr(chooser.Chooser, "choose", choose)
-    monkeypatch.setattr(auto, "frontier_width", lambda cost: 2)  # as measured for a bf16 draft
+    monkeypatch.setattr(auto.TreeDrafter, "__init__", tree_drafter)
     lm, prompt = tiny_lm("llama"), PROMPTS[0]
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
-    got = decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=30)
-    assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0 and got.stats.draft_calls > 0
-    cases = [("self:int8", {}, 2), (lm, {"draft_trees": False}, 2), (lm, {}, 1)]  # 1: a draft whose calls grow
-    for draft, options, width in cases:  # with their rows (an int8 one): chains only
+    for width in (2, 1):  # as measured for a bf16 draft, and for an int8 one
         monkeypatch.setattr(auto, "frontier_width", lambda cost, width=width: width)
+        got = decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=30)
+        assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0 and got.stats.draft_calls > 0
+        assert widths[-1] == width
+    for draft, options in [("self:int8", {}), (lm, {"draft_trees": False})]:
         offered.clear()
         got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=30, **options)
         assert got.tokens == want and offered and not any("tree" in o for o in offered)

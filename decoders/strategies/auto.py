@@ -81,12 +81,15 @@ class AutoDrafter:
             self.chooser.declined["draft"] = self.chooser.options.probe_after
         self.tree: TreeDrafter | None = None  # the draft model's trees: on its own cache (not the target's, which a
         # self draft shares and a tree would fill with nodes), in its own vocabulary, both models taking tree masks,
-        # and only where the draft scores several tokens a call almost for free (`staged.frontier_width`): an int8
-        # draft's calls grow with their rows, and its trees lost to its chains in every run here (staged 1.91-2.70x
-        # greedy on code against threshold's 2.37-3.32x; auto with them fell to 0.64-0.80 of threshold on edit)
-        if (options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft)
-                and frontier_width(self.cost.draft) == 2):
-            self.tree = TreeDrafter(state, replace(TREE, width=2), model=self.model, index=self.index)
+        # as wide as `staged` grows them for this draft's measured costs (`staged.frontier_width`). Where a 2-token
+        # draft call costs more (an int8 draft on a CPU), that is width 1: the draft's chain, grown best-first while
+        # likely enough, with the suffix index's chain checked in the same calls. Offering those as well, auto's
+        # seconds on mixed (one prompt per category, int8 0.5B draft of the 1.5B, AMD EPYC) went 29.0 -> 25.0 and on
+        # bench 19.7 -> 18.8 (width-2 trees instead: 28.2 and 20.3; before its estimates were mended, wider trees
+        # lost to chains in every run with this draft)
+        if options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft):
+            width = frontier_width(self.cost.draft)
+            self.tree = TreeDrafter(state, replace(TREE, width=width), model=self.model, index=self.index)
             self.chooser.declined["tree"] = self.chooser.options.probe_after
         # what a tree costs per level, learned from the trees drafted: draft seconds as a multiple of one 1-token
         # draft call (a call grows a level or more: the lower stage's chain adds several), and target nodes. Priors:
