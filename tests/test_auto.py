@@ -101,7 +101,8 @@ def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch
     from decoders.drafting.cost import CostModel
 
     observed = []
-    monkeypatch.setattr(CostModel, "observe", lambda self, kind, n, context, seconds, tree=False: observed.append((kind, n)))
+    monkeypatch.setattr(CostModel, "observe",
+                        lambda self, kind, n, context, seconds, tree=False: observed.append((kind, n)))
     monkeypatch.setattr(chooser.Chooser, "choose",
                         lambda self, candidates, context: chooser.Plan("draft", 3, 1.0, 1.0, probe=True))
     lm = tiny_lm("llama")

@@ -209,10 +209,11 @@ class CostModel:
     """Seconds of this run's target and draft calls.
 
     A target call that scores a token tree (or carries lookahead's window) takes a 4D attention mask and, after it,
-    the accepted path is moved into place in the cache: it costs more than the causal call of as many tokens that
-    calibration measures, by `tree_extra` seconds, learned from the run's tree calls (not calibrated: a run without
-    trees pays nothing to measure it). On the AMD EPYC a tree step of SmolLM2-135M (float32) took 65-95 ms where a
-    causal call of its size took 45-60, one of the 1.5B (bfloat16) about 20% more than its causal call.
+    the accepted path is moved into place in the cache: it may cost more than the causal call of as many tokens that
+    calibration measures (where attention with a custom mask takes a slower kernel), by `tree_extra` seconds,
+    learned from the run's tree calls (not calibrated: a run without trees pays nothing to measure it). On the AMD
+    EPYC it came to about nothing: -12 to +14 ms on 131-180 ms calls of the 1.5B (bfloat16), -3 to 0 ms for
+    SmolLM2-135M (float32), whose tree steps had looked 30 ms dear until calibration measured 2- and 3-token calls.
     """
 
     target: CallCost

@@ -192,11 +192,11 @@ class AutoDrafter:
         """The draft model's tree, up to `room` levels. Its main branch is the draft model's `chain`, with the
         draft's next choices beside it, so its first d levels are at least as likely to be accepted as the chain's
         (and as the tree's own estimate says), and as the suffix index's main branch (`suffix`'s levels, when it has
-        some), which its first call checks (`at_least`). That first call checks the `lower` tokens the tree's lower stage proposes (the index's
-        main branch, not cut to the match length: the draft model, not the target, checks it), so levels 1..lower + 1
-        cost one call of that many tokens more (cheap for a bf16 draft on a CPU, not for an int8 one, whose calls grow
-        with their rows); deeper levels cost what trees have cost per level so far. Catching the draft up on steps it
-        sat out costs once, as for chains."""
+        some), which its first call checks (`at_least`). That first call checks the `lower` tokens the tree's lower
+        stage proposes (the index's main branch, not cut to the match length: the draft model, not the target, checks
+        it), so levels 1..lower + 1 cost one call of that many tokens more (cheap for a bf16 draft on a CPU, not for
+        an int8 one, whose calls grow with their rows); deeper levels cost what trees have cost per level so far.
+        Catching the draft up on steps it sat out costs once, as for chains."""
         call, catch_up = self.draft_call(context)
         per_level = self.tree_calls.mean * call
         paths = [self.chooser.chain("tree", room), chain.accept, suffix.accept if suffix is not None else ()]
