@@ -85,8 +85,8 @@ class AutoDrafter:
         # draft call costs more (an int8 draft on a CPU), that is width 1: the draft's chain, grown best-first while
         # likely enough, with the suffix index's chain checked in the same calls. Offering those as well, auto's
         # seconds on mixed (one prompt per category, int8 0.5B draft of the 1.5B, AMD EPYC) went 29.0 -> 25.0 and on
-        # bench 19.7 -> 18.8 (width-2 trees instead: 28.2 and 20.3; before its estimates were mended, wider trees
-        # lost to chains in every run with this draft)
+        # bench 19.7 -> 18.8, then 22.1 -> 21.3 and 20.3 -> 20.8 in two more pairs (equal within noise; width-2 trees
+        # instead: 28.2 and 20.3; before its estimates were mended, wider trees lost to chains in every run here)
         if options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft):
             width = frontier_width(self.cost.draft)
             self.tree = TreeDrafter(state, replace(TREE, width=width), model=self.model, index=self.index)

@@ -9,7 +9,10 @@ target's own int8 copy) and the machine. Replayed on the 1.5B's greedy outputs (
 estimated seconds): with the bfloat16 0.5B draft (a call 0.42 of the target's) k=2 / 3 / 5 took 44.9 / 48.1 / 50.6 s
 on `mixed` (k=5 lost to greedy on translation, 0.81x in a real run) and 32.2 / 32.3 / 31.4 s on `bench`; with the
 int8 0.5B draft (0.19) k=3 / 5 / 8 took 22.3 / 19.6 / 20.8 s on `bench`; with the target's own int8 copy (0.48,
-accepted at every position) k=5 / 8 / 12 took 27.8 / 26.4 / 26.7 s. `default_k` picks 3, 5 and 9 there.
+accepted at every position) k=5 / 8 / 12 took 27.8 / 26.4 / 26.7 s. `default_k` picked 3, 5 and 9 there from a
+calibration at 1, 8 and 32 tokens; calibrated at 1-4, 8, 16 and 32 (the 1.5B's calls cost the same for 1 to 5 tokens
+there) it picks 3, 6 and 11 (not replayed; in compare runs k=6 / k=11 gave 2.84 / 2.80 / 1.83x and 2.01 / 1.70 / 2.15x
+greedy on bench's code / edit / prose, k=5 / k=7 2.95 / 3.08 / 2.08x and 2.14 / 1.67 / 2.07x in the session before).
 """
 
 from __future__ import annotations
