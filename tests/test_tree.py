@@ -19,7 +19,7 @@ from decoders.driver import _prepare
 from decoders.strategies.lookahead import NgramPool, prefix_tree, window_mask
 from decoders.drafting import Draft, Window
 from decoders.drafting.grammar import restrict_to_grammar
-from decoders.drafting.tree import ancestry, score_tree
+from decoders.drafting.tree import ancestry, first_branch, score_tree
 from samplers import SamplingConfig, make_generator
 from samplers.verify import tree_children, verify_tree_greedy, verify_tree_sampling
 from stats import chi_square_fits
@@ -444,3 +444,11 @@ def test_bad_options_are_refused(strategy, options, message):
 def test_staged_needs_a_draft():
     with pytest.raises(ValueError, match="needs a draft model"):
         decoders.generate(tiny_lm("llama"), PROMPTS[0], strategy="staged")
+
+
+def test_first_branch_follows_each_nodes_first_child():
+    # root -> 0 (children 2, 3) and 1; 2 -> 4; 3 -> 5: the first branch is 0, 2, 4
+    tree = Draft([10, 11, 12, 13, 14, 15], parents=[-1, -1, 0, 0, 2, 3])
+    assert first_branch(tree) == [0, 2, 4]
+    assert first_branch(Draft([5, 6, 7])) == [0, 1, 2]  # a chain is its own first branch
+    assert first_branch(Draft([])) == []

@@ -75,3 +75,13 @@ def keep_path(cache: KVCache, start: int, slots: Sequence[int]) -> None:
 def depth(draft: Draft) -> int:
     """How many levels the draft has: its length for a chain, the longest root-to-leaf path for a tree."""
     return len(draft.tokens) if draft.parents is None else max(ancestry(draft.links)[1], default=-1) + 1
+
+
+def first_branch(draft: Draft) -> list[int]:
+    """The nodes from the root down each node's first child: in a draft model's tree, the chain it would have drafted
+    (its first choice at every level)."""
+    links, path, above = draft.links, [], -1
+    while (node := next((i for i in range(len(links)) if links[i] == above), None)) is not None:
+        path.append(node)
+        above = node
+    return path
