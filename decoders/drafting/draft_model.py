@@ -9,11 +9,15 @@ padded vocabulary) is fed to it as a stand-in id. A draft of another tokenizer d
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from decoders.base import DecodeState
 from decoders.models.lm import LM
+from samplers.verify import verify_greedy, verify_sampling
+
+Guess = Callable[[list[int], int], list[int]]  # (tokens drafted so far, room) -> a guess at the tokens after them
 
 
 def draft_model(state: DecodeState) -> DraftModel:
@@ -68,48 +72,66 @@ class DraftModel:
         self.state.stats.draft_calls += 1
         return self.lm.forward(self.readable(tokens), self.cache, **kwargs)
 
-    def next_token(self, feed: list[int], allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None, float]:
-        """Feed tokens to the draft model; returns (token, its distribution [vocab] or None, its probability).
-
-        Greedy mode takes the argmax; sampling mode draws from the run's filtered distribution, zero-padded to the
-        target's vocabulary width. `allowed` [vocab] (a grammar's mask) restricts both.
-        """
+    def check(self, feed: list[int], lead: list[int], allowed: torch.Tensor | None = None
+              ) -> tuple[list[int], list[torch.Tensor | None], list[float]]:
+        """One draft call on `feed` + `lead` that checks the guessed chain `lead` as a target checks a draft (greedy:
+        the draft's argmax; sampling: rejection sampling against the draft's distribution, so every token returned
+        is a draw from it) and adds its own next token. Returns (the part of `lead` it agrees with plus that token,
+        their distributions [vocab] or None, their probabilities). `allowed`: a grammar's mask for a call without
+        a lead."""
         state = self.state
-        logits = self.forward(feed, keep=1)[-1, : self.width]  # [width]
+        logits = self.forward(feed + lead, keep=len(lead) + 1)[:, : self.width]  # [lead + 1, width]
         if allowed is not None:
             logits = logits.masked_fill(~allowed[: self.width].to(logits.device), float("-inf"))
         if state.sampling.greedy:
-            token = int(logits.argmax())
-            return token, None, float(torch.softmax(logits.float(), -1)[token])
-        probs = torch.zeros(state.lm.vocab_size, device=state.lm.device)  # [vocab]
-        probs[: self.width] = state.sampling.probs(logits).to(probs.device)
-        token = int(torch.multinomial(probs, 1, generator=state.generator))
-        return token, probs, float(probs[token])
+            agreed, token = verify_greedy(torch.tensor(lead, dtype=torch.long), logits)
+            tokens = lead[:agreed] + [token]  # the draft's argmax at each
+            probs = torch.softmax(logits[: agreed + 1].float(), -1)  # [agreed + 1, width]
+            return tokens, [None] * len(tokens), [float(p[t]) for p, t in zip(probs, tokens)]
+        rows = torch.zeros(len(lead) + 1, state.lm.vocab_size, device=state.lm.device)  # [lead + 1, vocab]
+        rows[:, : self.width] = state.sampling.probs(logits).to(rows.device)
+        if lead:
+            agreed, token = verify_sampling(torch.tensor(lead, dtype=torch.long), None, rows, state.generator)
+        else:
+            agreed, token = 0, int(torch.multinomial(rows[0], 1, generator=state.generator))
+        tokens = lead[:agreed] + [token]
+        return tokens, list(rows[: agreed + 1]), [float(row[t]) for row, t in zip(rows, tokens)]
 
     def uncached(self) -> list[int]:
         """The run's tokens this draft model has not seen yet."""
         return self.state.tokens[len(self.cache):]
 
-    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
+    def draft_chain(self, limit: int, keep_going=lambda prob: True, guess: Guess | None = None
+                    ) -> tuple[list[int], list, list[float]]:
         """Draft up to `limit` tokens one call at a time, under the run's grammar if any, while `keep_going(p)` holds
-        for p = the draft's probability of the chain so far. Returns (tokens, distributions, cumulative probs)."""
+        for p = the draft's probability of the chain so far. Returns (tokens, distributions, cumulative probs).
+
+        `guess(drafted, room)`: before each call, a guess at up to `room` tokens after the ones drafted so far (the
+        suffix index's copy of the context, say), which the call checks (`check`): what the draft agrees with of it
+        is drafted in that one call. Not with a grammar."""
         grammar = self.state.grammar.fork() if self.state.grammar is not None else None
         tokens, rows, cumulative = [], [], []
+        room = self.room(limit)
         feed, running = self.uncached(), 1.0
-        for _ in range(self.room(limit)):
+        while len(tokens) < room:
             if grammar is not None and grammar.is_complete():
                 break
             allowed = grammar.allowed() if grammar is not None else None
-            token, probs, prob = self.next_token(feed, allowed)
-            running *= prob
-            tokens.append(token)
-            rows.append(probs)
-            cumulative.append(running)
-            if token in self.state.lm.eos_token_ids or not keep_going(running):
-                break
+            left = room - len(tokens) - 1  # room for guessed tokens, the draft's own next one after them
+            lead = guess(tokens, left)[:left] if guess is not None and grammar is None and left > 0 else []
+            new, new_rows, probs = self.check(feed, lead, allowed)
+            if len(new) <= len(lead):
+                self.cache.crop(len(self.cache) - (len(lead) + 1 - len(new)))  # the guesses it did not agree with
+            for token, row, prob in zip(new, new_rows, probs):
+                running *= prob
+                tokens.append(token)
+                rows.append(row)
+                cumulative.append(running)
+                if token in self.state.lm.eos_token_ids or not keep_going(running):
+                    return tokens, rows, cumulative
             if grammar is not None:
-                grammar.advance([token])
-            feed = [token]
+                grammar.advance(new)
+            feed = [new[-1]]
         return tokens, rows, cumulative
 
     def rewind(self) -> None:
@@ -130,10 +152,11 @@ class SharedCacheDraft(DraftModel):
         super().__init__(state)
         self.cache = state.cache
 
-    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
+    def draft_chain(self, limit: int, keep_going=lambda prob: True, guess: Guess | None = None
+                    ) -> tuple[list[int], list, list[float]]:
         committed = len(self.cache)
         try:
-            return super().draft_chain(limit, keep_going)
+            return super().draft_chain(limit, keep_going, guess)
         finally:
             self.cache.crop(committed)
 

@@ -5,7 +5,8 @@ the suffix index of the context (`suffix`'s trees of what followed the longest m
 levels that pay, and to its main branch on a model that cannot take tree masks), prompt lookup (`prompt_lookup`'s
 chain after the most recent match of the last 1-3 tokens: where the output copies the prompt at length, it drafts
 long at once, where the suffix tree grows with the match), the draft model when one is given
-(`draft=` a model or "self:int8"; drafted one token at a time while the next token still pays), the draft model's
+(`draft=` a model or "self:int8"; drafted while the next token still pays, one token a call, or several where the
+call also checks the suffix index's guess at what follows and the draft agrees with it), the draft model's
 token trees (`staged`'s, grown on the same draft cache with the run's suffix index as their lower stage: where a
 draft's first choice is often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84
 for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the
@@ -23,7 +24,9 @@ Every token is verified by the target as in any drafting strategy: exact in gree
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -127,14 +130,16 @@ class AutoDrafter:
         if chain:
             candidates.append(self.chooser.candidate("lookup", len(chain)))
         if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
-            per_token, catch_up = self.draft_call(context)
+            per_token, _ = self.draft_call(context)
             # whether to draft at all is judged by the draft's acceptance per depth, how far by its probability of
             # each token it drafts (`draft_with_model`). Judging the start by its probabilities in the last draft
             # instead turned the draft down for 16 steps in a row after one unsure draft (until the next probe):
             # replayed (evals.replay_chains) on the default and mixed suites that cost 8-16% with the int8 or bf16
             # 0.5B draft of the 1.5B, and within 2% either way with the 1.5B's own int8 copy
-            candidates.append(self.chooser.candidate("draft", room, per_token_seconds=per_token,
-                                                     fixed_seconds=catch_up))
+            fed = len(self.model.uncached())
+            guess, accept = (tree.main_branch().tokens, candidates[0].accept) if levels else ([], ())
+            lead, drafting = self.lead(guess, accept, room, context, fed)
+            candidates.append(self.chooser.candidate("draft", room, drafting=drafting))
             if self.tree is not None:
                 candidates.append(self.tree_candidate(min(room, TREE.max_depth), context,
                                                       candidates[0] if levels else None, candidates[-1]))
@@ -153,7 +158,7 @@ class AutoDrafter:
             draft, self.confidences = Draft(chain[: plan.k], source="lookup"), None
         elif plan.proposer == "draft":
             draft = self.draft_with_model(state, plan.k if plan.probe else room, plan.k if plan.probe else 1,
-                                          catch_up)
+                                          drafting[0] - per_token, lead)
         elif plan.proposer == "tree":  # grown as staged grows it (best-first while a leaf is likely enough)
             draft, self.confidences = self.draft_tree(state, plan.k if plan.probe else limit), None
         else:
@@ -184,6 +189,27 @@ class AutoDrafter:
         call = self.cost.draft_seconds(1, context)
         return call, self.cost.draft_seconds(1, context, len(self.model.uncached()) + more) - call
 
+    def lead(self, guess: list[int], accept: Sequence[float], room: int, context: int, fed: int
+             ) -> tuple[list[int], tuple[float, ...]]:
+        """How much of `guess` (the suffix index's main branch, its levels' acceptance `accept`) a draft call that
+        feeds `fed` tokens should check (`DraftModel.draft_chain`'s guesses), and the seconds of drafting 1..room
+        tokens from there so (later calls' guesses aside).
+
+        The draft agrees with the guess about as far as the target would: its first j tokens with P(first j
+        accepted), and each agreed token is a draft call saved, while each guessed token adds a row to the call (on
+        the AMD EPYC 8 rows cost 1.7-1.9x one row for an int8 draft, about 1.0x for a bfloat16 one). The lead is as
+        long as saves most in expectation; token d of the chain then needs a call of its own unless the first d - 1
+        guessed tokens were agreed."""
+        per_token = self.cost.draft_seconds(1, context)
+        reach = list(itertools.accumulate(accept[: min(len(guess), room - 1)], operator.mul))
+        first = [self.cost.draft_seconds(1, context, fed + n) for n in range(len(reach) + 1)]  # the call, n guessed
+        lead = max(range(len(first)), key=lambda n: per_token * sum(reach[:n]) - first[n])
+        calls, drafting = 0.0, []
+        for d in range(room):
+            calls += 1.0 - (reach[d - 1] if 0 < d <= lead else 0.0)
+            drafting.append(first[lead] + per_token * (calls - 1.0))
+        return guess[:lead], tuple(drafting)
+
     def tree_candidate(self, room: int, context: int, suffix: Candidate | None, chain: Candidate) -> Candidate:
         """The draft model's tree, up to `room` levels. Its main branch is the draft model's `chain`, with the
         draft's next choices beside it, so its first d levels are at least as likely to be accepted as the chain's
@@ -206,12 +232,27 @@ class AutoDrafter:
         nodes = tuple(min(TREE.budget, max(d, round(self.tree_nodes.mean * d))) for d in range(1, room + 1))
         return Candidate("tree", accept, nodes=nodes, drafting=drafting, tree=True)
 
-    def draft_with_model(self, state: DecodeState, limit: int, planned: int, catch_up: float) -> Draft:
+    def draft_with_model(self, state: DecodeState, limit: int, planned: int, catch_up: float, lead: list[int]
+                         ) -> Draft:
         """Draft the `planned` tokens, then up to `limit` while the next one is predicted to pay, judged by the
-        draft's confidence in the tokens so far (a probe: limit == planned). Its calls refine the draft's costs:
-        the first, which feeds what the draft has not seen (the whole prompt, at the start), on its own."""
+        draft's confidence in the tokens so far (a probe: limit == planned). The first call checks `lead` too (and
+        costs `catch_up` seconds more than a one-token call), each later one the suffix index's guess at what follows
+        the tokens drafted, as much of it as `lead` finds worth it. Its calls refine the draft's costs: the first,
+        which feeds what the draft has not seen (the whole prompt, at the start) and the lead, on its own."""
         chooser, context, confidences = self.chooser, len(state.cache), self.confidences
-        fed, stamps = len(self.model.uncached()), []
+        fed, stamps, calls = len(self.model.uncached()) + len(lead), [], state.stats.draft_calls
+        guessed = [0.0]  # the predicted seconds later calls spent on guesses (their costs are learned as 1-token calls)
+
+        def guess(drafted: list[int], room: int) -> list[int]:
+            if not drafted:
+                return lead
+            branch = propose(self.index, None, state.tokens + drafted, room, self.suffix).main_branch()
+            levels = [c for c, _ in summarize(branch)]
+            accept = self.chooser.chain("suffix", len(levels), levels, match_curve(branch.match))
+            chosen = self.lead(branch.tokens, accept, room + 1, context, 1)[0]
+            if chosen:
+                guessed[0] += self.cost.draft_seconds(1, context, 1 + len(chosen)) - self.cost.draft_seconds(1, context)
+            return chosen
 
         def keep_going(cumulative: float) -> bool:
             stamps.append(time.perf_counter())  # a call has ended (its token's probability is on the host)
@@ -221,14 +262,15 @@ class AutoDrafter:
                                                                       catch_up)
 
         start = time.perf_counter()
-        tokens, rows, cumulative = self.model.draft_chain(limit, keep_going)
+        tokens, rows, cumulative = (self.model.draft_chain(limit, keep_going) if self.model.translates else
+                                    self.model.draft_chain(limit, keep_going, guess))  # (it drafts through text)
         state.lm.synchronize()
-        end = time.perf_counter()
+        end, calls = time.perf_counter(), state.stats.draft_calls - calls
         first = stamps[0] if stamps else end  # (no stamp: the first token ended the chain)
         if tokens:  # (none: the grammar was complete, no call made)
             self.cost.observe("draft", fed, context, first - start)
-        if len(tokens) > 1:
-            self.cost.observe("draft", 1, context, (end - first) / (len(tokens) - 1))
+        if calls > 1:
+            self.cost.observe("draft", 1, context, max(0.0, end - first - guessed[0]) / (calls - 1))
         self.confidences = [p / before if before else 0.0 for p, before in zip(cumulative, [1.0, *cumulative])]
         return Draft(tokens, stack_probs(rows))
 
