@@ -137,7 +137,8 @@ class AutoDrafter:
             # replayed (evals.replay_chains) on the default and mixed suites that cost 8-16% with the int8 or bf16
             # 0.5B draft of the 1.5B, and within 2% either way with the 1.5B's own int8 copy
             fed = len(self.model.uncached())
-            guess, accept = (tree.main_branch().tokens, candidates[0].accept) if levels else ([], ())
+            guessed = levels and not self.model.translates  # (a draft of another vocabulary drafts through text)
+            guess, accept = (tree.main_branch().tokens, candidates[0].accept) if guessed else ([], ())
             lead, drafting = self.lead(guess, accept, room, context, fed)
             candidates.append(self.chooser.candidate("draft", room, drafting=drafting))
             if self.tree is not None:
