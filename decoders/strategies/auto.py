@@ -198,9 +198,9 @@ class AutoDrafter:
 
         The draft agrees with the guess about as far as the target would: its first j tokens with P(first j
         accepted), and each agreed token is a draft call saved, while each guessed token adds a row to the call (on
-        the AMD EPYC 8 rows cost 1.7-2.0x one row for the int8 drafts, the same as one for the bfloat16 0.5B). The lead is as
-        long as saves most in expectation; token d of the chain then needs a call of its own unless the first d - 1
-        guessed tokens were agreed."""
+        the AMD EPYC 8 rows cost 1.7-2.0x one row for the int8 drafts, as much as one for the bfloat16 0.5B). The
+        lead is as long as saves most in expectation; token d of the chain then needs a call of its own unless the
+        first d - 1 guessed tokens were agreed."""
         per_token = self.cost.draft_seconds(1, context)
         reach = list(itertools.accumulate(accept[: min(len(guess), room - 1)], operator.mul))
         first = [self.cost.draft_seconds(1, context, fed + n) for n in range(len(reach) + 1)]  # the call, n guessed
