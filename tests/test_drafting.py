@@ -199,7 +199,7 @@ def test_a_draft_chain_checks_guesses_in_the_calls_it_makes():
     right = chain(lambda drafted, room: plain[len(drafted): len(drafted) + room])  # the first call agrees with all
     assert right[:2] == (plain, pytest.approx(probs, rel=1e-4)) and right[2:] == (1, cached)
     wrong = chain(lambda drafted, room: [(t + 1) % VOCAB for t in plain[len(drafted): len(drafted) + room]])
-    assert wrong[:2] == (plain, pytest.approx(probs, rel=1e-4)) and wrong[2:] == (8, cached)  # every guess dropped again
+    assert wrong[:2] == (plain, pytest.approx(probs, rel=1e-4)) and wrong[2:] == (8, cached)  # each guess dropped
 
     def two_right(drafted, room):  # then a wrong one, while there is room
         at = len(drafted)
