@@ -449,6 +449,6 @@ def test_staged_needs_a_draft():
 def test_first_branch_follows_each_nodes_first_child():
     # root -> 0 (children 2, 3) and 1; 2 -> 4; 3 -> 5: the first branch is 0, 2, 4
     tree = Draft([10, 11, 12, 13, 14, 15], parents=[-1, -1, 0, 0, 2, 3])
-    assert first_branch(tree) == [0, 2, 4]
-    assert first_branch(Draft([5, 6, 7])) == [0, 1, 2]  # a chain is its own first branch
-    assert first_branch(Draft([])) == []
+    assert first_branch(tree.links) == [0, 2, 4]
+    assert first_branch(Draft([5, 6, 7]).links) == [0, 1, 2]  # a chain is its own first branch
+    assert first_branch(Draft([]).links) == []

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from decoders.drafting.tree import first_branch
 from decoders.options import check_whole, probability
 
 SHIFT = 32  # a position packs (sequence number << SHIFT) | index, so later positions pack to larger ints
@@ -83,11 +84,7 @@ class SuffixDraft:
 
     def main_branch(self) -> SuffixDraft:
         """The tree's first child at every level (its most frequent continuation): a chain."""
-        keep, above = [], -1
-        for node, parent in enumerate(self.parents):
-            if parent == above:
-                keep.append(node)
-                above = node
+        keep = first_branch(self.parents)
         return SuffixDraft([self.tokens[n] for n in keep], list(range(-1, len(keep) - 1)),
                            [self.probs[n] for n in keep], self.match)
 

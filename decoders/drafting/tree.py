@@ -77,11 +77,13 @@ def depth(draft: Draft) -> int:
     return len(draft.tokens) if draft.parents is None else max(ancestry(draft.links)[1], default=-1) + 1
 
 
-def first_branch(draft: Draft) -> list[int]:
-    """The nodes from the root down each node's first child: in a draft model's tree, the chain it would have drafted
-    (its first choice at every level)."""
-    links, path, above = draft.links, [], -1
-    while (node := next((i for i in range(len(links)) if links[i] == above), None)) is not None:
-        path.append(node)
-        above = node
+def first_branch(parents: Sequence[int]) -> list[int]:
+    """The nodes from the root down each node's first child (nodes after their parents, siblings in order): a suffix
+    tree's most frequent continuation, or in a draft model's tree the chain it would have drafted (its first choice at
+    every level)."""
+    path, above = [], -1
+    for node, parent in enumerate(parents):
+        if parent == above:
+            path.append(node)
+            above = node
     return path

@@ -250,9 +250,8 @@ class AutoDrafter:
             branch = propose(self.index, None, state.tokens + drafted, room, self.suffix).main_branch()
             levels = [c for c, _ in summarize(branch)]
             accept = self.chooser.chain("suffix", len(levels), levels, match_curve(branch.match))
-            chosen = self.lead(branch.tokens, accept, room + 1, context, 1)[0]
-            if chosen:
-                guessed[0] += self.cost.draft_seconds(1, context, 1 + len(chosen)) - self.cost.draft_seconds(1, context)
+            chosen, drafting = self.lead(branch.tokens, accept, room + 1, context, 1)
+            guessed[0] += drafting[0] - self.cost.draft_seconds(1, context)  # (0 when nothing is guessed)
             return chosen
 
         def keep_going(cumulative: float) -> bool:
@@ -303,7 +302,7 @@ class AutoDrafter:
             # their own steps, whichever of the two won the run's first steps kept every later one (the other is
             # probed after 16 steps, and a 128-token run of the int8 0.5B draft on code takes 12-14): code took trees
             # in one run (7.1 s) and chains in the next (5.8 s), which reach 16 levels where trees stop at 12
-            main = first_branch(draft)
+            main = first_branch(draft.links)
             path = draft.follow(state.tokens[self.tree.start: self.tree.start + accepted])
             taken = next((i for i, (a, b) in enumerate(zip(main, path)) if a != b), min(len(main), len(path)))
             self.chooser.update("draft", len(main), taken)
