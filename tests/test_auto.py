@@ -1,9 +1,11 @@
 """`auto` under every plan its chooser could make: whatever proposer and draft length a step picks, the output is
 greedy's (the chooser's own picks depend on measured times, so the registry-wide tests see only some of them)."""
 
+import copy
 import random
 
 import pytest
+import torch
 
 import decoders
 import grammars
@@ -147,3 +149,48 @@ def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_wher
     taken = got.stats.details["steps"].get("lookahead", 0)
     assert got.tokens == want and 0 < taken < seen["offered"]
     assert seen["windows"] == (got.stats.target_calls if ride else taken)  # riding: every step, guesses or not
+
+
+def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(monkeypatch):
+    """The suffix index's, lookahead's and prompt lookup's drafts offered as one tree: a step that takes it gives
+    greedy's tokens, its accepted tokens are the drafters' (no "merged" source), and each part learns how far its own
+    guesses went, never the merged tree itself."""
+    updates = []
+
+    def choose(self, candidates, context):
+        merged = next((c for c in candidates if c.proposer == "merged"), None)
+        if merged is None:
+            return chooser.Plan(None, 0, 1.0, 1.0)
+        assert merged.tree and len(merged.nodes) >= len(merged.accept)
+        return chooser.Plan("merged", len(merged.accept), 1.0, 1.0)
+
+    update = chooser.Chooser.update
+
+    def recording_update(self, proposer, drafted, accepted, *args):
+        updates.append((proposer, drafted, accepted))
+        update(self, proposer, drafted, accepted, *args)
+
+    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
+    for lm in (tiny_lm("qwen2"), echo_lm()):
+        prompt = lm.encode(PROMPTS[2]) * 3  # repeated text: the index, lookup and lookahead's pool all guess
+        want = decoders.generate(lm, prompt, max_new_tokens=30)
+        got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
+        assert got.tokens == want.tokens and got.stats.details["steps"].get("merged", 0) > 0
+        assert set(got.sources) <= {"target", "suffix", "lookahead", "lookup"}
+    assert got.stats.accepted > 0  # the echo's: it repeats its last token, which every part soon guesses
+    assert updates and {p for p, _, _ in updates} <= {"suffix", "lookahead", "lookup"}
+    assert all(0 <= accepted <= drafted for _, drafted, accepted in updates)
+
+
+def echo_lm() -> decoders.LM:
+    """A tiny model that repeats its input token: its output embedding is its input embedding and its layers add
+    next to nothing to the residual stream."""
+    base = tiny_lm("qwen2")
+    model = copy.deepcopy(base.model)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.01)
+            layer.mlp.down_proj.weight.mul_(0.01)
+    return decoders.wrap(model, base.tokenizer, name="tiny-echo")

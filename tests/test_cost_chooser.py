@@ -16,7 +16,7 @@ import decoders
 from decoders.drafting import cost as cost_module
 from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, expected_tokens
 from decoders.drafting.cost import TARGET_SIZES, CallCost, CostModel, calibrate, fit
-from decoders.strategies.auto import at_least, match_curve
+from decoders.strategies.auto import at_least, match_curve, union
 
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
 
@@ -176,6 +176,19 @@ def test_a_tree_of_several_paths_is_as_likely_as_its_likeliest_path_to_each_dept
     assert at_least([(0.5, 0.5), (0.8, 0.5), (0.3, 0.95)], 2) == pytest.approx((0.8, 0.5))
     assert at_least([(0.9, 0.9, 0.9), (1.0,), ()], 3) == pytest.approx((1.0, 0.81, 0.9))  # shorter paths end early
     assert at_least([(0.5, 0.0, 1.0)], 3) == (0.5, 0.0, 0.0)  # nothing past a level never accepted
+
+
+def test_a_merged_tree_is_likely_as_its_guesses_together_where_they_part_ways():
+    """Guesses that agree on their first d tokens count once, as likely as the likeliest says; guesses of different
+    tokens each may be right: the level is missed only when all are wrong."""
+    # both guess token 1 first (0.5 and 0.8: 0.8), then 2 (0.25) or 3 (0.2): 1 - 0.75 * 0.8 = 0.4 = 0.8 * 0.5
+    assert union([([1, 2], (0.5, 0.5)), ([1, 3], (0.8, 0.25))]) == pytest.approx((0.8, 0.5))
+    assert union([([1], (0.5,)), ([2], (0.4,))]) == pytest.approx((0.7,))  # 1 - 0.5 * 0.6
+    # a shorter guess helps its own levels only: depth 2 is the first path's 0.25, 0.25 / 0.8 of depth 1's
+    assert union([([1, 2], (0.5, 0.5)), ([3], (0.6,))]) == pytest.approx((0.8, 0.3125))
+    # never likelier at depth 2 than at depth 1: 1 - 0.5 * 0.5 = 0.75 would exceed 0.6 (over-confident parts)
+    assert union([([1, 2], (0.6, 0.84)), ([1, 3], (0.6, 0.84))]) == pytest.approx((0.6, 1.0))
+    assert union([([1, 2], (1.0, 0.0)), ([1], (0.5,))]) == pytest.approx((1.0, 0.0))
 
 
 def test_estimates_follow_a_change():

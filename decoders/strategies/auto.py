@@ -10,7 +10,8 @@ call also checks the suffix index's guess at what follows and the draft agrees w
 token trees (`staged`'s, grown on the same draft cache with the run's suffix index as their lower stage: where a
 draft's first choice is often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84
 for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the
-steps that take them, and the context), and nothing (a plain greedy step).
+steps that take them, and the context), the last three merged into one tree (where a call of a few more tokens costs
+little more, checking every guess at once takes the tokens of whichever is right), and nothing (a plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
@@ -36,7 +37,7 @@ from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_mode
 from decoders.drafting.chooser import Candidate, Chooser
 from decoders.drafting.cost import calibrate
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import ancestry, depth, first_branch
+from decoders.drafting.tree import ancestry, common, depth, first_branch, merge
 from decoders.models.lm import LM
 from decoders.options import check_whole
 from decoders.registry import register
@@ -100,6 +101,10 @@ class AutoDrafter:
         if self.tree is not None:
             wide = self.cost.draft.predict(self.tree.options.width, len(state.tokens))
             self.tree_level, self.tree_nodes = Mean(wide), Mean(float(TREE.branching))
+        self.parts: dict[str, Draft] = {}  # this step's drafts of the suffix index, lookahead and prompt lookup
+        self.levels: list[float] = []  # the suffix index's probability per level of its tree, given the levels above
+        self.suffix_curve = ""  # the calibration curve those probabilities teach (`match_curve`)
+        self.start = 0  # where this step's draft begins in the run's tokens
         self.proposer: str | None = None  # what the last proposal came from
         self.planned = 0  # the levels its plan counted on
         self.curve: str | None = None  # the calibration curve its confidences teach, when not the proposer's own
@@ -115,20 +120,25 @@ class AutoDrafter:
         if not self.trees:
             tree = tree.main_branch()
         levels = summarize(tree)  # (confidence, nodes up to here) per level
-        candidates = []
+        candidates, self.parts = [], {}  # self.parts: the draft-model-free drafts, by proposer
         if levels:
-            self.levels, suffix_curve = [c for c, _ in levels], match_curve(tree.match)
-            candidates.append(self.chooser.candidate("suffix", len(levels), self.levels, suffix_curve,
+            self.levels, self.suffix_curve = [c for c, _ in levels], match_curve(tree.match)
+            candidates.append(self.chooser.candidate("suffix", len(levels), self.levels, self.suffix_curve,
                                                      nodes=tuple(n for _, n in levels)))
+            self.parts["suffix"] = Draft(tree.tokens, None, tree.parents, source="suffix")
         guesses = self.ahead.propose(state, limit) if self.ahead is not None else Draft([])
         if guesses.tokens:
-            _, ahead_depths = ancestry(guesses.parents)
             window = len(guesses.window.tokens) if guesses.window is not None else 0
-            nodes = tuple(window + sum(d <= level for d in ahead_depths) for level in range(max(ahead_depths) + 1))
+            nodes = tuple(window + n for n in per_level(guesses.parents))
             candidates.append(self.chooser.candidate("lookahead", len(nodes), nodes=nodes, tree=True))
+            self.parts["lookahead"] = replace(guesses, window=None)
         chain = lookup(state.tokens, min(o.max_lookup, limit), LOOKUP.max_ngram, LOOKUP.min_ngram)
         if chain:
             candidates.append(self.chooser.candidate("lookup", len(chain)))
+            self.parts["lookup"] = Draft(chain, source="lookup")
+        if self.trees and len(self.parts) > 1:
+            merged = merge(list(self.parts.values()))
+            candidates.append(self.merged_candidate(merged, candidates))
         if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
             per_token, _ = self.draft_call(context)
             # whether to draft at all is judged by the draft's acceptance per depth, how far by its probability of
@@ -147,14 +157,15 @@ class AutoDrafter:
         plan = self.chooser.choose(candidates, context)
         self.record(state, plan)
         self.proposer, self.planned, self.confidences, curve = plan.proposer, plan.k, [], None
+        self.start = len(state.tokens)
         if plan.proposer == "suffix":
-            _, depths = ancestry(tree.parents)
-            draft = Draft(tree.tokens, None, tree.parents, source="suffix").subset(
-                [n for n, d in enumerate(depths) if d < plan.k])
-            self.confidences, curve = self.levels[: plan.k], suffix_curve
+            draft = levels_above(self.parts["suffix"], plan.k)
+            self.confidences, curve = self.levels[: plan.k], self.suffix_curve
         elif plan.proposer == "lookahead":
-            draft = guesses.subset([n for n, d in enumerate(ahead_depths) if d < plan.k])
-            self.confidences = None
+            draft, self.confidences = levels_above(guesses, plan.k), None
+        elif plan.proposer == "merged":  # its parts learn from it (`update`), and need no probes of their own
+            draft, self.confidences = levels_above(merged, plan.k), None
+            self.chooser.declined.update(dict.fromkeys(self.parts, 0))
         elif plan.proposer == "lookup":
             draft, self.confidences = Draft(chain[: plan.k], source="lookup"), None
         elif plan.proposer == "draft":
@@ -164,7 +175,7 @@ class AutoDrafter:
             draft, self.confidences = self.draft_tree(state, plan.k if plan.probe else limit), None
         else:
             draft = Draft([])
-        if guesses.window is not None and plan.proposer in (None, "suffix", "lookup"):
+        if guesses.window is not None and plan.proposer in (None, "suffix", "lookup", "merged"):
             self.ride(draft, guesses.window, len(state.uncached()), context)
         ridden = len(draft.window.tokens) if draft.window is not None else 0
         self.scored, self.context, self.curve = len(state.uncached()) + len(draft.tokens) + ridden, context, curve
@@ -183,6 +194,20 @@ class AutoDrafter:
         call = self.cost.target_seconds(scored, context, not draft.is_chain)
         if self.cost.target_seconds(scored + len(window.tokens), context, tree=True) <= (1 + RIDE) * call:
             draft.window = window
+
+    def merged_candidate(self, merged: Draft, candidates: list[Candidate]) -> Candidate:
+        """The draft-model-free drafts (`self.parts`: the suffix index's tree, lookahead's n-grams, prompt lookup's
+        chain) as one tree (`tree.merge`), as likely per level as `union` finds their estimates make it. Where a
+        target call of a few more tokens costs little more (the 1.5B in bfloat16 on the AMD EPYC: 3 tokens as 1),
+        checking every guess at once takes the tokens of whichever is right: without a draft model, bench's prose
+        took 85 target calls instead of 89 and 11.4 / 11.7 s instead of 12.6 / 12.3 (code 104 calls to 106, edit
+        49 to 49), equal to `lookahead` run beside it (11.4 / 11.9 s); SmolLM2-135M in float32, whose 3-token calls
+        cost twice its 1-token ones, took equal seconds on seven prompts of different kinds (27.5 / 25.9 s to
+        27.0 / 25.7)."""
+        accept = {c.proposer: c.accept for c in candidates}
+        paths = [([part.tokens[n] for n in first_branch(part.links)], accept[name])
+                 for name, part in self.parts.items()]
+        return Candidate("merged", union(paths), nodes=per_level(merged.links), tree=True)
 
     def draft_call(self, context: int, more: int = 0) -> tuple[float, float]:
         """(seconds of a one-token draft call after `context` cached tokens, seconds the next draft's first call costs
@@ -288,7 +313,14 @@ class AutoDrafter:
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         state.lm.synchronize()
         self.cost.observe("target", self.scored, self.context, time.perf_counter() - self.clock, not draft.is_chain)
-        if self.proposer is not None and draft.tokens:
+        if self.proposer == "merged":  # each part learns how far its own guesses went
+            path = state.tokens[self.start: self.start + accepted]
+            for name, part in self.parts.items():
+                verified = part.subset(common(part, draft))
+                if verified.tokens:
+                    confidences, curve = (self.levels, self.suffix_curve) if name == "suffix" else (None, None)
+                    self.chooser.update(name, depth(verified), len(verified.follow(path)), confidences, curve)
+        elif self.proposer is not None and draft.tokens:
             levels = depth(draft)  # fewer than proposed when the grammar or an EOS cut it
             confidences = None if self.confidences is None else self.confidences[:levels]
             # a tree grows as deep as staged's rule finds its leaves likely, which may fall short of the levels the
@@ -343,6 +375,34 @@ def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
     model's second level likelier. With it, auto's int8-draft trees on mixed's QA expected 77 tokens and gave 62.)"""
     reach = [max(math.prod(path[:d]) for path in paths if len(path) >= d) for d in range(1, levels + 1)]
     return tuple(r / above if above else 0.0 for r, above in zip(reach, [1.0, *reach]))
+
+
+def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ...]:
+    """Acceptance per level of a tree merged from several drafts, from each one's main path (tokens) and its
+    acceptance per level. Paths that agree on their first d tokens are one guess at them, as likely as the likeliest
+    says; paths that part ways guess different tokens, and the tree's first d levels are accepted unless every guess
+    is wrong (taken as independent: 1 - prod(1 - P)), and never more often than its first d - 1."""
+    reach = []
+    for d in range(1, max((min(len(t), len(a)) for t, a in paths), default=0) + 1):
+        guesses: dict[tuple[int, ...], float] = {}
+        for tokens, accept in paths:
+            if min(len(tokens), len(accept)) >= d:
+                guess = tuple(tokens[:d])
+                guesses[guess] = max(guesses.get(guess, 0.0), math.prod(accept[:d]))
+        reach.append(min(reach[-1] if reach else 1.0, 1.0 - math.prod(1.0 - p for p in guesses.values())))
+    return tuple(r / above if above else 0.0 for r, above in zip(reach, [1.0, *reach]))
+
+
+def per_level(parents: Sequence[int]) -> tuple[int, ...]:
+    """[levels] the nodes of a tree in levels 1..d, for each d."""
+    _, depths = ancestry(parents)
+    return tuple(itertools.accumulate(depths.count(level) for level in range(max(depths, default=-1) + 1)))
+
+
+def levels_above(draft: Draft, levels: int) -> Draft:
+    """The draft's first `levels` levels."""
+    _, depths = ancestry(draft.links)
+    return draft.subset([n for n, d in enumerate(depths) if d < levels])
 
 
 def _takes_trees(lm: LM) -> bool:
