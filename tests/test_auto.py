@@ -194,3 +194,37 @@ def echo_lm() -> decoders.LM:
             layer.self_attn.o_proj.weight.mul_(0.01)
             layer.mlp.down_proj.weight.mul_(0.01)
     return decoders.wrap(model, base.tokenizer, name="tiny-echo")
+
+
+def test_a_chain_teaches_the_trees_estimates_what_a_tree_would_have_caught(monkeypatch):
+    """A draft model's tree holds its chain with its second choice beside each token: a chain step teaches the trees'
+    estimates the chain's accepted levels, plus the rejected one where the target took the draft's second choice."""
+    from test_tree import near_draft
+
+    taught = []  # (chain's drafted, chain's accepted, tree's levels, tree's accepted)
+    update = chooser.Chooser.update
+
+    def choose(self, candidates, context):
+        chain = next((c for c in candidates if c.proposer == "draft"), None)
+        assert chain is None or any(c.proposer == "tree" for c in candidates)  # (both models take tree masks)
+        return chooser.Plan("draft", 4, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
+
+    def recording_update(self, proposer, drafted, accepted, *args):
+        if proposer == "draft":
+            taught.append([drafted, accepted])
+        elif proposer == "tree":
+            taught[-1] += [drafted, accepted]
+        update(self, proposer, drafted, accepted, *args)
+
+    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
+    lm = tiny_lm("llama")
+    for prompt in PROMPTS:
+        want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
+        assert decoders.generate(lm, prompt, strategy="auto", draft=near_draft(), max_new_tokens=30).tokens == want
+    assert all(len(t) == 4 for t in taught)
+    assert all(levels == min(drafted, accepted + 1) and accepted <= tree <= min(levels, accepted + 1)
+               for drafted, accepted, levels, tree in taught)
+    caught = sum(tree > accepted for _, accepted, _, tree in taught)
+    missed = sum(tree == accepted < drafted for drafted, accepted, _, tree in taught)
+    assert caught > 0 and missed > 0  # the near draft's second choice is the target's some of the time

@@ -196,6 +196,12 @@ def test_a_draft_chain_checks_guesses_in_the_calls_it_makes():
 
     plain, probs, calls, cached = chain()
     assert calls == 8 and cached == len(state.tokens) + 7
+    with torch.inference_mode():  # beside each drafted token, the draft's second choice there
+        logits = draft.forward(state.tokens + plain[:-1], draft.new_cache())[len(state.tokens) - 1:]  # [8, vocab]
+    model = DraftModel(state)
+    with torch.inference_mode():
+        model.draft_chain(8)
+    assert model.runner_ups == logits.topk(2, dim=-1).indices[:, 1].tolist()
     right = chain(lambda drafted, room: plain[len(drafted): len(drafted) + room])  # the first call agrees with all
     assert right[:2] == (plain, pytest.approx(probs, rel=1e-4)) and right[2:] == (1, cached)
     wrong = chain(lambda drafted, room: [(t + 1) % VOCAB for t in plain[len(drafted): len(drafted) + room]])

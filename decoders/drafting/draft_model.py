@@ -50,6 +50,8 @@ class DraftModel:
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
         self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read
         self.warned = False
+        self.runner_ups: list[int] = []  # the draft's second choice at each token of the last chain drafted (what a
+        # tree of its top choices holds beside it)
 
     def room(self, limit: int) -> int:
         """How many of `limit` tokens the draft may propose before its next position would pass its context."""
@@ -73,12 +75,12 @@ class DraftModel:
         return self.lm.forward(self.readable(tokens), self.cache, **kwargs)
 
     def check(self, feed: list[int], lead: list[int], allowed: torch.Tensor | None = None
-              ) -> tuple[list[int], list[torch.Tensor | None], list[float]]:
+              ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[int]]:
         """One draft call on `feed` + `lead` that checks the guessed chain `lead` as a target checks a draft (greedy:
         the draft's argmax; sampling: rejection sampling against the draft's distribution, so every token returned
         is a draw from it) and adds its own next token. Returns (the part of `lead` it agrees with plus that token,
-        their distributions [vocab] or None, their probabilities). `allowed`: a grammar's mask for a call without
-        a lead."""
+        their distributions [vocab] or None, their probabilities, the likeliest other token at each). `allowed`: a
+        grammar's mask for a call without a lead."""
         state = self.state
         logits = self.forward(feed + lead, keep=len(lead) + 1)[:, : self.width]  # [lead + 1, width]
         if allowed is not None:
@@ -87,7 +89,7 @@ class DraftModel:
             agreed, token = verify_greedy(torch.tensor(lead, dtype=torch.long), logits)
             tokens = lead[:agreed] + [token]  # the draft's argmax at each
             probs = torch.softmax(logits[: agreed + 1].float(), -1)  # [agreed + 1, width]
-            return tokens, [None] * len(tokens), [float(p[t]) for p, t in zip(probs, tokens)]
+            return tokens, [None] * len(tokens), [float(p[t]) for p, t in zip(probs, tokens)], _others(probs, tokens)
         rows = torch.zeros(len(lead) + 1, state.lm.vocab_size, device=state.lm.device)  # [lead + 1, vocab]
         rows[:, : self.width] = state.sampling.probs(logits).to(rows.device)
         if lead:
@@ -95,7 +97,8 @@ class DraftModel:
         else:
             agreed, token = 0, int(torch.multinomial(rows[0], 1, generator=state.generator))
         tokens = lead[:agreed] + [token]
-        return tokens, list(rows[: agreed + 1]), [float(row[t]) for row, t in zip(rows, tokens)]
+        return (tokens, list(rows[: agreed + 1]), [float(row[t]) for row, t in zip(rows, tokens)],
+                _others(rows[: agreed + 1], tokens))
 
     def uncached(self) -> list[int]:
         """The run's tokens this draft model has not seen yet."""
@@ -111,6 +114,7 @@ class DraftModel:
         is drafted in that one call. Not with a grammar."""
         grammar = self.state.grammar.fork() if self.state.grammar is not None else None
         tokens, rows, cumulative = [], [], []
+        self.runner_ups = []
         room = self.room(limit)
         feed, running = self.uncached(), 1.0
         while len(tokens) < room:
@@ -119,14 +123,15 @@ class DraftModel:
             allowed = grammar.allowed() if grammar is not None else None
             left = room - len(tokens) - 1  # room for guessed tokens, the draft's own next one after them
             lead = guess(tokens, left)[:left] if guess is not None and grammar is None and left > 0 else []
-            new, new_rows, probs = self.check(feed, lead, allowed)
+            new, new_rows, probs, others = self.check(feed, lead, allowed)
             if len(new) <= len(lead):
                 self.cache.crop(len(self.cache) - (len(lead) + 1 - len(new)))  # the guesses it did not agree with
-            for token, row, prob in zip(new, new_rows, probs):
+            for token, row, prob, other in zip(new, new_rows, probs, others):
                 running *= prob
                 tokens.append(token)
                 rows.append(row)
                 cumulative.append(running)
+                self.runner_ups.append(other)
                 if token in self.state.lm.eos_token_ids or not keep_going(running):
                     return tokens, rows, cumulative
             if grammar is not None:
@@ -162,6 +167,12 @@ class SharedCacheDraft(DraftModel):
 
     def rewind(self) -> None:
         """Nothing to forget: `draft_chain` left the target's cache as it found it."""
+
+
+def _others(probs: torch.Tensor, tokens: list[int]) -> list[int]:
+    """The likeliest token other than tokens[i] under each row of `probs` [len(tokens), vocab]."""
+    top = probs.topk(2, dim=-1).indices.tolist()  # [len(tokens), 2]
+    return [second if first == token else first for (first, second), token in zip(top, tokens)]
 
 
 def stack_probs(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
