@@ -10,8 +10,9 @@ call also checks the suffix index's guess at what follows and the draft agrees w
 token trees (`staged`'s, grown on the same draft cache with the run's suffix index as their lower stage: where a
 draft's first choice is often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84
 for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the
-steps that take them, and the context), the last three merged into one tree (where a call of a few more tokens costs
-little more, checking every guess at once takes the tokens of whichever is right), and nothing (a plain greedy step).
+steps that take them, and the context), the suffix index's, prompt lookup's and lookahead's guesses merged into one
+tree (where a call of a few more tokens costs little more, checking every guess at once takes the tokens of whichever
+is right), and nothing (a plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
@@ -202,8 +203,8 @@ class AutoDrafter:
         checking every guess at once takes the tokens of whichever is right: without a draft model, bench's prose
         took 85 target calls instead of 89 and 11.4 / 11.7 s instead of 12.6 / 12.3 (code 104 calls to 106, edit
         49 to 49), equal to `lookahead` run beside it (11.4 / 11.9 s); SmolLM2-135M in float32, whose 3-token calls
-        cost twice its 1-token ones, took equal seconds on seven prompts of different kinds (27.5 / 25.9 s to
-        27.0 / 25.7)."""
+        cost twice its 1-token ones, took equal seconds on seven prompts of different kinds (27.0 / 25.7 s before,
+        27.5 / 25.9 after)."""
         accept = {c.proposer: c.accept for c in candidates}
         paths = [([part.tokens[n] for n in first_branch(part.links)], accept[name])
                  for name, part in self.parts.items()]
