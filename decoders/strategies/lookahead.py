@@ -27,6 +27,7 @@ import torch
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftVerify, Window
+from decoders.drafting.tree import merge
 from decoders.options import check_whole
 from decoders.registry import register
 
@@ -79,16 +80,8 @@ class NgramPool:
 
 def prefix_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
     """Merge token sequences into a tree: (tokens, parents) in topological order, shared prefixes stored once."""
-    tokens, parents, index = [], [], {}  # index: (parent node, token) -> node
-    for candidate in candidates:
-        node = -1
-        for token in candidate:
-            if (node, token) not in index:
-                index[node, token] = len(tokens)
-                tokens.append(token)
-                parents.append(node)
-            node = index[node, token]
-    return tokens, parents
+    tree = merge([Draft(list(candidate)) for candidate in candidates])
+    return tree.tokens, tree.parents
 
 
 def window_mask(levels: int, width: int) -> torch.Tensor:
