@@ -9,6 +9,7 @@ import resource
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from importlib import metadata
 
 import torch
@@ -20,8 +21,9 @@ class ForwardMeter:
     """Counts a model's forward calls, the input tokens they scored and the seconds spent in them, via torch's public
     module hooks."""
 
-    def __init__(self, model: torch.nn.Module | None, device: torch.device) -> None:
-        self.model, self.device = model, device
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module] | None, device: torch.device) -> None:
+        self.models = [] if model is None else [model] if isinstance(model, torch.nn.Module) else list(model)
+        self.device = device
         self.calls, self.tokens, self.seconds = 0, 0, 0.0
         self._handles: list = []
         self._started = 0.0
@@ -38,10 +40,10 @@ class ForwardMeter:
         self.seconds += time.perf_counter() - self._started
 
     def __enter__(self) -> ForwardMeter:
-        if self.model is not None:
-            self._handles = [
-                self.model.register_forward_pre_hook(self._before, with_kwargs=True),
-                self.model.register_forward_hook(self._after),
+        for model in self.models:
+            self._handles += [
+                model.register_forward_pre_hook(self._before, with_kwargs=True),
+                model.register_forward_hook(self._after),
             ]
         return self
 

@@ -213,7 +213,8 @@ def choices(result: dict) -> list[str]:
             continue
         steps = ", ".join(f"{name} {count}" for name, count in sorted(extra["steps"].items()))
         predicted = extra["predicted_tokens"] / extra["predicted_seconds"] if extra.get("predicted_seconds") else 0
-        lines.append(f"{run['strategy']} on {run['prompt_id']}: steps by proposer: {steps}; predicted "
+        drafting = f" (draft: {extra['draft']})" if extra.get("draft") else ""
+        lines.append(f"{run['strategy']} on {run['prompt_id']}: steps by proposer: {steps}{drafting}; predicted "
                      f"{predicted:.1f} tok/s, measured {run['tokens_per_second']:.1f}")
     for strategy, ks in settings.items():
         lines.append(f"{strategy}: k={'/'.join(map(str, sorted(ks)))}, chosen from this device's measured call costs")

@@ -70,10 +70,14 @@ class Stopwatch:
         self.device = lm.device
         self.peak = PeakMemory(lm.device)
         self.target = ForwardMeter(lm.model if count_target else None, lm.device)
-        # a draft that is the target itself (a test setup) cannot be told apart by hooks: not metered
-        separate = draft is not None and draft.model is not lm.model
-        self.draft = ForwardMeter(draft.model if separate else None, lm.device)
-        self.draft_metered = separate
+        # the draft's calls, and those of the int8 copies kept with the draft and the target (`LM.self_draft`), which
+        # `auto` may draft with instead; a draft that is the target itself (a test setup) cannot be told apart by
+        # hooks: not metered
+        drafts = {id(m.model): m.model for m in ([draft] if draft is not None else []) + [
+            copy for model in (lm, draft) if model is not None for copy in model.copies]}
+        drafts.pop(id(lm.model), None)
+        self.draft = ForwardMeter(list(drafts.values()), lm.device)
+        self.draft_metered = bool(drafts)
         self.marks: list[tuple[float, int]] = []
         self.start = self.seconds = 0.0
         self.peak_bytes = 0
@@ -150,7 +154,8 @@ def run_decodekit(
         target_calls=stats.target_calls, draft_calls=stats.draft_calls, drafted=stats.drafted, accepted=stats.accepted,
         accepted_by_position=list(stats.accepted_by_position),
         drafted_by_position=[sum(n > depth for n in lengths) for depth in range(max(lengths, default=0))],
-        draft_seconds=watch.draft.seconds if stats.draft_calls and watch.draft_metered else None,
+        draft_seconds=watch.draft.seconds if stats.draft_calls and watch.draft.calls else None,  # (None: a draft the
+        # watch could not meter, e.g. an int8 copy `auto` made in this very run)
         peak_memory_bytes=watch.peak_bytes, finish_reason=state.finish_reason,
         tokens=list(tokens), sources=list(state.sources), pieces=pieces(lm, tokens),
         timeline=watch.marks, grammar=grammar is not None, argmax_gaps=list(stats.argmax_gaps),

@@ -228,3 +228,89 @@ def test_a_chain_teaches_the_trees_estimates_what_a_tree_would_have_caught(monke
     caught = sum(tree > accepted for _, accepted, _, tree in taught)
     missed = sum(tree == accepted < drafted for drafted, accepted, _, tree in taught)
     assert caught > 0 and missed > 0  # the near draft's second choice is the target's some of the time
+
+
+def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monkeypatch):
+    """`draft_int8`: None drafts with the draft's own int8 copy where its one-token call is measured at most CHEAPER
+    of the original's (decided once per draft; a copy found dearer is let go), True always, False never; a draft that
+    is already quantized drafts as it is. Whichever drafts, the tokens are greedy's."""
+    from decoders.drafting.cost import CallCost
+
+    flat = lambda seconds: CallCost((1, 2), (seconds, seconds))  # noqa: E731
+    assert auto.cheaper(flat(0.025), flat(0.059), 500, 0.8) and auto.cheaper(flat(0.8), flat(1.0), 0, 0.8)
+    assert not auto.cheaper(flat(0.9), flat(1.0), 0, 0.8) and not auto.cheaper(flat(0.7), flat(1.0), 100, 0.6)
+
+    lm = tiny_lm("llama")
+    draft = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-draft")
+    prompt = PROMPTS[1]
+    want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
+    made = quantized(monkeypatch)
+
+    def drafted_by(verdict, **options):
+        monkeypatch.setattr(auto, "cheaper", lambda copy, original, context, bar: verdict)
+        got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=30, **options)
+        assert got.tokens == want and got.stats.draft_calls > 0
+        return got.stats.details["draft"]
+
+    assert drafted_by(False) == "tiny-draft" and made == [draft]  # measured dearer: made, measured, let go
+    assert drafted_by(True) == "tiny-draft" and len(made) == 1  # the verdict holds for this draft
+    assert drafted_by(False, draft_int8=True) == "tiny-draft:int8" and len(made) == 2
+    auto.VERDICTS.pop(draft)
+    assert drafted_by(True) == "tiny-draft:int8" and len(made) == 2  # (the copy kept with the draft)
+    assert drafted_by(True, draft_int8=False) == "tiny-draft"
+    int8 = decoders.quantize(draft, "int8")
+    got = decoders.generate(lm, prompt, strategy="auto", draft=int8, max_new_tokens=30)
+    assert got.tokens == want and got.stats.details["draft"] == int8.name and len(made) == 3  # as it is
+    with pytest.raises(ValueError, match="draft_int8"):
+        decoders.generate(lm, prompt, strategy="auto", draft=draft, draft_int8="yes")
+
+
+def test_without_a_draft_the_target_drafts_as_its_own_int8_copy_where_that_pays_and_fits(monkeypatch):
+    """`self_int8`: without a draft model, the target's own int8 copy drafts (on the target's cache) where its
+    one-token call is measured at most SELF of the target's and it takes at most MEMORY of the free memory; True
+    always, False never. The tokens are greedy's either way."""
+    lm = tiny_lm("qwen2")
+    target = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-target")
+    prompt = PROMPTS[0]
+    want = decoders.generate(target, prompt, max_new_tokens=30).tokens
+    made, bars = quantized(monkeypatch), []
+    monkeypatch.setattr(auto, "cheaper", lambda copy, original, context, bar: bars.append(bar) or True)
+
+    def drafted_by(**options):
+        got = decoders.generate(target, prompt, strategy="auto", max_new_tokens=30, **options)
+        assert got.tokens == want
+        return got.stats.details.get("draft"), got.stats.draft_calls
+
+    monkeypatch.setattr(auto, "free_memory", lambda device: 2 * auto.int8_bytes(target) - 1)  # short of room
+    assert drafted_by() == (None, 0) and not made and not bars  # (not made to be measured either)
+    auto.VERDICTS.pop(target)
+    monkeypatch.setattr(auto, "free_memory", lambda device: 2 * auto.int8_bytes(target))
+    name, calls = drafted_by()
+    assert name == "tiny-target:int8" and calls > 0 and made == [target] and bars == [auto.SELF]
+    assert drafted_by(self_int8=False) == (None, 0)
+    with pytest.raises(ValueError, match="self_int8"):
+        decoders.generate(target, prompt, strategy="auto", self_int8=1)
+
+
+def quantized(monkeypatch) -> list:
+    """The models `decoders.quantize` makes copies of from here on, in order."""
+    from decoders.models import quantize as quantizing
+
+    made, quantize = [], quantizing.quantize
+    monkeypatch.setattr(quantizing, "quantize", lambda model, scheme: made.append(model) or quantize(model, scheme))
+    return made
+
+
+def test_the_evaluator_meters_the_int8_copy_auto_drafts_with():
+    """`decodekit compare` times draft calls with hooks on the draft's forward: also on the int8 copies kept with the
+    draft and the target, which auto drafts with (a copy made inside a run was not hooked: its seconds are unknown)."""
+    from decoders.registry import get
+    from evals import timing
+
+    lm = tiny_lm("llama")
+    draft = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-draft")
+    prompt, strategy = lm.encode(PROMPTS[0]), get("auto")(draft_int8=True)
+    first, second = (timing.run_decodekit(lm, prompt, strategy, max_new_tokens=20, draft=draft) for _ in range(2))
+    assert first.extra["draft"] == second.extra["draft"] == "tiny-draft:int8"
+    assert first.draft_calls > 0 and first.draft_seconds is None
+    assert second.draft_calls > 0 and second.draft_seconds > 0

@@ -34,6 +34,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device`: the memory available on a CPU, the free memory of a CUDA device; None
+    where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    return None
+
+
 class LM:
     """A transformers causal LM plus its tokenizer, batch 1, in evaluation mode."""
 
@@ -114,6 +126,15 @@ class LM:
 
             copies[scheme] = quantize(self, scheme)
         return copies[scheme]
+
+    @property
+    def copies(self) -> list[LM]:
+        """The quantized copies `self_draft` made and keeps."""
+        return list(self.__dict__.get("_self_drafts", {}).values())
+
+    def drop_self_draft(self, scheme: str) -> None:
+        """Let go of the quantized copy `self_draft` made, if any (its memory is freed once no run holds it)."""
+        self.__dict__.get("_self_drafts", {}).pop(scheme, None)
 
     def check_draft(self, draft: LM) -> None:
         """Raise unless `draft` shares this model's tokenizer (the same token -> id map, padding of the logits aside)."""

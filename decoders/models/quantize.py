@@ -200,6 +200,12 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
     return quantized
 
 
+def int8_bytes(lm: LM) -> int:
+    """About the bytes `quantize(lm, "int8")` adds: one a weight of each linear layer (the scales are a rounding)."""
+    layers = {id(m): m for m in lm.model.modules() if isinstance(m, (nn.Linear, Conv1D))}
+    return sum(m.weight.numel() for m in layers.values())
+
+
 def is_quantized(lm: LM) -> str | None:
     """The scheme `lm`'s linear layers were quantized with ("int8"), or None for a float model."""
     return next((m.scheme for m in lm.model.modules() if isinstance(m, Int8Linear)), None)

@@ -4,12 +4,13 @@ Proposers, all through the shared draft-then-verify loop: runs the grammar force
 the suffix index of the context (`suffix`'s trees of what followed the longest matching suffix, near free; cut to the
 levels that pay, and to its main branch on a model that cannot take tree masks), prompt lookup (`prompt_lookup`'s
 chain after the most recent match of the last 1-3 tokens: where the output copies the prompt at length, it drafts
-long at once, where the suffix tree grows with the match), the draft model when one is given
-(`draft=` a model or "self:int8"; drafted while the next token still pays, one token a call, or several where the
-call also checks the suffix index's guess at what follows and the draft agrees with it), the draft model's
-token trees (`staged`'s, grown on the same draft cache with the run's suffix index as their lower stage: where a
-draft's first choice is often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84
-for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the
+long at once, where the suffix tree grows with the match), the draft model when one is given (`draft=` a model or
+"self:int8"; as its own int8 copy where that copy's calls measure cheaper, and without one the target's own int8 copy
+where its calls are cheap enough and it fits in memory, `int8_copy`; drafted while the next token still pays, one
+token a call, or several where the call also checks the suffix index's guess at what follows and the draft agrees
+with it), the draft model's token trees (`staged`'s, grown on the same draft cache with the run's suffix index as
+their lower stage: where a draft's first choice is often wrong, its second catches much of the rest - 0.96
+acceptance at depth 1 against 0.84 for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the
 steps that take them, and the context), the suffix index's, prompt lookup's and lookahead's guesses merged into one
 tree (where a call of a few more tokens costs little more, checking every guess at once takes the tokens of whichever
 is right), and nothing (a plain greedy step).
@@ -30,16 +31,18 @@ import itertools
 import math
 import operator
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_model, stack_probs
 from decoders.drafting.chooser import Candidate, Chooser
-from decoders.drafting.cost import calibrate
+from decoders.drafting.cost import CallCost, calibrate, call_cost
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
 from decoders.drafting.tree import ancestry, common, depth, first_branch, merge
-from decoders.models.lm import LM
+from decoders.models.lm import LM, free_memory
+from decoders.models.quantize import int8_bytes
 from decoders.options import check_whole
 from decoders.registry import register
 from decoders.strategies.lookahead import LookaheadDrafter, LookaheadOptions
@@ -50,6 +53,15 @@ from decoders.strategies.staged import StagedOptions, TreeDrafter, frontier_widt
 LOOKUP = PromptLookupOptions()  # auto's prompt lookup matches n-grams as `prompt_lookup` does by default
 TREE = StagedOptions()  # auto's draft-model trees grow as `staged`'s do by default
 LOOKAHEAD = LookaheadOptions()  # and its lookahead window and n-gram guesses are `lookahead`'s
+CHEAPER = 0.8  # auto drafts with the draft model's own int8 copy where the copy's one-token call is measured at most
+# this share of the original's (`int8_copy`): the copy's tokens are nearly the original's (`threshold` with the 0.5B's
+# int8 copy and with the 0.5B in bfloat16 drafting for the 1.5B took the same target calls within one on each of
+# seven prompts, AMD EPYC), so its cheaper calls are what it brings; the margin covers the acceptance it may lose
+SELF = 0.6  # without a draft model, auto drafts with the target's own int8 copy where the copy's one-token call is
+# measured at most this share of the target's: 0.48 for the 1.5B in bfloat16 on the AMD EPYC, where `auto` with it
+# ran bench 2.38 / 2.85 / 1.69x greedy against 1.09 / 2.17 / 1.13x without it, and 0.51 on the Intel Xeon with AMX
+# (1.51x overall there)
+MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
 RIDE = 0.1  # the most a target call may grow to carry lookahead's window along (`AutoDrafter.ride`): on the AMD
 # EPYC the 6 tokens of the default window add 8% to a plain step, and 20% or more to a call of 16 or more tokens
 
@@ -62,11 +74,20 @@ class AutoOptions:
     max_tree: int = 24  # the most suffix-tree nodes per target call (suffix's own bound)
     max_lookup: int = LOOKUP.k  # the longest prompt-lookup chain
     draft_trees: bool = True  # offer the draft model's trees where both models take tree masks
+    draft_int8: bool | None = None  # draft with the draft model's own int8 copy (`decoders.quantize`): None where
+    # its calls are measured cheaper (`int8_copy`), True always, False never. A draft that is already quantized
+    # (a "self:int8" draft, one loaded with quantize="int8") is used as it is
+    self_int8: bool | None = None  # without a draft model, draft with the target's own int8 copy ("self:int8"):
+    # None where its calls are measured cheap enough and it fits in memory (`int8_copy`), True always, False never
 
     def __post_init__(self):
         check_whole(self, max_draft=1, max_tree=1, max_lookup=1)
         if not isinstance(self.draft_trees, bool):
             raise ValueError(f"draft_trees must be True or False, got {self.draft_trees!r}")
+        for name in ("draft_int8", "self_int8"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be None (where measured to pay), True or False, got "
+                                 f"{getattr(self, name)!r}")
 
 
 class AutoDrafter:
@@ -74,6 +95,13 @@ class AutoDrafter:
 
     def __init__(self, state: DecodeState, options: AutoOptions) -> None:
         self.options = options
+        # the run's draft from here on (its calls and stats are the copy's): the draft model's int8 copy, or without
+        # one the target's, where that pays
+        if state.draft is not None:
+            copy = int8_copy(state.draft, options.draft_int8, len(state.tokens), "draft", CHEAPER)
+            state.draft = copy or state.draft
+        else:
+            state.draft = int8_copy(state.lm, options.self_int8, len(state.tokens), "target", SELF)
         self.model = draft_model(state) if state.draft is not None else None
         self.suffix = SuffixOptions(max_tree=options.max_tree)
         self.index = SuffixIndex()  # the run's own text, grown with every accepted token
@@ -114,6 +142,8 @@ class AutoDrafter:
         self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
         self.clock = 0.0
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
+        if state.draft is not None:
+            state.stats.details["draft"] = state.draft.name
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
         context, o = len(state.cache), self.options
@@ -422,6 +452,39 @@ def levels_above(draft: Draft, levels: int) -> Draft:
     """The draft's first `levels` levels."""
     _, depths = ancestry(draft.links)
     return draft.subset([n for n, d in enumerate(depths) if d < levels])
+
+
+VERDICTS: weakref.WeakKeyDictionary[LM, dict[str, bool]] = weakref.WeakKeyDictionary()  # model -> role -> whether
+# its int8 copy pays (`int8_copy`), so that a copy found too dear is not made again for each run
+
+
+def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float) -> LM | None:
+    """`model`'s own int8 copy to draft with (`LM.self_draft`: made on first use, kept with the model), or None:
+    where `int8` is True, or, when None, where a one-token draft call of the copy after `context` tokens is measured
+    (`call_cost`, cached per model and device) at most `bar` of a one-token call of `model` in `role` ("draft":
+    the run's draft model, "target": the target itself, without a draft) and the copy takes at most MEMORY of the
+    memory free on the model's device. Decided once per model and role; a copy found too dear is let go again.
+
+    The copy's linear layers hold int8 weights with one scale per output, its embeddings and norms are the
+    original's: where a call reads its weights once (one token on a CPU) it reads half the bytes of bfloat16. On the
+    AMD EPYC the 0.5B's copy took 28 ms a call where the 0.5B in bfloat16 took 65, and the 1.5B's 0.48 of the 1.5B's
+    call. Making it costs seconds once, in the first run with the model (1.8 s for the 0.5B there)."""
+    if int8 is False or model.quantized_from is not None:
+        return None
+    verdicts = VERDICTS.setdefault(model, {})
+    if int8 is None and role not in verdicts:
+        free = free_memory(model.device)
+        fits = free is None or int8_bytes(model) <= MEMORY * free
+        verdicts[role] = fits and cheaper(call_cost(model.self_draft("int8"), "draft"), call_cost(model, role),
+                                          context, bar)
+        if not verdicts[role]:
+            model.drop_self_draft("int8")
+    return model.self_draft("int8") if int8 or verdicts[role] else None
+
+
+def cheaper(copy: CallCost, original: CallCost, context: int, bar: float) -> bool:
+    """Whether a one-token call of `copy` after `context` tokens costs at most `bar` of one of `original`."""
+    return copy.predict(1, context) <= bar * original.predict(1, context)
 
 
 def _takes_trees(lm: LM) -> bool:
