@@ -22,6 +22,7 @@ from evals.cli_parser import build_parser
 ANSI = {"draft": "\033[32m", "lookup": "\033[36m", "lookahead": "\033[35m", "grammar": "\033[33m"}
 RESET = "\033[0m"
 EXPECTED = (ValueError, TypeError, OSError, ImportError, NotImplementedError)  # bad input: one line, status 2
+CONTEXT = 512  # the context `calibrate` judges auto's int8 copies at (a prompt of some length)
 
 
 class UsageError(ValueError):
@@ -213,6 +214,7 @@ def cmd_calibrate(args) -> int:
 
     from decoders.drafting import cost
     from decoders.driver import resolve_draft
+    from decoders.strategies.auto import AutoOptions, drafting_model
 
     _check_draft_arguments(args)
     if args.threads:
@@ -223,6 +225,9 @@ def cmd_calibrate(args) -> int:
           file=sys.stderr)
     costs = cost.calibrate(lm, draft, refresh=args.refresh)
     curves = [("target", lm.name, costs.target)] + ([("draft", args.draft, costs.draft)] if draft else [])
+    drafting = drafting_model(lm, draft, AutoOptions(), CONTEXT)  # what auto drafts with: an int8 copy where it pays
+    if drafting is not None and drafting is not draft:
+        curves.append(("auto's draft", drafting.name, cost.call_cost(drafting, "draft")))
     print(f"device: {lm.device} · dtype: {str(lm.dtype).removeprefix('torch.')} · threads: {torch.get_num_threads()}"
           f" · torch {torch.__version__}\n")
     rows = [[role, name, str(n), str(context), f"{seconds * 1e3:.2f}", f"{curve.fitted(n, context) * 1e3:.2f}",
@@ -232,6 +237,9 @@ def cmd_calibrate(args) -> int:
     for role, _, curve in curves:
         knots = ", ".join(f"{n}: {seconds * 1e3:.2f}" for n, seconds in zip(curve.sizes, curve.seconds))
         print(f"\n{role}: ms by tokens scored ({knots}) + {curve.per_position * 1e6:.2f} µs per cached position")
+    print(f"\nauto drafts with: {drafting.name if drafting is not None else 'no model (guesses from the context)'}, "
+          f"as measured here after {CONTEXT} tokens (the int8 copy of the draft, or without one of the target, where "
+          "its calls are cheap enough)")
     if args.plot:
         from evals import plots
 

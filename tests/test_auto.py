@@ -114,6 +114,19 @@ def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch
     assert drafts[:2] == [len(prompt), 1]  # the prompt's call, then the 2 one-token calls of the first chain
 
 
+@pytest.mark.parametrize("draft", ["separate", "self:int8"])
+def test_the_draft_is_probed_at_once_unless_it_drafts_on_the_targets_still_empty_cache(monkeypatch, draft):
+    """A draft of its own cache is probed in the first step; the target's own int8 copy, which drafts on the target's
+    cache, in the second: before the first step that cache holds nothing, and drafting then would compute the prompt's
+    keys and values only to throw them away."""
+    plans, choose = [], chooser.Chooser.choose
+    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, *args: plans.append(choose(self, *args)) or plans[-1])
+    lm = tiny_lm("llama")
+    decoders.generate(lm, PROMPTS[0], strategy="auto", draft=lm if draft == "separate" else draft, max_new_tokens=10)
+    probed = [plan.proposer == "draft" and plan.probe for plan in plans[:2]]
+    assert probed == ([True, False] if draft == "separate" else [False, True])
+
+
 @pytest.mark.parametrize("ride", [False, True])
 def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_where_cheap(monkeypatch, ride):
     """auto's lookahead proposer: its candidates count the Jacobi window in the tokens a call scores, a step that

@@ -336,6 +336,7 @@ def test_calibrate_prints_measured_call_costs_and_plots_them(model_dir, tmp_path
     assert f"| target | {model_dir} | 1 |" in out and "| draft | self:int8 | 1 |" in out
     assert "µs per cached position" in out and plot.stat().st_size > 1000
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))
+    assert "auto drafts with: self:int8" not in out and f"auto drafts with: {model_dir}:int8" in out  # (the copy)
 
 
 def test_peers_draft_with_the_draft_as_loaded_and_strategies_with_its_quantized_copy(model_dir, monkeypatch, capsys):
