@@ -119,6 +119,7 @@ class Chooser:
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
         self.fits: dict[str, list[list[float]]] = {}  # curve -> [CEILINGS][GAMMAS] log-likelihoods, decayed
         self.curves: dict[str, list[float]] = {}  # curve -> [GAMMAS] posterior weight x mean ceiling (cached)
+        self.priors: dict[str, float] = {}  # proposer -> its prior acceptance where known better than prior_mean
 
     def acceptance(self, proposer: str, depth: int, confidence: float | None = None, curve: str | None = None
                    ) -> float:
@@ -130,7 +131,7 @@ class Chooser:
         if confidence is not None:
             return self.calibrated(curve or proposer, confidence)
         depth = min(depth, self.options.max_depth)  # deeper levels share the last estimate
-        prior = self.acceptance(proposer, depth - 1) if depth > 1 else self.options.prior_mean
+        prior = self.acceptance(proposer, depth - 1) if depth > 1 else self.priors.get(proposer, self.options.prior_mean)
         accepted, rejected = self.counts.get((proposer, depth), (0.0, 0.0))
         strength = self.options.prior_strength
         return (accepted + strength * prior) / (accepted + rejected + strength)

@@ -48,6 +48,7 @@ from decoders.options import check_whole
 from decoders.registry import register
 from decoders.strategies.lookahead import LookaheadDrafter, LookaheadOptions
 from decoders.strategies.prompt_lookup import PromptLookupOptions, lookup
+from decoders.strategies.speculative import SELF_ACCEPTANCE
 from decoders.strategies.staged import StagedOptions, TreeDrafter, frontier_width
 
 
@@ -106,12 +107,18 @@ class AutoDrafter:
         self.ahead = LookaheadDrafter(state, LOOKAHEAD) if self.trees else None  # (its window needs tree masks)
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = Chooser(self.cost)
-        if self.model is not None:  # probe the draft model at once: its confidences then inform every later choice.
-            # A draft on the target's cache (the target's own int8 copy) is probed in the second step instead: before
-            # the first, that cache holds nothing, and a draft then computes the prompt's keys and values only to
-            # throw them away (0.19 s of SmolLM2's 1.3 s on bench's edit prompt, the 300-token prompt's prefill)
-            first = 1 if isinstance(self.model, SharedCacheDraft) else 0
-            self.chooser.declined["draft"] = self.chooser.options.probe_after - first
+        if self.model is not None:  # probe the draft model when first offered: its confidences then inform every
+            # later choice
+            self.chooser.declined["draft"] = self.chooser.options.probe_after
+        self.shares_cache = isinstance(self.model, SharedCacheDraft)  # a draft on the target's cache (the target's
+        # own int8 copy) is offered once that cache holds the prompt, from the second step: before the first, a draft
+        # would compute the prompt's keys and values only to throw them away (0.19 s of SmolLM2's 1.3 s on bench's
+        # edit prompt, its 300-token prompt's prefill)
+        if self.shares_cache:  # and it is expected to agree with the target as
+            # `speculative` expects (SELF_ACCEPTANCE): from the default prior of 0.5 and 2-token probes every 16 steps
+            # it was drafted in 4 of SmolLM2's 55 steps on mixed's math (float32, AMD EPYC), 30 of them plain steps,
+            # where its copy agrees with it on 0.90 of the tokens `speculative` (k=8) drafts
+            self.chooser.priors["draft"] = SELF_ACCEPTANCE
         self.tree: TreeDrafter | None = None  # the draft model's trees: on its own cache (not the target's, which a
         # self draft shares and a tree would fill with nodes), in its own vocabulary, both models taking tree masks,
         # as wide as `staged` grows them for this draft's measured costs (`staged.frontier_width`). Where a 2-token
@@ -170,7 +177,8 @@ class AutoDrafter:
         if self.trees and len(self.parts) > 1:
             merged = merge(list(self.parts.values()))
             candidates.append(self.merged_candidate(merged, candidates))
-        if self.model is not None and (room := self.model.room(min(o.max_draft, limit))):
+        offered = self.model is not None and (len(state.cache) > 0 or not self.shares_cache)
+        if offered and (room := self.model.room(min(o.max_draft, limit))):
             per_token, _ = self.draft_call(context)
             # whether to draft at all is judged by the draft's acceptance per depth, how far by its probability of
             # each token it drafts (`draft_with_model`). Judging the start by its probabilities in the last draft
