@@ -127,11 +127,13 @@ class Chooser:
         probability for that token when known (`calibrated`, on the proposer's curve or the one named `curve`), else
         pooled per depth. A pooled level past the first starts from the estimate of the level above it, so what the
         first levels learned reaches the deeper ones before any draft has gone that deep (a short probe would
-        otherwise never lift them)."""
+        otherwise never lift them); the first level starts from the proposer's own prior (`priors`) if it has one,
+        else from `prior_mean`."""
         if confidence is not None:
             return self.calibrated(curve or proposer, confidence)
         depth = min(depth, self.options.max_depth)  # deeper levels share the last estimate
-        prior = self.acceptance(proposer, depth - 1) if depth > 1 else self.priors.get(proposer, self.options.prior_mean)
+        first = self.priors.get(proposer, self.options.prior_mean)
+        prior = first if depth == 1 else self.acceptance(proposer, depth - 1)
         accepted, rejected = self.counts.get((proposer, depth), (0.0, 0.0))
         strength = self.options.prior_strength
         return (accepted + strength * prior) / (accepted + rejected + strength)

@@ -10,10 +10,10 @@ where its calls are cheap enough and it fits in memory, `int8_copy`; drafted whi
 token a call, or several where the call also checks the suffix index's guess at what follows and the draft agrees
 with it), the draft model's token trees (`staged`'s, grown on the same draft cache with the run's suffix index as
 their lower stage: where a draft's first choice is often wrong, its second catches much of the rest - 0.96
-acceptance at depth 1 against 0.84 for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the
-steps that take them, and the context), the suffix index's, prompt lookup's and lookahead's guesses merged into one
-tree (where a call of a few more tokens costs little more, checking every guess at once takes the tokens of whichever
-is right), and nothing (a plain greedy step).
+acceptance at depth 1 against 0.84 for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from
+its Jacobi window, which runs in the steps that take them, and the context), the suffix index's, prompt lookup's
+and lookahead's guesses merged into one tree (where a call of a few more tokens costs little more, checking every
+guess at once takes the tokens of whichever is right), and nothing (a plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
