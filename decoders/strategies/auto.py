@@ -60,9 +60,10 @@ CHEAPER = 0.8  # auto drafts with the draft model's own int8 copy where the copy
 # int8 copy and with the 0.5B in bfloat16 drafting for the 1.5B took the same target calls within one on each of
 # seven prompts, AMD EPYC), so its cheaper calls are what it brings; the margin covers the acceptance it may lose
 SELF = 0.6  # without a draft model, auto drafts with the target's own int8 copy where the copy's one-token call is
-# measured at most this share of the target's: 0.48 for the 1.5B in bfloat16 on the AMD EPYC, where `auto` with it
-# ran bench 2.38 / 2.85 / 1.69x greedy against 1.09 / 2.17 / 1.13x without it, and 0.51 on the Intel Xeon with AMX
-# (1.51x overall there)
+# measured at most this share of the target's: 0.49 for the 1.5B in bfloat16 on the AMD EPYC, where `auto` with it
+# ran bench 2.01 / 2.71 / 1.73x greedy against 1.22 / 2.13 / 1.12x without it (one run), 0.28-0.36 for SmolLM2-135M
+# in float32 there (seven prompts 1.4-3.4x, without it 1.0-3.6x), and 0.51 for the 1.5B on the Intel Xeon with AMX
+# (`auto` with `draft="self:int8"` 1.51x overall there)
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
 RIDE = 0.1  # the most a target call may grow to carry lookahead's window along (`AutoDrafter.ride`): on the AMD
 # EPYC the 6 tokens of the default window add 8% to a plain step, and 20% or more to a call of 16 or more tokens
