@@ -313,6 +313,24 @@ def test_without_a_draft_the_target_drafts_as_its_own_int8_copy_where_that_pays_
         decoders.generate(target, prompt, strategy="auto", self_int8=1)
 
 
+def test_a_model_that_cannot_be_quantized_drafts_as_it_is(monkeypatch):
+    """Where `decoders.quantize` cannot copy a model (it raises), auto warns and goes on without the copy."""
+    from decoders.models import quantize as quantizing
+
+    def refuse(model, scheme):
+        raise ValueError(f"{model.name!r} has no nn.Linear or Conv1D layer to quantize")
+
+    monkeypatch.setattr(quantizing, "quantize", refuse)
+    lm = tiny_lm("gpt2")
+    target = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-unquantizable")
+    want = decoders.generate(target, PROMPTS[0], max_new_tokens=20).tokens
+    with pytest.warns(UserWarning, match="could not be made"):
+        got = decoders.generate(target, PROMPTS[0], strategy="auto", max_new_tokens=20)
+    assert got.tokens == want and "draft" not in got.stats.details and got.stats.draft_calls == 0
+    with pytest.raises(ValueError, match="no nn.Linear"):  # asked for by name: the error is the caller's
+        decoders.generate(target, PROMPTS[0], strategy="auto", max_new_tokens=20, self_int8=True)
+
+
 def quantized(monkeypatch) -> list:
     """The models `decoders.quantize` makes copies of from here on, in order."""
     from decoders.models import quantize as quantizing

@@ -31,6 +31,7 @@ import itertools
 import math
 import operator
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -491,12 +492,22 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
     verdicts = VERDICTS.setdefault(model, {})
     if int8 is None and role not in verdicts:
         free = free_memory(model.device)
-        fits = free is None or int8_bytes(model) <= MEMORY * free
-        verdicts[role] = fits and cheaper(call_cost(model.self_draft("int8"), "draft"), call_cost(model, role),
-                                          context, bar)
+        verdicts[role] = (free is None or int8_bytes(model) <= MEMORY * free) and pays(model, role, context, bar)
         if not verdicts[role]:
             model.drop_self_draft("int8")
     return model.self_draft("int8") if int8 or verdicts[role] else None
+
+
+def pays(model: LM, role: str, context: int, bar: float) -> bool:
+    """Whether `model`'s int8 copy is `cheaper` (made here, if need be). A model `decoders.quantize` cannot copy (no
+    linear layer it knows, weights already quantized by another library, ...) drafts as it is, with a warning."""
+    try:
+        copy = model.self_draft("int8")
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
+        warnings.warn(f"auto drafts with {model.name!r} as it is: its int8 copy could not be made ({error})",
+                      stacklevel=4)
+        return False
+    return cheaper(call_cost(copy, "draft"), call_cost(model, role), context, bar)
 
 
 def cheaper(copy: CallCost, original: CallCost, context: int, bar: float) -> bool:
