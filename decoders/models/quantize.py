@@ -118,11 +118,13 @@ def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 
 
 def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    weight = weight.float()
-    scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(dtype).tiny)  # [out], a zero row gets a tiny scale
+    # In float32 where it matters (the row maxima are exact in any float dtype, and dividing by float32 scales promotes
+    # the weights as it reads them): the same bits as converting the chunk to float32 first, in fewer passes (making
+    # the bfloat16 1.5B's copy took 4.9 s that way on the AMD EPYC, 2.7-3.9 s this way)
+    scales = (weight.abs().amax(dim=1).float() / 127).clamp(min=torch.finfo(dtype).tiny)  # [out], a zero row: tiny
     stored = scales.to(dtype)
     stored = torch.where(stored.float() < scales, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
-    q = torch.round(weight / stored.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    q = (weight / stored.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), stored  # a transposed (Conv1D) weight would leave q transposed in memory
 
 

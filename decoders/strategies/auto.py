@@ -486,7 +486,8 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
     The copy's linear layers hold int8 weights with one scale per output, its embeddings and norms are the
     original's: where a call reads its weights once (one token on a CPU) it reads half the bytes of bfloat16. On the
     AMD EPYC the 0.5B's copy took 28 ms a call where the 0.5B in bfloat16 took 65, and the 1.5B's 0.48 of the 1.5B's
-    call. Making it costs seconds once, in the first run with the model (1.8 s for the 0.5B there)."""
+    call. Making it costs seconds once, in the first run with the model (1.3-1.7 s for the 0.5B there, 2.7-3.9 s for
+    the 1.5B)."""
     if int8 is False or model.quantized_from is not None:
         return None
     verdicts = VERDICTS.setdefault(model, {})
