@@ -276,7 +276,7 @@ def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monke
     assert drafted_by(False) == "tiny-draft" and made == [draft]  # measured dearer: made, measured, let go
     assert drafted_by(True) == "tiny-draft" and len(made) == 1  # the verdict holds for this draft
     assert drafted_by(False, draft_int8=True) == "tiny-draft:int8" and len(made) == 2
-    auto.VERDICTS.pop(draft)
+    auto.VERDICTS.pop(draft.model)
     assert drafted_by(True) == "tiny-draft:int8" and len(made) == 2  # (the copy kept with the draft)
     assert drafted_by(True, draft_int8=False) == "tiny-draft"
     int8 = decoders.quantize(draft, "int8")
@@ -304,7 +304,7 @@ def test_without_a_draft_the_target_drafts_as_its_own_int8_copy_where_that_pays_
 
     monkeypatch.setattr(auto, "free_memory", lambda device: 2 * auto.int8_bytes(target) - 1)  # short of room
     assert drafted_by() == (None, 0) and not made and not bars  # (not made to be measured either)
-    auto.VERDICTS.pop(target)
+    auto.VERDICTS.pop(target.model)
     monkeypatch.setattr(auto, "free_memory", lambda device: 2 * auto.int8_bytes(target))
     name, calls = drafted_by()
     assert name == "tiny-target:int8" and calls > 0 and made == [target] and bars == [auto.SELF]

@@ -212,3 +212,29 @@ def test_bad_scheme_and_quantizing_twice_raise():
     assert lm.self_draft("int8") is draft and is_quantized(draft) == "int8"
     with pytest.raises(ValueError, match="already quantized"):
         quantize(draft)
+
+
+def test_lms_wrapping_one_module_share_its_self_draft_for_as_long_as_the_module_lives(monkeypatch):
+    """transformers' `model.generate` wraps the module in a new LM on each call: its int8 copy is made once, each
+    wrapper gets its own LM around it (a draft of that wrapper, sharing its cache), and it goes with the module."""
+    import gc
+    import weakref
+
+    from conftest import tiny_model, tiny_tokenizer
+    from decoders.models import lm as lm_module, quantize as quantizing
+
+    made, quantize_lm = [], quantizing.quantize
+    monkeypatch.setattr(quantizing, "quantize", lambda lm, scheme: made.append(lm) or quantize_lm(lm, scheme))
+    module, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    first, second = decoders.wrap(module, tokenizer), decoders.wrap(module, tokenizer)
+    copy_first, copy_second = first.self_draft("int8"), second.self_draft("int8")
+    assert len(made) == 1 and copy_first.model is copy_second.model and copy_second.quantized_from() is second
+    prompt = first.encode(PROMPTS[0])
+    want = decoders.generate(second, prompt, max_new_tokens=12).tokens
+    got = decoders.generate(second, prompt, strategy="speculative", draft="self:int8", max_new_tokens=12)
+    assert got.tokens == want and got.stats.accepted > 0 and len(made) == 1
+    alive = weakref.ref(module)
+    assert alive() in lm_module.COPIES
+    del first, second, copy_first, copy_second, module, got, made[:]
+    gc.collect()
+    assert alive() is None  # the copy kept nothing of the module alive: no model outlives its last user

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import socket
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
@@ -44,6 +45,10 @@ def free_memory(device: torch.device) -> int | None:
 
         return psutil.virtual_memory().available
     return None
+
+
+COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> {scheme: its quantized module}
+# (`LM.self_draft`), for as long as the module lives
 
 
 class LM:
@@ -119,12 +124,19 @@ class LM:
 
     def self_draft(self, scheme: str) -> LM:
         """This model's own quantized copy (`decoders.quantize`), made on first use and kept with this LM: a draft
-        that needs no second model ("self:int8")."""
+        that needs no second model ("self:int8"). Every LM that wraps the same torch module shares its quantized
+        layers (`COPIES`): transformers' `model.generate` wraps the module anew in each call."""
         copies = self.__dict__.setdefault("_self_drafts", {})
         if scheme not in copies:
-            from decoders.models.quantize import quantize
+            made = COPIES.setdefault(self.model, {})
+            if scheme in made:
+                copies[scheme] = LM(made[scheme], self.tokenizer, name=f"{self.name}:{scheme}")
+                copies[scheme].quantized_from = weakref.ref(self)
+            else:
+                from decoders.models.quantize import quantize
 
-            copies[scheme] = quantize(self, scheme)
+                copies[scheme] = quantize(self, scheme)
+                made[scheme] = copies[scheme].model
         return copies[scheme]
 
     @property
@@ -135,6 +147,7 @@ class LM:
     def drop_self_draft(self, scheme: str) -> None:
         """Let go of the quantized copy `self_draft` made, if any (its memory is freed once no run holds it)."""
         self.__dict__.get("_self_drafts", {}).pop(scheme, None)
+        COPIES.get(self.model, {}).pop(scheme, None)
 
     def check_draft(self, draft: LM) -> None:
         """Raise unless `draft` shares this model's tokenizer (the same token -> id map, padding of the logits aside)."""

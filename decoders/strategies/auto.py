@@ -464,8 +464,9 @@ def levels_above(draft: Draft, levels: int) -> Draft:
     return draft.subset([n for n, d in enumerate(depths) if d < levels])
 
 
-VERDICTS: weakref.WeakKeyDictionary[LM, dict[str, bool]] = weakref.WeakKeyDictionary()  # model -> role -> whether
-# its int8 copy pays (`int8_copy`), so that a copy found too dear is not made again for each run
+VERDICTS: weakref.WeakKeyDictionary[object, dict[str, bool]] = weakref.WeakKeyDictionary()  # torch module -> role
+# -> whether its int8 copy pays (`int8_copy`), so that a copy found too dear is not made again for each run, nor for
+# each LM wrapping the module (transformers' `model.generate` wraps it anew in each call)
 
 
 def drafting_model(lm: LM, draft: LM | None, options: AutoOptions, context: int) -> LM | None:
@@ -490,7 +491,7 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
     the 1.5B)."""
     if int8 is False or model.quantized_from is not None:
         return None
-    verdicts = VERDICTS.setdefault(model, {})
+    verdicts = VERDICTS.setdefault(model.model, {})
     if int8 is None and role not in verdicts:
         free = free_memory(model.device)
         verdicts[role] = (free is None or int8_bytes(model) <= MEMORY * free) and pays(model, role, context, bar)
