@@ -159,12 +159,12 @@ class AutoDrafter:
         tree = propose(self.index, None, state.tokens, limit, self.suffix)
         if not self.trees:
             tree = tree.main_branch()
-        levels = summarize(tree)  # (confidence, nodes up to here) per level
+        levels = summarize(tree)  # the index's probability per level
         candidates, self.parts = [], {}  # self.parts: the draft-model-free drafts, by proposer
         if levels:
-            self.levels, self.suffix_curve = [c for c, _ in levels], match_curve(tree.match)
-            candidates.append(self.chooser.candidate("suffix", len(levels), self.levels, self.suffix_curve,
-                                                     nodes=tuple(n for _, n in levels)))
+            self.levels, self.suffix_curve = levels, match_curve(tree.match)
+            candidates.append(self.chooser.candidate("suffix", len(levels), levels, self.suffix_curve,
+                                                     nodes=per_level(tree.parents)))
             self.parts["suffix"] = Draft(tree.tokens, None, tree.parents, source="suffix")
         guesses = self.ahead.propose(state, limit) if self.ahead is not None else Draft([])
         if guesses.tokens:
@@ -314,7 +314,7 @@ class AutoDrafter:
             if not drafted:
                 return lead
             branch = propose(self.index, None, state.tokens + drafted, room, self.suffix).main_branch()
-            levels = [c for c, _ in summarize(branch)]
+            levels = summarize(branch)
             accept = self.chooser.chain("suffix", len(levels), levels, match_curve(branch.match))
             chosen, drafting = self.lead(branch.tokens, accept, room + 1, context, 1)
             guessed[0] += drafting[0] - self.cost.draft_seconds(1, context)  # (0 when nothing is guessed)
@@ -337,7 +337,7 @@ class AutoDrafter:
             self.cost.observe("draft", fed, context, first - start)
         if calls > 1:
             self.cost.observe("draft", 1, context, max(0.0, end - first - guessed[0]) / (calls - 1))
-        self.confidences = [p / before if before else 0.0 for p, before in zip(cumulative, [1.0, *cumulative])]
+        self.confidences = list(given_above(cumulative))
         return Draft(tokens, stack_probs(rows))
 
     def draft_tree(self, state: DecodeState, limit: int) -> Draft:
@@ -433,7 +433,7 @@ def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
     the paths part ways, a suffix path sure of its second level once its first is right does not make the draft
     model's second level likelier. With it, auto's int8-draft trees on mixed's QA expected 77 tokens and gave 62.)"""
     reach = [max(math.prod(path[:d]) for path in paths if len(path) >= d) for d in range(1, levels + 1)]
-    return tuple(r / above if above else 0.0 for r, above in zip(reach, [1.0, *reach]))
+    return given_above(reach)
 
 
 def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ...]:
@@ -449,6 +449,12 @@ def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ..
                 guess = tuple(tokens[:d])
                 guesses[guess] = max(guesses.get(guess, 0.0), math.prod(accept[:d]))
         reach.append(min(reach[-1] if reach else 1.0, 1.0 - math.prod(1.0 - p for p in guesses.values())))
+    return given_above(reach)
+
+
+def given_above(reach: Sequence[float]) -> tuple[float, ...]:
+    """[levels] P(level d accepted | the levels above accepted), from P(levels 1..d accepted) per level (0 below a
+    level never reached)."""
     return tuple(r / above if above else 0.0 for r, above in zip(reach, [1.0, *reach]))
 
 
@@ -486,9 +492,9 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
 
     The copy's linear layers hold int8 weights with one scale per output, its embeddings and norms are the
     original's: where a call reads its weights once (one token on a CPU) it reads half the bytes of bfloat16. On the
-    AMD EPYC the 0.5B's copy took 28 ms a call where the 0.5B in bfloat16 took 65, and the 1.5B's 0.48 of the 1.5B's
-    call. Making it costs seconds once, in the first run with the model (1.3-1.7 s for the 0.5B there, 2.7-3.9 s for
-    the 1.5B)."""
+    AMD EPYC the 0.5B's copy took 28 ms a call where the 0.5B in bfloat16 took 65, and the 1.5B's 0.48-0.51 of the
+    1.5B's call. Making it costs seconds once, in the first run with the model (1.3-1.7 s for the 0.5B there, 2.7-3.9
+    s for the 1.5B)."""
     if int8 is False or model.quantized_from is not None:
         return None
     verdicts = VERDICTS.setdefault(model.model, {})
@@ -534,15 +540,14 @@ def match_curve(match: int) -> str:
     return f"suffix:{min(8, 1 << (max(match, 1).bit_length() - 1))}"
 
 
-def summarize(tree: SuffixDraft) -> list[tuple[float, int]]:
-    """Per level of a suffix tree: (the index's probability of its best node given the best node above, the nodes
-    in this and the levels above)."""
+def summarize(tree: SuffixDraft) -> list[float]:
+    """Per level of a suffix tree: the index's probability of its best node given the best node above."""
     _, depths = ancestry(tree.parents)
-    levels: list[tuple[float, int]] = []
+    levels: list[float] = []
     best_above = 1.0
     for level in range(max(depths, default=-1) + 1):
         best = max(p for p, d in zip(tree.probs, depths) if d == level)
-        levels.append((min(1.0, best / best_above), sum(d <= level for d in depths)))
+        levels.append(min(1.0, best / best_above))
         best_above = best
     return levels
 
