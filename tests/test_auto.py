@@ -16,7 +16,8 @@ from decoders.strategies import auto
 
 @pytest.fixture
 def random_plans(monkeypatch):
-    """Every step: a random candidate (or a plain step) and a random length, half of them probes (exact length)."""
+    """Every step: a random candidate (or a plain step) and a random length, half of them probes (that length at
+    least)."""
     rng = random.Random(0)
 
     def choose(self, candidates, context):
@@ -112,6 +113,29 @@ def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch
     decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=10, draft_trees=False)
     drafts = [n for kind, n in observed if kind == "draft"]
     assert drafts[:2] == [len(prompt), 1]  # the prompt's call, then the 2 one-token calls of the first chain
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_a_draft_probe_drafts_its_tokens_then_on_while_the_next_one_pays(monkeypatch, pays):
+    """A probe of the draft model drafts its probe tokens, then runs on as any chain does: while one more token is
+    predicted to pay (`Chooser.keep_drafting`), up to max_draft."""
+    drafted, update = [], chooser.Chooser.update
+
+    def recording_update(self, proposer, n, accepted, *args):
+        if proposer == "draft":
+            drafted.append(n)
+        update(self, proposer, n, accepted, *args)
+
+    monkeypatch.setattr(chooser.Chooser, "choose",
+                        lambda self, candidates, context: chooser.Plan("draft", 2, 1.0, 1.0, probe=True))
+    monkeypatch.setattr(chooser.Chooser, "keep_drafting", lambda self, *args, **kwargs: pays)
+    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
+    lm = tiny_lm("llama")
+    want = decoders.generate(lm, PROMPTS[0], max_new_tokens=30).tokens
+    got = decoders.generate(lm, PROMPTS[0], strategy="auto", draft=lm, max_new_tokens=30, draft_trees=False,
+                            draft_int8=False, max_draft=6)
+    assert got.tokens == want
+    assert drafted[0] == (6 if pays else 2) and max(drafted) == drafted[0]
 
 
 @pytest.mark.parametrize("draft", ["separate", "self:int8"])

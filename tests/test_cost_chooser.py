@@ -16,6 +16,7 @@ import decoders
 from decoders.drafting import cost as cost_module
 from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, expected_tokens
 from decoders.drafting.cost import TARGET_SIZES, CallCost, CostModel, calibrate, fit
+from decoders.strategies import auto
 from decoders.strategies.auto import at_least, match_curve, union
 
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
@@ -167,6 +168,21 @@ def test_a_proposer_can_keep_one_calibration_curve_per_kind_of_draft():
     assert chooser.acceptance("suffix", 1) == pytest.approx(0.5, abs=0.05)  # pooled: half of the steps took both
     assert [match_curve(m) for m in (1, 2, 3, 4, 7, 8, 100)] == ["suffix:1", "suffix:2", "suffix:2", "suffix:4",
                                                                 "suffix:4", "suffix:8", "suffix:8"]
+
+
+def test_a_curve_whose_ceiling_is_known_starts_from_it_and_learns_on():
+    """`Chooser.ceilings`: a curve's measured ceiling is its prior (auto's suffix index per match length), evidence
+    moves it as any curve's; curves without one keep the default prior."""
+    chooser = Chooser(cpu_like())
+    chooser.ceilings.update({"suffix:1": 0.4, "suffix:8": 0.92})
+    assert chooser.calibrated("suffix:1", 1.0) == pytest.approx(0.4, abs=0.05)
+    assert chooser.calibrated("suffix:8", 1.0) == pytest.approx(0.92, abs=0.05)
+    assert chooser.calibrated("draft", 1.0) == pytest.approx(0.83, abs=0.01)  # (the default prior's)
+    assert chooser.calibrated("suffix:1", 0.5) < chooser.calibrated("suffix:1", 1.0)
+    for _ in range(10):
+        chooser.update("suffix", drafted=1, accepted=1, confidences=[1.0], curve="suffix:1")
+    assert chooser.calibrated("suffix:1", 1.0) > 0.8
+    assert set(auto.MATCH_CEILINGS) == {match_curve(m) for m in range(1, 100)}  # one per curve auto teaches
 
 
 def test_a_tree_of_several_paths_is_as_likely_as_its_likeliest_path_to_each_depth():

@@ -25,8 +25,9 @@ draft of the 1.5B, `evals.replay_chains`: 8-16% more estimated seconds than with
 drafters that are sure and wrong: the suffix index gives a token it saw once after the matched suffix probability 1,
 and with c ** gamma alone (1 for c = 1, whatever gamma) `auto` expected every such level accepted (3.0 tokens for
 two-level drafts that gave 1.3 on average: predicted 164 tokens for a 110-token run on the AMD EPYC).
-Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens, so that
-estimates it lost can recover.
+Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens (a draft
+model's chain: at least), so that estimates it lost can recover. A proposer whose acceptance is known better than the
+priors before a run (`Chooser.priors`, `Chooser.ceilings`) starts from that.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ CEILINGS = tuple(1 - miss for miss in (0.0, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0
 PRIOR = tuple(math.log(0.5 if a == 1 else 0.5 / (len(CEILINGS) - 1)) for a in CEILINGS)  # log prior of each ceiling:
 # even odds that the drafter is never wrong when sure (a draft model; one miss at probability 1 rules that out), the
 # other half spread evenly; every gamma equally likely
+SPREAD = 0.2  # the standard deviation of a known ceiling's prior (`Chooser.ceilings`): the curve's prior at
+# probability 1 is then 0.43 / 0.81 / 0.89 for ceilings of 0.4 / 0.75 / 0.92, and 5 tokens all taken lift a ceiling of
+# 0.4 to 0.76, 10 to 0.88 (with 0.1: 0.50 and 0.57, a run's evidence barely moving it)
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,8 @@ class Plan:
     k: int
     expected_tokens: float  # E(k), the target's own token included
     seconds: float  # S(k): drafting plus the target call
-    probe: bool = False  # taken by the break-even guard, not for its rate: draft exactly k levels
+    probe: bool = False  # taken by the break-even guard, not for its rate: draft k levels (a draft model's chain:
+    # at least k, then on while the next one pays)
 
     @property
     def rate(self) -> float:
@@ -120,6 +125,7 @@ class Chooser:
         self.fits: dict[str, list[list[float]]] = {}  # curve -> [CEILINGS][GAMMAS] log-likelihoods, decayed
         self.curves: dict[str, list[float]] = {}  # curve -> [GAMMAS] posterior weight x mean ceiling (cached)
         self.priors: dict[str, float] = {}  # proposer -> its prior acceptance where known better than prior_mean
+        self.ceilings: dict[str, float] = {}  # curve -> its prior ceiling a where known better than PRIOR's
 
     def acceptance(self, proposer: str, depth: int, confidence: float | None = None, curve: str | None = None
                    ) -> float:
@@ -147,7 +153,8 @@ class Chooser:
         probability 1 is judged 0.83 likely and one of 0.5 0.57, so a drafter is tried and learns."""
         weights = self.curves.get(curve)
         if weights is None:
-            fit = [[prior + f for f in row] for prior, row in zip(PRIOR, self.fits.get(curve) or self.no_fit())]
+            fits = self.fits.get(curve) or self.no_fit()
+            fit = [[prior + f for f in row] for prior, row in zip(self.prior(curve), fits)]
             top = max(map(max, fit))
             posterior = [[math.exp(f - top) for f in row] for row in fit]
             total = sum(map(sum, posterior))
@@ -180,6 +187,12 @@ class Chooser:
             counts[0], counts[1] = decay * counts[0] + took, decay * counts[1] + (not took)
             if confidence is not None:  # the calibration curve learns from every token with a probability
                 self.learn_curve(curve or proposer, confidence, took)
+
+    def prior(self, curve: str) -> Sequence[float]:
+        """[CEILINGS] log prior of each ceiling of `curve`: PRIOR, or where its ceiling is known (`ceilings`), a normal
+        density around it (SPREAD)."""
+        mean = self.ceilings.get(curve)
+        return PRIOR if mean is None else [-0.5 * ((a - mean) / SPREAD) ** 2 for a in CEILINGS]
 
     @staticmethod
     def no_fit() -> list[list[float]]:

@@ -109,6 +109,8 @@ class AutoDrafter:
         self.ahead = LookaheadDrafter(state, LOOKAHEAD) if self.trees else None  # (its window needs tree masks)
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = Chooser(self.cost)
+        self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
+        self.chooser.priors["lookup"] = LOOKUP_PRIOR  # first guesses were measured to be worth
         if self.model is not None:  # probe the draft model when first offered: its confidences then inform every
             # later choice
             self.chooser.declined["draft"] = self.chooser.options.probe_after
@@ -209,9 +211,12 @@ class AutoDrafter:
             self.chooser.declined.update(dict.fromkeys(self.parts, 0))
         elif plan.proposer == "lookup":
             draft, self.confidences = Draft(chain[: plan.k], source="lookup"), None
-        elif plan.proposer == "draft":
-            draft = self.draft_with_model(state, plan.k if plan.probe else room, plan.k if plan.probe else 1,
-                                          drafting[0] - per_token, lead)
+        elif plan.proposer == "draft":  # a probe drafts its tokens, then on while the next one pays, as any chain:
+            # stopped at its 2 tokens, the run's first draft (a probe, see __init__) and each later probe of a draft
+            # model that draft calls had come to pay gave up the tokens a chain would have run on to. Mixed (one
+            # prompt per category, int8 0.5B draft of the 1.5B, AMD EPYC, three interleaved repeats): 26.96 s against
+            # 28.28 (QA's target calls 19-21 against 23-24; `threshold` 29.89, `staged` 26.26)
+            draft = self.draft_with_model(state, room, plan.k if plan.probe else 1, drafting[0] - per_token, lead)
         elif plan.proposer == "tree":  # grown as staged grows it (best-first while a leaf is likely enough)
             draft, self.confidences = self.draft_tree(state, plan.k if plan.probe else limit), None
         else:
@@ -302,7 +307,7 @@ class AutoDrafter:
     def draft_with_model(self, state: DecodeState, limit: int, planned: int, catch_up: float, lead: list[int]
                          ) -> Draft:
         """Draft the `planned` tokens, then up to `limit` while the next one is predicted to pay, judged by the
-        draft's confidence in the tokens so far (a probe: limit == planned). The first call checks `lead` too (and
+        draft's confidence in the tokens so far (a probe plans its probe tokens). The first call checks `lead` too (and
         costs `catch_up` seconds more than a one-token call), each later one the suffix index's guess at what follows
         the tokens drafted, as much of it as `lead` finds worth it. Its calls refine the draft's costs: the first,
         which feeds what the draft has not seen (the whole prompt, at the start) and the lead, on its own."""
@@ -538,6 +543,15 @@ def match_curve(match: int) -> str:
     length tells most: replaying bench's greedy outputs of the 1.5B, first choices of probability 1 were accepted
     0.39 of the time after a 1-token match, 0.4-0.7 after 2-3, 0.7-1.0 after 4-7, and 0.96-1.0 after 8 or more."""
     return f"suffix:{min(8, 1 << (max(match, 1).bit_length() - 1))}"
+
+
+MATCH_CEILINGS = {"suffix:1": 0.4, "suffix:2": 0.75, "suffix:4": 0.85, "suffix:8": 0.92}  # the prior ceiling of
+# each `match_curve` (`Chooser.ceilings`): the share of the suffix index's guesses of probability 1 the target took,
+# replaying greedy outputs (bench and mixed of the 1.5B in bfloat16, seven prompts of SmolLM2-135M in float32):
+# 0.34-0.37 of the first levels and 0.4-0.45 of all after a 1-token match, 0.66-0.89 after 2-3, 0.82-0.92 after 4-7,
+# 0.86-1.0 after 8 or more (the default prior judged them all 0.83 likely until the run taught otherwise)
+LOOKUP_PRIOR = 0.3  # prompt lookup's prior acceptance of its first guess: `prompt_lookup` runs' first drafted tokens
+# were accepted 150 times in 462 over fourteen prompts of those suites and models (0.1-0.4 on most, 0.6-0.9 on copying)
 
 
 def summarize(tree: SuffixDraft) -> list[float]:
