@@ -128,13 +128,12 @@ class LM:
         layers (`COPIES`): transformers' `model.generate` wraps the module anew in each call."""
         copies = self.__dict__.setdefault("_self_drafts", {})
         if scheme not in copies:
+            from decoders.models.quantize import copy_of, quantize
+
             made = COPIES.setdefault(self.model, {})
             if scheme in made:
-                copies[scheme] = LM(made[scheme], self.tokenizer, name=f"{self.name}:{scheme}")
-                copies[scheme].quantized_from = weakref.ref(self)
+                copies[scheme] = copy_of(self, made[scheme], scheme)
             else:
-                from decoders.models.quantize import quantize
-
                 copies[scheme] = quantize(self, scheme)
                 made[scheme] = copies[scheme].model
         return copies[scheme]

@@ -197,7 +197,12 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
                     setattr(parent, name, replaced[id(child)])
     if not replaced:
         raise ValueError(f"{lm.name!r} has no nn.Linear or Conv1D layer to quantize")
-    quantized = LM(twin, lm.tokenizer, name=f"{lm.name}:{scheme}")
+    return copy_of(lm, twin, scheme)
+
+
+def copy_of(lm: LM, module, scheme: str) -> LM:
+    """`module`, a `scheme` copy of `lm`'s (made by `quantize`), as an LM named after `lm` and known as its copy."""
+    quantized = LM(module, lm.tokenizer, name=f"{lm.name}:{scheme}")
     quantized.quantized_from = weakref.ref(lm)  # as a draft of its original it may share its KV cache (draft_model)
     return quantized
 
