@@ -557,13 +557,8 @@ LOOKUP_PRIOR = 0.3  # prompt lookup's prior acceptance of its first guess: `prom
 def summarize(tree: SuffixDraft) -> list[float]:
     """Per level of a suffix tree: the index's probability of its best node given the best node above."""
     _, depths = ancestry(tree.parents)
-    levels: list[float] = []
-    best_above = 1.0
-    for level in range(max(depths, default=-1) + 1):
-        best = max(p for p, d in zip(tree.probs, depths) if d == level)
-        levels.append(min(1.0, best / best_above))
-        best_above = best
-    return levels
+    best = [max(p for p, d in zip(tree.probs, depths) if d == level) for level in range(max(depths, default=-1) + 1)]
+    return [min(1.0, p) for p in given_above(best)]
 
 
 @register("auto")
