@@ -214,6 +214,24 @@ def test_estimates_follow_a_change():
     assert chooser.acceptance("lookup", 1) < 0.2  # forgetting lets the recent misses dominate
 
 
+def test_plans_are_weighed_by_what_their_proposers_steps_gave_against_them():
+    chooser = Chooser(cpu_like())
+    tree = Candidate("tree", (0.6, 0.6), per_token_seconds=0.25)  # k=2: 1.96 tokens / 1.54 s = 1.273 tokens/s
+    chain = Candidate("draft", (0.6,), per_token_seconds=0.25)  # k=1: 1.6 tokens / 1.27 s = 1.260
+    first = chooser.choose([tree, chain], context=0)
+    assert (first.proposer, first.k) == ("tree", 2) and chooser.correction("tree") == 1.0
+    chooser.learn_rate(first, tokens=1, seconds=1.54)  # fewer tokens than planned, in the planned time
+    # tokens (2 prior steps as planned, decayed, + 1) / (the same + 1.96), seconds as planned: the tree's rate x 0.836
+    # = 1.064 < 1.260
+    prior = chooser.options.decay * 2 * 1.96
+    assert chooser.correction("tree") == pytest.approx((prior + 1) / (prior + 1.96))
+    assert chooser.choose([tree, chain], context=0).proposer == "draft"
+    for _ in range(3):  # then three steps of 2 tokens in half the planned time
+        chooser.learn_rate(first, tokens=2, seconds=0.77)
+    assert chooser.correction("tree") > 1.0
+    assert chooser.choose([tree, chain], context=0).proposer == "tree"
+
+
 def test_break_even_guard_probes_after_the_set_number_of_plain_steps():
     chooser = Chooser(CostModel(linear(1.0, 0.1), linear(0.8, 0.0)), ChooserOptions(probe_after=3, probe_tokens=2))
     draft = Candidate("draft", (0.3,) * 5, per_token_seconds=0.8)

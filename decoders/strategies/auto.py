@@ -19,8 +19,9 @@ The cost model (`decoders.drafting.cost`) is measured once per model, dtype, dev
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
 draft model and the suffix index, as a calibration curve of their own probabilities, the index's one per length of
 the suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a proposer it has turned
-down for a while. So the same code drafts long where draft calls are cheap (a GPU, an int8 draft), short or not at
-all where they are not, and copies wherever the context repeats itself.
+down for a while and weighs each proposer's plans by what its steps gave against them. So the same code drafts long
+where draft calls are cheap (a GPU, an int8 draft), short or not at all where they are not, and copies wherever the
+context repeats itself.
 
 Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode.
 """
@@ -38,7 +39,7 @@ from dataclasses import dataclass, replace
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_model, stack_probs
-from decoders.drafting.chooser import Candidate, Chooser
+from decoders.drafting.chooser import Candidate, Chooser, Plan
 from decoders.drafting.cost import CallCost, calibrate, call_cost
 from decoders.drafting.draft_model import SharedCacheDraft
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
@@ -151,13 +152,15 @@ class AutoDrafter:
         self.confidences: list[float] | None = []  # [levels] the proposer's probability of each level it drafted
         # (None: a proposer that knows none)
         self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
-        self.clock = 0.0
+        self.fed = 0  # and the tokens it feeds before the draft (the prompt, in the first step)
+        self.clock = self.began = 0.0  # when that call and the step began
+        self.plan = Plan(None, 0, 1.0, 1.0)  # the step's plan
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
         if state.draft is not None:
             state.stats.details["draft"] = state.draft.name
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
-        context, o = len(state.cache), self.options
+        context, o, self.began = len(state.cache), self.options, time.perf_counter()
         tree = propose(self.index, None, state.tokens, limit, self.suffix)
         if not self.trees:
             tree = tree.main_branch()
@@ -197,7 +200,7 @@ class AutoDrafter:
             if self.tree is not None:
                 candidates.append(self.tree_candidate(min(room, TREE.max_depth), context,
                                                       candidates[0] if levels else None, candidates[-1]))
-        plan = self.chooser.choose(candidates, context)
+        plan = self.plan = self.chooser.choose(candidates, context)
         self.record(state, plan)
         self.proposer, self.planned, self.confidences, curve = plan.proposer, plan.k, [], None
         self.start = len(state.tokens)
@@ -224,6 +227,7 @@ class AutoDrafter:
         if guesses.window is not None and plan.proposer in (None, "suffix", "lookup", "merged"):
             self.ride(draft, guesses.window, len(state.uncached()), context)
         ridden = len(draft.window.tokens) if draft.window is not None else 0
+        self.fed = len(state.uncached())
         self.scored, self.context, self.curve = len(state.uncached()) + len(draft.tokens) + ridden, context, curve
         self.clock = time.perf_counter()
         return draft
@@ -358,7 +362,10 @@ class AutoDrafter:
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         state.lm.synchronize()
-        self.cost.observe("target", self.scored, self.context, time.perf_counter() - self.clock, not draft.is_chain)
+        now = time.perf_counter()
+        self.cost.observe("target", self.scored, self.context, now - self.clock, not draft.is_chain)
+        if self.fed <= 1:  # (a plan does not count the prompt's prefill, which the first call also makes)
+            self.chooser.learn_rate(self.plan, accepted + 1, now - self.began)
         if self.proposer == "merged":  # each part learns how far its own guesses went
             path = state.tokens[self.start: self.start + accepted]
             for name, part in self.parts.items():
@@ -410,7 +417,7 @@ class AutoDrafter:
         caught = accepted < levels and target == self.model.runner_ups[accepted]
         self.chooser.update("tree", levels, min(levels, accepted + caught))
 
-    def record(self, state: DecodeState, plan) -> None:
+    def record(self, state: DecodeState, plan: Plan) -> None:
         """What auto chose, for reports: steps per proposer, and the predicted tokens and seconds."""
         details = state.stats.details
         name = plan.proposer or "none"
