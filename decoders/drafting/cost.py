@@ -31,11 +31,26 @@ TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # n measured for the target (a chain of 
 DRAFT_SIZES = (1, 8)  # a draft call scores one token, more when it catches up after steps it sat out
 SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
 BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least one), so only cheap calls repeat
-WEIGHT = 0.1  # how far one observation moves the correction factor (in log space): about the last 10 calls count;
-# a run's first calls weigh 1, 1/2, 1/3 ... (a running mean) until that falls to WEIGHT, so a calibration measured on a
-# busy machine (one draft calibration here had a 0.5B call at 0.65 of a 1.5B call; runs measured 0.33) is corrected
-# by the run's first call instead of after tens of calls, which auto might never make while the draft looks too dear
+WEIGHT = 0.1  # how far one observation moves a `RunningMean` (the correction factor: in log space): about the last 10
+# calls count; a run's first calls weigh 1, 1/2, 1/3 ... (a running mean) until that falls to WEIGHT, so a calibration
+# measured on a busy machine (one draft calibration here had a 0.5B call at 0.65 of a 1.5B call; runs measured 0.33)
+# is corrected by the run's first call instead of after tens of calls, which auto might never make while the draft
+# looks too dear
 Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
+
+
+@dataclass
+class RunningMean:
+    """The mean of the first 1 / WEIGHT values added, then an exponential average over about the last 1 / WEIGHT (a
+    run's costs drift as its context grows). A prior given as `mean` with `count` 1 weighs as one value; with count 0
+    the first value replaces it."""
+
+    mean: float = 0.0
+    count: int = 0  # values added (and the prior, when it counts)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.mean += max(WEIGHT, 1.0 / self.count) * (value - self.mean)
 
 
 @dataclass
@@ -47,8 +62,8 @@ class CallCost:
     per_position: float = 0.0  # seconds per cached position (attention over the context), >= 0
     scale: float = 1.0  # online correction: a running geometric mean of observed / fitted seconds
     samples: tuple[Sample, ...] = ()  # the measurements it was fitted to, kept for reports and plots
-    observations: int = field(default=0, compare=False)  # calls observed since loaded (not saved: each run corrects
-    # from its own first call)
+    log_ratios: RunningMean = field(default_factory=RunningMean, compare=False)  # of the calls observed since loaded,
+    # whose mean is log(scale) (not saved: each run corrects from its own first call)
 
     def fitted(self, n: int, context: int) -> float:
         """Seconds of the calibrated fit, before the online correction."""
@@ -63,10 +78,8 @@ class CallCost:
     def observe(self, n: int, context: int, seconds: float) -> None:
         """Move the correction factor toward a measured call: the mean of the first 1 / WEIGHT calls' ratios, then
         an exponential average (an outlier among them moves it at most WEIGHT * log 4)."""
-        ratio = min(max(seconds / self.fitted(n, context), 0.25), 4.0)
-        self.observations += 1
-        weight = max(WEIGHT, 1.0 / self.observations)
-        self.scale = math.exp((1 - weight) * math.log(self.scale) + weight * math.log(ratio))
+        self.log_ratios.add(math.log(min(max(seconds / self.fitted(n, context), 0.25), 4.0)))
+        self.scale = math.exp(self.log_ratios.mean)
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,
@@ -219,7 +232,13 @@ class CostModel:
     target: CallCost
     draft: CallCost | None = None  # None: no draft model
     observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
-    tree_extra: float = 0.0  # seconds a tree call costs beyond a causal call of as many tokens (a running mean)
+    tree_extras: RunningMean = field(default_factory=RunningMean)  # seconds tree calls cost beyond causal calls of as
+    # many tokens
+
+    @property
+    def tree_extra(self) -> float:
+        """Seconds a tree call costs beyond a causal call of as many tokens, as the run's tree calls measured it."""
+        return self.tree_extras.mean
 
     def target_seconds(self, n: int, context: int, tree: bool = False) -> float:
         """One target call scoring `n` tokens (a draft of n - 1 plus one) after `context` cached ones; `tree`: a
@@ -246,8 +265,7 @@ class CostModel:
         kind = "tree" if tree and kind == "target" else kind
         self.observed[kind] = self.observed.get(kind, 0) + 1
         if kind == "tree":
-            weight = max(WEIGHT, 1.0 / self.observed[kind])
-            self.tree_extra += weight * (seconds - part.predict(n, context) - self.tree_extra)
+            self.tree_extras.add(seconds - part.predict(n, context))
         else:
             part.observe(n, context, seconds)
 
@@ -258,8 +276,9 @@ class CostModel:
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
         draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
-        return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})),
-                   data.get("tree_extra", 0.0))
+        observed = dict(data.get("observed", {}))
+        return cls(CallCost.from_dict(data["target"]), draft, observed,
+                   RunningMean(data.get("tree_extra", 0.0), observed.get("tree", 0)))
 
 
 def calibrate(lm, draft=None, *, cache: bool = True, refresh: bool = False, folder: Path | None = None,

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_model, stack_probs
 from decoders.drafting.chooser import Candidate, Chooser, Plan
-from decoders.drafting.cost import CallCost, calibrate, call_cost
+from decoders.drafting.cost import CallCost, RunningMean, calibrate, call_cost
 from decoders.drafting.draft_model import SharedCacheDraft
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
 from decoders.drafting.tree import ancestry, common, depth, first_branch, merge
@@ -141,7 +141,7 @@ class AutoDrafter:
         # level (the width the draft's costs set, see StagedOptions), `branching` nodes a level
         if self.tree is not None:
             wide = self.cost.draft.predict(self.tree.options.width, len(state.tokens))
-            self.tree_level, self.tree_nodes = Mean(wide), Mean(float(TREE.branching))
+            self.tree_level, self.tree_nodes = RunningMean(wide, 1), RunningMean(float(TREE.branching), 1)
         self.parts: dict[str, Draft] = {}  # this step's drafts of the suffix index, lookahead and prompt lookup
         self.levels: list[float] = []  # the suffix index's probability per level of its tree, given the levels above
         self.suffix_curve = ""  # the calibration curve those probabilities teach (`match_curve`)
@@ -424,18 +424,6 @@ class AutoDrafter:
         details["steps"][name] = details["steps"].get(name, 0) + 1
         details["predicted_tokens"] += plan.expected_tokens
         details["predicted_seconds"] += plan.seconds
-
-
-class Mean:
-    """A running mean from a prior worth one observation: the mean of the first 10 values, then an exponential
-    average over about the last 10 (a run's costs drift as its context grows)."""
-
-    def __init__(self, prior: float) -> None:
-        self.mean, self.count = prior, 1
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        self.mean += (value - self.mean) / min(self.count, 10)
 
 
 def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
