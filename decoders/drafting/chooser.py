@@ -260,12 +260,11 @@ class Chooser:
     def learn_rate(self, plan: Plan, tokens: int, seconds: float) -> None:
         """Learn from a step taken on `plan` that gave `tokens` new tokens (the target's own included) in `seconds`
         (drafting, the target call and the step's own work), for `correction`."""
-        decay, strength = self.options.decay, self.options.prior_strength
-        sums = self.realized.setdefault(plan.proposer, [strength * plan.expected_tokens, strength *
-                                                        plan.expected_tokens, strength * plan.seconds,
-                                                        strength * plan.seconds])  # (the prior: as predicted)
+        predicted = (plan.expected_tokens, plan.expected_tokens, plan.seconds, plan.seconds)
+        prior = [self.options.prior_strength * value for value in predicted]  # (steps that ran as predicted)
+        sums = self.realized.setdefault(plan.proposer, prior)
         for i, value in enumerate((plan.expected_tokens, tokens, plan.seconds, seconds)):
-            sums[i] = decay * sums[i] + value
+            sums[i] = self.options.decay * sums[i] + value
 
     def correction(self, proposer: str | None) -> float:
         """How much faster than predicted `proposer`'s steps have run (`learn_rate`): realized over predicted tokens

@@ -146,15 +146,13 @@ class AutoDrafter:
         self.levels: list[float] = []  # the suffix index's probability per level of its tree, given the levels above
         self.suffix_curve = ""  # the calibration curve those probabilities teach (`match_curve`)
         self.start = 0  # where this step's draft begins in the run's tokens
-        self.proposer: str | None = None  # what the last proposal came from
-        self.planned = 0  # the levels its plan counted on
+        self.plan = Plan(None, 0, 1.0, 1.0)  # the last proposal's plan: what it came from, the levels it counted on
         self.curve: str | None = None  # the calibration curve its confidences teach, when not the proposer's own
         self.confidences: list[float] | None = []  # [levels] the proposer's probability of each level it drafted
         # (None: a proposer that knows none)
         self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
         self.fed = 0  # and the tokens it feeds before the draft (the prompt, in the first step)
         self.clock = self.began = 0.0  # when that call and the step began
-        self.plan = Plan(None, 0, 1.0, 1.0)  # the step's plan
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
         if state.draft is not None:
             state.stats.details["draft"] = state.draft.name
@@ -202,7 +200,7 @@ class AutoDrafter:
                                                       candidates[0] if levels else None, candidates[-1]))
         plan = self.plan = self.chooser.choose(candidates, context)
         self.record(state, plan)
-        self.proposer, self.planned, self.confidences, curve = plan.proposer, plan.k, [], None
+        self.confidences, curve = [], None
         self.start = len(state.tokens)
         if plan.proposer == "suffix":
             draft = levels_above(self.parts["suffix"], plan.k)
@@ -228,7 +226,7 @@ class AutoDrafter:
             self.ride(draft, guesses.window, len(state.uncached()), context)
         ridden = len(draft.window.tokens) if draft.window is not None else 0
         self.fed = len(state.uncached())
-        self.scored, self.context, self.curve = len(state.uncached()) + len(draft.tokens) + ridden, context, curve
+        self.scored, self.context, self.curve = self.fed + len(draft.tokens) + ridden, context, curve
         self.clock = time.perf_counter()
         return draft
 
@@ -366,22 +364,22 @@ class AutoDrafter:
         self.cost.observe("target", self.scored, self.context, now - self.clock, not draft.is_chain)
         if self.fed <= 1:  # (a plan does not count the prompt's prefill, which the first call also makes)
             self.chooser.learn_rate(self.plan, accepted + 1, now - self.began)
-        if self.proposer == "merged":  # each part learns how far its own guesses went
+        if self.plan.proposer == "merged":  # each part learns how far its own guesses went
             path = state.tokens[self.start: self.start + accepted]
             for name, part in self.parts.items():
                 verified = part.subset(common(part, draft))
                 if verified.tokens:
                     confidences, curve = (self.levels, self.suffix_curve) if name == "suffix" else (None, None)
                     self.chooser.update(name, depth(verified), len(verified.follow(path)), confidences, curve)
-        elif self.proposer is not None and draft.tokens:
+        elif self.plan.proposer is not None and draft.tokens:
             levels = depth(draft)  # fewer than proposed when the grammar or an EOS cut it
             confidences = None if self.confidences is None else self.confidences[:levels]
             # a tree grows as deep as staged's rule finds its leaves likely, which may fall short of the levels the
             # plan counted on: a level it did not grow is one not accepted. Counting only the levels grown, a 12-level
             # plan expected 7.6 tokens where the trees grown gave 2-6 (int8 draft, mixed's QA)
-            short = self.proposer == "tree" and levels < self.planned and accepted == levels
-            self.chooser.update(self.proposer, levels + short, accepted, confidences, self.curve)
-        if self.proposer == "tree" and draft.tokens:
+            short = self.plan.proposer == "tree" and levels < self.plan.k and accepted == levels
+            self.chooser.update(self.plan.proposer, levels + short, accepted, confidences, self.curve)
+        if self.plan.proposer == "tree" and draft.tokens:
             # the tree's first branch is the chain the draft model would have drafted: what the target made of it
             # teaches the chains' estimates too, so chains and trees are weighed on the same evidence. Taught only by
             # their own steps, whichever of the two won the run's first steps kept every later one (the other is
@@ -391,9 +389,9 @@ class AutoDrafter:
             path = draft.follow(state.tokens[self.tree.start: self.tree.start + accepted])
             taken = next((i for i, (a, b) in enumerate(zip(main, path)) if a != b), min(len(main), len(path)))
             self.chooser.update("draft", len(main), taken)
-        if self.proposer == "draft" and self.tree is not None and draft.tokens:
+        if self.plan.proposer == "draft" and self.tree is not None and draft.tokens:
             self.teach_tree(state, draft, accepted)
-        if self.proposer == "tree":
+        if self.plan.proposer == "tree":
             self.tree.update(state, draft, accepted)  # keeps the accepted path in the draft cache
         elif self.model is not None:
             self.model.rewind()
