@@ -20,7 +20,7 @@ def random_plans(monkeypatch):
     least)."""
     rng = random.Random(0)
 
-    def choose(self, candidates, context):
+    def choose(self, candidates, context, fed=1):
         picked = rng.choice([*candidates, None])
         if picked is None:
             return chooser.Plan(None, 0, 1.0, 1.0)
@@ -69,7 +69,7 @@ def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
     on the target's cache, and `draft_trees=False` get plain chains only."""
     offered, widths = [], []
 
-    def choose(self, candidates, context):
+    def choose(self, candidates, context, fed=1):
         offered.append({c.proposer for c in candidates})
         tree = next((c for c in candidates if c.proposer == "tree"), None)
         return chooser.Plan("tree", len(tree.accept), 1.0, 1.0) if tree else chooser.Plan(None, 0, 1.0, 1.0)
@@ -107,7 +107,7 @@ def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch
     monkeypatch.setattr(CostModel, "observe",
                         lambda self, kind, n, context, seconds, tree=False: observed.append((kind, n)))
     monkeypatch.setattr(chooser.Chooser, "choose",
-                        lambda self, candidates, context: chooser.Plan("draft", 3, 1.0, 1.0, probe=True))
+                        lambda self, candidates, context, fed=1: chooser.Plan("draft", 3, 1.0, 1.0, probe=True))
     lm = tiny_lm("llama")
     prompt = lm.encode(PROMPTS[0])
     decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=10, draft_trees=False)
@@ -127,7 +127,7 @@ def test_a_draft_probe_drafts_its_tokens_then_on_while_the_next_one_pays(monkeyp
         update(self, proposer, n, accepted, *args)
 
     monkeypatch.setattr(chooser.Chooser, "choose",
-                        lambda self, candidates, context: chooser.Plan("draft", 2, 1.0, 1.0, probe=True))
+                        lambda self, candidates, context, fed=1: chooser.Plan("draft", 2, 1.0, 1.0, probe=True))
     monkeypatch.setattr(chooser.Chooser, "keep_drafting", lambda self, *args, **kwargs: pays)
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
     lm = tiny_lm("llama")
@@ -145,9 +145,9 @@ def test_the_draft_is_probed_at_once_unless_it_drafts_on_the_targets_still_empty
     nothing, and drafting then would compute the prompt's keys and values only to throw them away."""
     offered, plans, choose = [], [], chooser.Chooser.choose
 
-    def recording_choose(self, candidates, context):
+    def recording_choose(self, candidates, context, fed=1):
         offered.append({c.proposer for c in candidates})
-        plans.append(choose(self, candidates, context))
+        plans.append(choose(self, candidates, context, fed))
         return plans[-1]
 
     monkeypatch.setattr(chooser.Chooser, "choose", recording_choose)
@@ -166,7 +166,7 @@ def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_wher
     window rides along where it adds at most RIDE to the call (here: never, or always)."""
     seen = {"offered": 0, "windows": 0}
 
-    def choose(self, candidates, context):
+    def choose(self, candidates, context, fed=1):
         ahead = next((c for c in candidates if c.proposer == "lookahead"), None)
         if ahead is None:
             return chooser.Plan(None, 0, 1.0, 1.0)
@@ -202,7 +202,7 @@ def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(m
     guesses went, never the merged tree itself."""
     updates = []
 
-    def choose(self, candidates, context):
+    def choose(self, candidates, context, fed=1):
         merged = next((c for c in candidates if c.proposer == "merged"), None)
         if merged is None:
             return chooser.Plan(None, 0, 1.0, 1.0)
@@ -249,7 +249,7 @@ def test_a_chain_teaches_the_trees_estimates_what_a_tree_would_have_caught(monke
     taught = []  # (chain's drafted, chain's accepted, tree's levels, tree's accepted)
     update = chooser.Chooser.update
 
-    def choose(self, candidates, context):
+    def choose(self, candidates, context, fed=1):
         chain = next((c for c in candidates if c.proposer == "draft"), None)
         assert chain is None or any(c.proposer == "tree" for c in candidates)  # (both models take tree masks)
         return chooser.Plan("draft", 4, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)

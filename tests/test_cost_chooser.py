@@ -74,6 +74,15 @@ def test_free_lookup_taken_whenever_acceptance_is_positive_on_flat_costs():
     assert chooser.choose([Candidate("lookup", (0.05,))], context=0).proposer == "lookup"
 
 
+def test_a_call_that_feeds_the_prompt_makes_unlikely_levels_worth_drafting():
+    chooser = Chooser(cpu_like())  # each scored position costs 2% of a one-token call
+    lookup = Candidate("lookup", (0.01,))
+    assert chooser.choose([lookup], context=0).proposer is None  # 1.01 tokens / 1.02 s < 1 token / 1 s
+    plan = chooser.choose([lookup], context=0, fed=300)  # the prompt's 300 tokens cost 6.98 s: 1.01 / 7.0 > 1 / 6.98
+    assert (plan.proposer, plan.seconds) == ("lookup", pytest.approx(1.0 + 0.02 * 300))
+    assert chooser.evaluate(None, 0, context=0, fed=300).seconds == pytest.approx(1.0 + 0.02 * 299)
+
+
 def test_tree_levels_cost_their_nodes():
     chooser = Chooser(cpu_like())
     tree = Candidate("suffix", (0.9, 0.9), nodes=(3, 7))  # 3 nodes on level 1, 4 more on level 2

@@ -223,36 +223,39 @@ class Chooser:
                 row[:] = [decay * f + math.log1p(-a * power) for f, power in zip(row, powers)]
         self.curves.pop(curve, None)
 
-    def evaluate(self, candidate: Candidate | None, k: int, context: int) -> Plan:
-        """E(k) and S(k) of verifying the first `k` levels of `candidate` after `context` cached tokens."""
+    def evaluate(self, candidate: Candidate | None, k: int, context: int, fed: int = 1) -> Plan:
+        """E(k) and S(k) of verifying the first `k` levels of `candidate` after `context` cached tokens, in a target
+        call that feeds `fed` tokens before the draft (the last one accepted; in a run's first step, the prompt)."""
         if candidate is None or k == 0:
-            return Plan(None, 0, 1.0, self.cost.target_seconds(1, context))
+            return Plan(None, 0, 1.0, self.cost.target_seconds(fed, context))
         nodes = candidate.nodes[k - 1] if candidate.nodes else k
         if candidate.drafting:
             extra = candidate.drafting[k - 1]
         else:
             extra = candidate.fixed_seconds + k * candidate.per_token_seconds
         tree = candidate.tree if candidate.tree is not None else nodes > k
-        seconds = extra + self.cost.target_seconds(1 + nodes, context, tree)
+        seconds = extra + self.cost.target_seconds(fed + nodes, context, tree)
         return Plan(candidate.proposer, k, expected_tokens(candidate.accept[:k]), seconds)
 
-    def best(self, candidate: Candidate, context: int) -> Plan:
+    def best(self, candidate: Candidate, context: int, fed: int = 1) -> Plan:
         """The prefix of `candidate` (at least one level) of highest rate; the shortest on ties."""
-        return max((self.evaluate(candidate, k, context) for k in range(1, len(candidate.accept) + 1)),
+        return max((self.evaluate(candidate, k, context, fed) for k in range(1, len(candidate.accept) + 1)),
                    key=lambda plan: plan.rate)
 
-    def choose(self, candidates: Sequence[Candidate], context: int) -> Plan:
+    def choose(self, candidates: Sequence[Candidate], context: int, fed: int = 1) -> Plan:
         """The plan of highest expected tokens per second among `candidates` and a plain step, each rate corrected by
         what its proposer's steps gave against their plans (`correction`), except that a proposer declined
-        `probe_after` steps in a row is probed with `probe_tokens` levels."""
+        `probe_after` steps in a row is probed with `probe_tokens` levels. `fed`: as in `evaluate` (where the call
+        feeds the prompt, a draft's levels cost a small share of it, and are worth drafting though unlikely)."""
         offered = [c for c in candidates if c.accept]
-        plan = max([self.evaluate(None, 0, context), *(self.best(c, context) for c in offered)],
+        plan = max([self.evaluate(None, 0, context, fed), *(self.best(c, context, fed) for c in offered)],
                    key=lambda p: p.rate * self.correction(p.proposer))
         due = [c for c in offered if c.proposer != plan.proposer
                and self.declined.get(c.proposer, 0) >= self.options.probe_after]
         if due:
             probe = max(due, key=lambda c: self.declined[c.proposer])
-            plan = replace(self.evaluate(probe, min(self.options.probe_tokens, len(probe.accept)), context), probe=True)
+            k = min(self.options.probe_tokens, len(probe.accept))
+            plan = replace(self.evaluate(probe, k, context, fed), probe=True)
         for c in offered:
             self.declined[c.proposer] = 0 if c.proposer == plan.proposer else self.declined.get(c.proposer, 0) + 1
         return plan

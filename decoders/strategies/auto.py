@@ -159,6 +159,7 @@ class AutoDrafter:
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
         context, o, self.began = len(state.cache), self.options, time.perf_counter()
+        self.fed = len(state.uncached())  # what the target call feeds before the draft: the prompt in the first step
         tree = propose(self.index, None, state.tokens, limit, self.suffix)
         if not self.trees:
             tree = tree.main_branch()
@@ -198,7 +199,7 @@ class AutoDrafter:
             if self.tree is not None:
                 candidates.append(self.tree_candidate(min(room, TREE.max_depth), context,
                                                       candidates[0] if levels else None, candidates[-1]))
-        plan = self.plan = self.chooser.choose(candidates, context)
+        plan = self.plan = self.chooser.choose(candidates, context, self.fed)
         self.record(state, plan)
         self.confidences, curve = [], None
         self.start = len(state.tokens)
@@ -223,9 +224,8 @@ class AutoDrafter:
         else:
             draft = Draft([])
         if guesses.window is not None and plan.proposer in (None, "suffix", "lookup", "merged"):
-            self.ride(draft, guesses.window, len(state.uncached()), context)
+            self.ride(draft, guesses.window, self.fed, context)
         ridden = len(draft.window.tokens) if draft.window is not None else 0
-        self.fed = len(state.uncached())
         self.scored, self.context, self.curve = self.fed + len(draft.tokens) + ridden, context, curve
         self.clock = time.perf_counter()
         return draft
@@ -362,7 +362,8 @@ class AutoDrafter:
         state.lm.synchronize()
         now = time.perf_counter()
         self.cost.observe("target", self.scored, self.context, now - self.clock, not draft.is_chain)
-        if self.fed <= 1:  # (a plan does not count the prompt's prefill, which the first call also makes)
+        if self.fed <= 1:  # (a call that feeds the prompt is costed by extrapolating the calibrated curve far past
+            # its last knot: it would teach the correction little)
             self.chooser.learn_rate(self.plan, accepted + 1, now - self.began)
         if self.plan.proposer == "merged":  # each part learns how far its own guesses went
             path = state.tokens[self.start: self.start + accepted]
