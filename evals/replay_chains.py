@@ -127,7 +127,7 @@ class Threshold(Rule):
 class Auto(Rule):
     """`auto` restricted to the draft model's chains: each step the chooser takes a chain or a plain step, and a
     chain runs while one more token is predicted to pay (as `auto` drafts with a draft model). Without `auto`'s
-    correction of each proposer's plans by what its steps gave (`Chooser.correction`), which a run learns from its
+    correction of the draft model's plans by what their steps gave (`Chooser.correction`), which a run learns from its
     own timed steps."""
 
     def __init__(self, options: ChooserOptions, cost, shares_cache: bool, max_draft: int = AutoOptions.max_draft

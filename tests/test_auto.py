@@ -50,6 +50,21 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
         assert result.text in (" red", " green")
 
 
+def test_only_the_draft_models_plans_learn_a_correction(monkeypatch, random_plans):
+    """The draft model's chains and trees draft other than their plans counted on, and their plans are corrected by
+    what their steps gave; the other proposers draft their plans' levels, and are not (`auto.GROWN`)."""
+    learned = []
+    monkeypatch.setattr(chooser.Chooser, "learn_rate", lambda self, plan, *given: learned.append(plan.proposer))
+    lm = tiny_lm("llama")
+    steps = {}
+    for prompt in PROMPTS:
+        for name, count in decoders.generate(lm, prompt * 2, strategy="auto", draft=lm, max_new_tokens=40
+                                             ).stats.details["steps"].items():
+            steps[name] = steps.get(name, 0) + count
+    assert set(learned) == set(auto.GROWN)
+    assert {"suffix", "merged", "none"} <= set(steps)  # (taken, and not learned from)
+
+
 def test_a_model_without_tree_masks_gets_the_suffix_trees_main_branch(monkeypatch):
     from conftest import tiny_model, tiny_tokenizer
     from decoders.models import lm as lm_module

@@ -29,14 +29,14 @@ Break-even guard: a proposer declined `probe_after` steps in a row is taken once
 model's chain: at least), so that estimates it lost can recover. A proposer whose acceptance is known better than the
 priors before a run (`Chooser.priors`, `Chooser.ceilings`) starts from that.
 
-Last, what each proposer's steps gave against what their plans predicted corrects how its plans are compared
-(`correction`): a plan's E and S are for the levels it counts on, while a draft model's chain runs on while its
-confidences say the next token pays and its tree grows as `staged` grows it, so what is drafted is not what was
-planned, and the chosen levels' estimates err in ways no single step shows. With the int8 0.5B draft of the 1.5B (AMD
-EPYC), trees' steps gave 96 tokens where their plans expected 59, in 4.71 s for 3.72; the suffix index's 14 for 18;
-the plans' rates alone took trees in 11 of math's 22 steps, corrected in 12 of 16. Mixed (one prompt per category),
-two interleaved repeats: 23.5 s against 25.0 (`staged` 23.5); bench 16.9 against 17.1; without a draft and with
-SmolLM2-135M equal within 1%.
+Last, what a proposer's steps gave against what their plans predicted may correct how its plans are compared
+(`correction`, learned from the steps the caller passes to `learn_rate`): a plan's E and S are for the levels it
+counts on, while a draft model's chain runs on while its confidences say the next token pays and its tree grows as
+`staged` grows it, so what is drafted is not what was planned, and the chosen levels' estimates err in ways no single
+step shows. With the int8 0.5B draft of the 1.5B (AMD EPYC), trees' steps gave 96 tokens where their plans expected
+59, in 4.71 s for 3.72; the plans' rates alone took trees in 11 of math's 22 steps, corrected in 12 of 16. Mixed (one
+prompt per category), two interleaved repeats: 23.5 s against 25.0 (`staged` 23.5); bench 16.9 against 17.1; without
+a draft and with SmolLM2-135M equal within 1%. (`auto` corrects only those two: see `decoders.strategies.auto.GROWN`.)
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ The cost model (`decoders.drafting.cost`) is measured once per model, dtype, dev
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
 draft model and the suffix index, as a calibration curve of their own probabilities, the index's one per length of
 the suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a proposer it has turned
-down for a while and weighs each proposer's plans by what its steps gave against them. So the same code drafts long
+down for a while and weighs the draft model's plans by what their steps gave against them. So the same code drafts long
 where draft calls are cheap (a GPU, an int8 draft), short or not at all where they are not, and copies wherever the
 context repeats itself.
 
@@ -67,6 +67,15 @@ SELF = 0.6  # without a draft model, auto drafts with the target's own int8 copy
 # in float32 there (seven prompts 1.4-3.4x, without it 1.0-3.6x), and 0.51 for the 1.5B on the Intel Xeon with AMX
 # (`auto` with `draft="self:int8"` 1.51x overall there)
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
+GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what their steps gave (`Chooser.correction`):
+# the draft model's chains run on while its confidences say the next token pays, and its trees grow as `staged` grows
+# them, so neither drafts what its plan counted on. The other proposers' drafts are their plans' levels, whose errors
+# are acceptance errors their estimates learn already; correcting those plans again made one unlucky step stick (a
+# proposer corrected down is seldom taken, and its correction cannot recover): on mixed's summarization without a
+# draft model (the 1.5B in bfloat16, AMD EPYC) the suffix index's guesses were corrected to 0.68 after three steps and
+# its int8 copy drafted instead, 27 calls of 64-110 ms to save 9 target calls. Two interleaved repeats of mixed (one
+# prompt per category): without a draft 26.4 s against 27.6, with the int8 0.5B draft 24.6 against 25.1; bench
+# without a draft 20.4 against 20.4, SmolLM2-135M's seven prompts 14.8 against 14.5
 RIDE = 0.1  # the most a target call may grow to carry lookahead's window along (`AutoDrafter.ride`): on the AMD
 # EPYC the 6 tokens of the default window add 8% to a plain step, and 20% or more to a call of 16 or more tokens
 
@@ -362,8 +371,8 @@ class AutoDrafter:
         state.lm.synchronize()
         now = time.perf_counter()
         self.cost.observe("target", self.scored, self.context, now - self.clock, not draft.is_chain)
-        if self.fed <= 1:  # (a call that feeds the prompt is costed by extrapolating the calibrated curve far past
-            # its last knot: it would teach the correction little)
+        if self.plan.proposer in GROWN and self.fed <= 1:  # (a call that feeds the prompt is costed by extrapolating
+            # the calibrated curve far past its last knot: it would teach the correction little)
             self.chooser.learn_rate(self.plan, accepted + 1, now - self.began)
         if self.plan.proposer == "merged":  # each part learns how far its own guesses went
             path = state.tokens[self.start: self.start + accepted]
