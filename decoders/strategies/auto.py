@@ -203,10 +203,10 @@ class AutoDrafter:
             # instead turned the draft down for 16 steps in a row after one unsure draft (until the next probe):
             # replayed (evals.replay_chains) on the default and mixed suites that cost 8-16% with the int8 or bf16
             # 0.5B draft of the 1.5B, and within 2% either way with the 1.5B's own int8 copy
-            fed = len(self.model.uncached())
+            unseen = len(self.model.uncached())  # what the draft's first call feeds (not `self.fed`: the target's)
             guessed = levels and not self.model.translates  # (a draft of another vocabulary drafts through text)
             guess, accept = (tree.main_branch().tokens, candidates[0].accept) if guessed else ([], ())
-            lead, drafting = self.lead(guess, accept, room, context, fed)
+            lead, drafting = self.lead(guess, accept, room, context, unseen)
             candidates.append(self.chooser.candidate("draft", room, drafting=drafting))
             if self.tree is not None:
                 candidates.append(self.tree_candidate(min(room, TREE.max_depth), context,
