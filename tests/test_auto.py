@@ -113,6 +113,43 @@ def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
         decoders.generate(lm, prompt, strategy="auto", draft=lm, draft_trees="no")
 
 
+@pytest.mark.parametrize("rows", ["cheap", "dear"])
+def test_a_trees_draft_calls_check_as_much_of_the_suffix_indexs_chain_as_pays(monkeypatch, rows):
+    """The draft model's trees check the suffix index's chain under their likeliest leaf in the draft calls they make
+    (staged's lower stage), cut to what pays for the call (`AutoDrafter.lead`): where a draft call's extra rows cost
+    nothing, as far as it reaches; where each costs as much as a call of its own, none of it (a row saves a call only
+    where the draft agrees with it)."""
+    from decoders.drafting.cost import CallCost, CostModel
+
+    def line(a, b):
+        return CallCost((1, 2), (a, a + b))
+
+    checked, own = [], []
+    monkeypatch.setattr(auto, "calibrate", lambda lm, draft: CostModel(
+        line(1.0, 0.02), line(0.25, 0.0 if rows == "cheap" else 0.25)))
+    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1: next(
+        (chooser.Plan("tree", len(c.accept), 1.0, 1.0) for c in candidates if c.proposer == "tree"),
+        chooser.Plan(None, 0, 1.0, 1.0)))
+    tree_lower = auto.AutoDrafter.tree_lower
+
+    def recording_lower(self, tokens, room):
+        own.append(self.tree.lower(tokens, room))
+        checked.append(tree_lower(self, tokens, room))
+        return checked[-1]
+
+    monkeypatch.setattr(auto.AutoDrafter, "tree_lower", recording_lower)
+    lm = tiny_lm("llama")
+    for prompt in PROMPTS:
+        want = decoders.generate(lm, prompt, max_new_tokens=40).tokens
+        got = decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=40, draft_int8=False)
+        assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0
+    assert all(chain == mine[: len(chain)] for chain, mine in zip(checked, own))  # a prefix of staged's chain ...
+    if rows == "dear":
+        assert any(own) and not any(checked)  # ... none of it where a row costs a call
+    else:
+        assert checked == own and any(own)
+
+
 def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch):
     """The first chain drafts after the whole prompt: that call scores the prompt, and must not be taken for a
     one-token call (it made the draft look 4x dearer than it is, and auto declined it)."""

@@ -9,11 +9,12 @@ long at once, where the suffix tree grows with the match), the draft model when 
 where its calls are cheap enough and it fits in memory, `int8_copy`; drafted while the next token still pays, one
 token a call, or several where the call also checks the suffix index's guess at what follows and the draft agrees
 with it), the draft model's token trees (`staged`'s, grown on the same draft cache with the run's suffix index as
-their lower stage: where a draft's first choice is often wrong, its second catches much of the rest - 0.96
-acceptance at depth 1 against 0.84 for chains with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from
-its Jacobi window, which runs in the steps that take them, and the context), the suffix index's, prompt lookup's
-and lookahead's guesses merged into one tree (where a call of a few more tokens costs little more, checking every
-guess at once takes the tokens of whichever is right), and nothing (a plain greedy step).
+their lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's first choice is
+often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84 for chains with the bf16
+0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the steps that take them, and
+the context), the suffix index's, prompt lookup's and lookahead's guesses merged into one tree (where a call of a few
+more tokens costs little more, checking every guess at once takes the tokens of whichever is right), and nothing (a
+plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
@@ -137,13 +138,15 @@ class AutoDrafter:
         # self draft shares and a tree would fill with nodes), in its own vocabulary, both models taking tree masks,
         # as wide as `staged` grows them for this draft's measured costs (`staged.frontier_width`). Where a 2-token
         # draft call costs more (an int8 draft on a CPU), that is width 1: the draft's chain, grown best-first while
-        # likely enough, with the suffix index's chain checked in the same calls. Offering those as well, auto's
-        # seconds on mixed (one prompt per category, int8 0.5B draft of the 1.5B, AMD EPYC) went 29.0 -> 25.0 and on
-        # bench 19.7 -> 18.8, then 22.1 -> 21.3 and 20.3 -> 20.8 in two more pairs (equal within noise; width-2 trees
-        # instead: 28.2 and 20.3; before its estimates were mended, wider trees lost to chains in every run here)
+        # likely enough, with the suffix index's chain checked in the same calls (as much as pays). Offering those as
+        # well, auto's seconds on mixed (one prompt per category, int8 0.5B draft of the 1.5B, AMD EPYC) went 29.0 ->
+        # 25.0 and on bench 19.7 -> 18.8, then 22.1 -> 21.3 and 20.3 -> 20.8 in two more pairs (equal within noise;
+        # width-2 trees instead: 28.2 and 20.3; before its estimates were mended, wider trees lost to chains in every
+        # run here)
         if options.draft_trees and self.trees and type(self.model) is DraftModel and _takes_trees(state.draft):
             width = frontier_width(self.cost.draft)
-            self.tree = TreeDrafter(state, replace(TREE, width=width), model=self.model, index=self.index)
+            self.tree = TreeDrafter(state, replace(TREE, width=width), model=self.model, index=self.index,
+                                   lower=self.tree_lower)
             self.chooser.declined["tree"] = self.chooser.options.probe_after
         # what a tree costs per level, learned from the trees drafted: draft seconds (a call grows a level, or more
         # where the draft agrees with the lower stage's chain) and target nodes. Priors: a call of `width` leaves a
@@ -296,6 +299,30 @@ class AutoDrafter:
             drafting.append(first[length] + per_token * (calls - 1.0))
         return guess[:length], tuple(drafting)
 
+    def guess(self, tokens: list[int], room: int, context: int, fed: int, options: SuffixOptions
+              ) -> tuple[list[int], float]:
+        """The suffix index's chain after `tokens` (`options`' chain, at most `room` tokens), cut to what a draft call
+        after `context` cached tokens that feeds `fed` others should check (`lead`), and the seconds checking it adds
+        to the call."""
+        branch = propose(self.index, None, tokens, room, options).main_branch()
+        levels = summarize(branch)
+        accept = self.chooser.chain("suffix", len(levels), levels, match_curve(branch.match))
+        chosen, drafting = self.lead(branch.tokens, accept, room + 1, context, fed)
+        return chosen, drafting[0] - self.cost.draft_seconds(1, context, fed)
+
+    def tree_lower(self, tokens: list[int], room: int) -> list[int]:
+        """The lower stage of the draft model's trees (`TreeDrafter`): the suffix index's chain under the tree's most
+        probable leaf (after `tokens`: the run's and that leaf's path), cut to what pays for the draft call that checks
+        it. `staged`'s own lower stage checks the chain as far as it reaches, up to 10 tokens a call, where the int8
+        0.5B draft's call of 10-13 tokens costs 2.5x one of one token (55 against 22 ms, AMD EPYC): on mixed's QA its
+        trees made 17 such calls in 18 steps, most agreeing with a token or none. Cut so, two interleaved repeats with
+        the int8 0.5B draft of the 1.5B: mixed (one prompt per category) 24.1 s against 25.8 (`staged` 25.2), bench
+        15.4 against 16.6 (`staged` 16.5), every prompt faster; with the bfloat16 0.5B (drafting as its int8 copy)
+        mixed 23.0 against 24.7, bench 16.2 against 16.9."""
+        tree, context = self.tree, len(self.model.cache)
+        fed = len(self.model.uncached()) if len(tokens) == self.start else tree.options.width  # (the root's call)
+        return self.guess(tokens, room, context, fed, tree.suffix)[0]
+
     def tree_candidate(self, room: int, context: int, suffix: Candidate | None, chain: Candidate) -> Candidate:
         """The draft model's tree, up to `room` levels. Its main branch is the draft model's `chain`, with the
         draft's next choices beside it, so its first d levels are at least as likely to be accepted as the chain's
@@ -332,11 +359,8 @@ class AutoDrafter:
         def guess(drafted: list[int], room: int) -> list[int]:
             if not drafted:
                 return lead
-            branch = propose(self.index, None, state.tokens + drafted, room, self.suffix).main_branch()
-            levels = summarize(branch)
-            accept = self.chooser.chain("suffix", len(levels), levels, match_curve(branch.match))
-            chosen, drafting = self.lead(branch.tokens, accept, room + 1, context, 1)
-            guessed[0] += drafting[0] - self.cost.draft_seconds(1, context)  # (0 when nothing is guessed)
+            chosen, seconds = self.guess(state.tokens + drafted, room, context, 1, self.suffix)
+            guessed[0] += seconds
             return chosen
 
         def keep_going(cumulative: float) -> bool:

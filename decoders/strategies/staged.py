@@ -242,8 +242,10 @@ class TreeDrafter:
     """The draft model and its cache for one run, plus where the last tree's nodes sit in that cache."""
 
     def __init__(self, state: DecodeState, options: StagedOptions, model: DraftModel | None = None,
-                 index: SuffixIndex | None = None) -> None:
-        """`model` and `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new."""
+                 index: SuffixIndex | None = None, lower: Lower | None = None) -> None:
+        """`model` and `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new;
+        `lower`: a lower stage to use instead of `options.lower`'s (`auto`'s, which cuts the index's chain to what its
+        costs find worth checking), given this drafter's index."""
         self.model = model if model is not None else DraftModel(state)
         if options.width is None:
             options = replace(options, width=frontier_width(call_cost(state.draft, "draft")))
@@ -253,6 +255,7 @@ class TreeDrafter:
         # the draft model checks the lower stage's chain in a call it makes anyway, where a longer chain costs little:
         # so the chain may run past the match length (suffix's own depth_factor is for target calls)
         self.suffix = SuffixOptions(max_tree=options.budget, depth_factor=float(options.budget))
+        self.stage = lower or self.lower  # (context, room) -> the chain a draft call checks
 
     def lower(self, context: list[int], room: int) -> list[int]:
         """The lower stage's chain after `context` (the run's tokens plus a tree path), at most `room` tokens."""
@@ -263,7 +266,7 @@ class TreeDrafter:
     def propose(self, state: DecodeState, limit: int) -> Draft:
         if self.options.lower == "suffix" and self.options.ngram:
             self.index.follow("run", state.tokens)
-        nodes = grow_tree(self.model, state, self.options, self.model.room(limit), self.lower)[1:]
+        nodes = grow_tree(self.model, state, self.options, self.model.room(limit), self.stage)[1:]
         self.start, self.slots = len(state.tokens), [n.slot for n in nodes]
         probs = None if state.sampling.greedy or not nodes else torch.stack([n.drawn_from for n in nodes])
         return Draft([n.token for n in nodes], probs, [n.parent - 1 for n in nodes])
