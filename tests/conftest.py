@@ -7,8 +7,10 @@ import os
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the model hub
-# auto's cost calibrations of tiny test models go to a throwaway folder, not the user's cache
-os.environ.setdefault("DECODEKIT_CALIBRATION", tempfile.mkdtemp(prefix="decodekit-calibration-"))
+if "DECODEKIT_CALIBRATION" not in os.environ:  # auto's cost calibrations of tiny test models go to a throwaway
+    # folder, not the user's cache, removed when the run ends (a folder per run was left behind in the system's temp)
+    CALIBRATION = tempfile.TemporaryDirectory(prefix="decodekit-calibration-")
+    os.environ["DECODEKIT_CALIBRATION"] = CALIBRATION.name
 
 import pytest
 import torch

@@ -299,8 +299,8 @@ class AutoDrafter:
             drafting.append(first[length] + per_token * (calls - 1.0))
         return guess[:length], tuple(drafting)
 
-    def guess(self, tokens: list[int], room: int, context: int, fed: int, options: SuffixOptions
-              ) -> tuple[list[int], float]:
+    def worth_checking(self, tokens: list[int], room: int, context: int, fed: int, options: SuffixOptions
+                       ) -> tuple[list[int], float]:
         """The suffix index's chain after `tokens` (`options`' chain, at most `room` tokens), cut to what a draft call
         after `context` cached tokens that feeds `fed` others should check (`lead`), and the seconds checking it adds
         to the call."""
@@ -321,7 +321,7 @@ class AutoDrafter:
         mixed 23.0 against 24.7, bench 16.2 against 16.9."""
         tree, context = self.tree, len(self.model.cache)
         fed = len(self.model.uncached()) if len(tokens) == self.start else tree.options.width  # (the root's call)
-        return self.guess(tokens, room, context, fed, tree.suffix)[0]
+        return self.worth_checking(tokens, room, context, fed, tree.suffix)[0]
 
     def tree_candidate(self, room: int, context: int, suffix: Candidate | None, chain: Candidate) -> Candidate:
         """The draft model's tree, up to `room` levels. Its main branch is the draft model's `chain`, with the
@@ -359,7 +359,7 @@ class AutoDrafter:
         def guess(drafted: list[int], room: int) -> list[int]:
             if not drafted:
                 return lead
-            chosen, seconds = self.guess(state.tokens + drafted, room, context, 1, self.suffix)
+            chosen, seconds = self.worth_checking(state.tokens + drafted, room, context, 1, self.suffix)
             guessed[0] += seconds
             return chosen
 
