@@ -113,6 +113,8 @@ _UNSUPPORTED_FIELDS = {
     "output_attentions": (None, False),
     "output_hidden_states": (None, False),
 }
+# The model inputs transformers' generate passes a KV cache by: `cache` from 5.24 on, `past_key_values` before.
+_CACHE_INPUTS = ("cache", "past_key_values")
 # Our own keyword arguments (besides the strategies' options).
 _OWN_ARGUMENTS = ("strategy", "draft", "seed", "grammar", "tokenizer")
 
@@ -365,10 +367,10 @@ def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, mo
             continue
         if name == "position_ids" and torch.equal(value.reshape(-1).cpu(), torch.arange(value.numel())):
             continue
-        if name == "past_key_values" and getattr(value, "get_seq_length", lambda: 1)() == 0:
-            continue
+        if name in _CACHE_INPUTS and getattr(value, "get_seq_length", lambda: 1)() == 0:
+            continue  # the empty cache transformers made
         why = {"attention_mask": "left padding (an attention mask with zeros)",
                "position_ids": "position_ids other than 0..T-1",
-               "past_key_values": "a prefilled past_key_values cache"}.get(name, f"the model input {name}=")
+               **{cache: f"a prefilled {cache} cache" for cache in _CACHE_INPUTS}}.get(name, f"the model input {name}=")
         raise ValueError(f"{why} is not supported by decodekit's custom_generate: it decodes one unpadded prompt "
                          "from input_ids, from scratch")

@@ -7,6 +7,8 @@ cannot be honored is refused by name.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from transformers import LogitsProcessor, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
@@ -205,6 +207,23 @@ def test_unsupported_arguments_are_refused_by_name(llama, kwargs, named):
     ids = prompt_ids(PROMPTS[1])[:, :8]
     with pytest.raises(ValueError, match=named):
         llama.generate(ids, custom_generate=custom_generate, max_new_tokens=4, **kwargs)
+
+
+def test_a_prefilled_cache_is_refused_and_an_empty_one_taken(llama):
+    """generate passes its KV cache as a model input (`past_key_values`, from transformers 5.24 `cache`): the empty
+    one it makes is taken; one that already holds a prefix is refused, as decodekit decodes from scratch."""
+    from transformers import DynamicCache
+
+    ids = prompt_ids(PROMPTS[1])[:, :8]
+    want = llama.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(llama.generate(ids, custom_generate=custom_generate, max_new_tokens=4), want)
+    filled = DynamicCache(config=llama.config)
+    keyword = {"cache" if "cache" in inspect.signature(llama.forward).parameters else "past_key_values": filled}
+    with torch.no_grad():
+        llama(input_ids=ids[:, :4], use_cache=True, **keyword)
+    assert filled.get_seq_length() == 4
+    with pytest.raises(ValueError, match="prefilled"):
+        llama.generate(ids, custom_generate=custom_generate, max_new_tokens=4, **keyword)
 
 
 def test_draft_needs_and_unknown_options(llama):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import socket
@@ -110,11 +111,17 @@ class LM:
             input_ids=ids,
             position_ids=pos,
             attention_mask=mask,
-            past_key_values=cache.hf,
             use_cache=True,
             logits_to_keep=keep,
+            **{self.cache_keyword: cache.hf},
         )
         return out.logits[0]  # [T or keep, vocab]
+
+    @functools.cached_property
+    def cache_keyword(self) -> str:
+        """The keyword the model's forward takes its KV cache by: `cache` from transformers 5.24 on, `past_key_values`
+        before (5.24 takes that too, with a FutureWarning per model class, and drops it in 5.40)."""
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     @functools.cached_property
     def vocab_key(self) -> str:
