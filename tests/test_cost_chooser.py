@@ -15,7 +15,7 @@ import torch
 import decoders
 from decoders.drafting import cost as cost_module
 from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, expected_tokens
-from decoders.drafting.cost import TARGET_SIZES, CallCost, CostModel, calibrate, fit
+from decoders.drafting.cost import DRAFT_SIZES, TARGET_SIZES, CallCost, CostModel, calibrate, fit
 from decoders.strategies import auto
 from decoders.strategies.auto import at_least, match_curve, union
 
@@ -319,14 +319,15 @@ def test_cost_model_round_trips_through_json():
 
 
 class CountingLM:
-    """An LM that counts its forward calls."""
+    """An LM that counts its forward calls, and keeps how many tokens each scored and how many logits it kept."""
 
     def __init__(self, lm: decoders.LM) -> None:
-        self.lm, self.calls = lm, 0
+        self.lm, self.calls, self.shapes = lm, 0, []
 
-    def forward(self, *args, **kwargs):
+    def forward(self, tokens, cache, *args, **kwargs):
         self.calls += 1
-        return self.lm.forward(*args, **kwargs)
+        self.shapes.append((len(tokens), kwargs.get("keep", 0)))
+        return self.lm.forward(tokens, cache, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.lm, name)
@@ -339,7 +340,7 @@ def test_calibration_is_positive_and_monotone():
             costs = [part.predict(n, context) for n in range(1, 41)]
             assert costs[0] > 0 and all(b >= a * (1 - 1e-12) for a, b in zip(costs, costs[1:]))
         assert part.predict(8, 239) >= part.predict(8, 16)
-    assert len(model.target.samples) == len(TARGET_SIZES) + 2 and len(model.draft.samples) == 4
+    assert len(model.target.samples) == len(TARGET_SIZES) + 2 and len(model.draft.samples) == len(DRAFT_SIZES) + 2
 
 
 def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypatch):
@@ -348,11 +349,14 @@ def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypat
     target, draft = CountingLM(tiny_lm("llama")), CountingLM(tiny_lm("qwen2"))
     first = calibrate(target, draft, budget=0.0)
     one = 2 + len(TARGET_SIZES) + 2  # a target's calibration: 2 warm-up calls, every size, 2 at the long context
-    assert target.calls == one and draft.calls == 6  # one round each
+    drafts = 2 + len(DRAFT_SIZES) + 2  # and a draft's
+    assert target.calls == one and draft.calls == drafts  # one round each
+    # after the warm-up, every size with the logits of each of its tokens: a draft call that checks guesses keeps them
+    assert draft.shapes[2:] == [(n, n) for n in (*DRAFT_SIZES, DRAFT_SIZES[0], DRAFT_SIZES[-1])]
     files = sorted(p.name for p in (tmp_path / "calibration").iterdir())
     assert len(files) == 2 and files[0].startswith("draft-tiny-qwen2-0") and files[1].startswith("target-tiny-llama-0")
 
-    assert calibrate(target, draft) == first and (target.calls, draft.calls) == (one, 6)  # reloaded, nothing measured
+    assert calibrate(target, draft) == first and (target.calls, draft.calls) == (one, drafts)  # reloaded, none measured
 
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)

@@ -21,14 +21,21 @@ from pathlib import Path
 
 import torch
 
-VERSION = 2  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
-# float, which changed their costs): files of another version are measured again
+VERSION = 3  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
+# float, which changed their costs; 3: drafts measured at DRAFT_SIZES with every row's logits): files of another
+# version are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1);
 # beyond 32: extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter,
 # drafts. The curve need not be convex: on the AMD EPYC, SmolLM2-135M in float32 took 41 ms for 1 token, 67-70 for 2,
 # 80-86 for 3, 61-71 for 4 and 57-60 for 6-8 (the 1.5B in bfloat16: 139-168 ms for 1-5, 156-171 for 8); knots at 1,
 # 8 and 32 alone costed its 2-token drafts (3 tokens scored) at 46 ms, and auto drafted them for 80 ms calls
-DRAFT_SIZES = (1, 8)  # a draft call scores one token, more when it catches up after steps it sat out
+DRAFT_SIZES = (1, 2, 3, 4, 5, 8, 16)  # a draft call scores one token, more where it checks guesses at what follows
+# (the suffix index's chain: `auto`'s chains and trees, `staged`'s lower stage), whose logits it keeps, or catches up
+# after steps it sat out. torch's int8 kernel on the AMD EPYC runs rows in blocks of four: the 1.5B's int8 copy took
+# 66-73 ms for 1-4 rows, 116 for 5, 137 for 8 (the 0.5B's 26-32, 42, 54 ms), where knots at 1 and 8 alone costed 2-4
+# rows at 80-99 ms and 5 at 108. Measured so, `auto`'s seconds in two interleaved repeats (the 1.5B in bfloat16):
+# without a draft on mixed (one prompt per category) 25.1 against 26.0 and on bench 20.9 against 21.3, with the int8
+# 0.5B draft on mixed 21.9 against 22.4; SmolLM2-135M's seven prompts (float32, without a draft) 15.5 against 15.7
 SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
 BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least one), so only cheap calls repeat
 WEIGHT = 0.1  # how far one observation moves a `RunningMean` (the correction factor: in log space): about the last 10
@@ -136,12 +143,13 @@ def _resize(cache, length: int) -> None:
             layer.values = layer.values.repeat_interleave(reps, dim=-2)[..., :length, :]
 
 
-def measure(lm, role: str = "target", sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> list[Sample]:
-    """Time a few calls of `lm` as a target (logits of every position) or a draft (logits of the last position).
+def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> list[Sample]:
+    """Time a few calls of `lm` scoring `sizes` tokens, with the logits of every position (a target scores a draft,
+    a draft checks guesses).
 
     Two warm-up calls (the SHORT prompt, then one token), then a round of every size at SHORT context and the smallest
-    and largest at LONG (9 calls for the target, 4 for a draft), repeated until `budget` seconds have passed; each
-    point keeps its fastest time, since a busy machine only ever adds time. A 1.5B model on a CPU gets one round.
+    and largest at LONG (9 calls for the target's sizes or a draft's), repeated until `budget` seconds have passed;
+    each point keeps its fastest time, since a busy machine only ever adds time. A 1.5B model on a CPU gets one round.
     """
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
@@ -157,7 +165,7 @@ def measure(lm, role: str = "target", sizes: tuple[int, ...] = TARGET_SIZES, bud
                 _resize(cache, context)
                 lm.synchronize()
                 start = time.perf_counter()
-                lm.forward(ids[:n], cache, keep=n if role == "target" else 1)
+                lm.forward(ids[:n], cache, keep=n)
                 lm.synchronize()
                 best[i] = min(best[i], time.perf_counter() - start)
     return [(n, context, seconds) for (n, context), seconds in zip(plan, best)]
@@ -198,7 +206,8 @@ def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = F
     (and written unless `cache=False`; `refresh=True` measures again)."""
     if role not in ("target", "draft"):
         raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
-    sizes = TARGET_SIZES if role == "target" else DRAFT_SIZES
+    room = (lm.context_length or math.inf) - SHORT  # (a tiny draft may hold fewer positions than SHORT + 16)
+    sizes = tuple(n for n in (TARGET_SIZES if role == "target" else DRAFT_SIZES) if n == 1 or n <= room)
     key = calibration_key(lm, role, sizes)
     path = cache_file(key, folder)
     if cache and not refresh and path.is_file():
@@ -208,7 +217,7 @@ def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = F
                 return CallCost.from_dict(data["cost"])
         except (ValueError, KeyError, TypeError):  # a damaged file is measured again and overwritten
             pass
-    cost = fit(measure(lm, role, sizes, budget), sizes)
+    cost = fit(measure(lm, sizes, budget), sizes)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one `accelerate launch` may race here
