@@ -280,6 +280,50 @@ def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(m
     assert all(0 <= accepted <= drafted for _, drafted, accepted in updates)
 
 
+@pytest.mark.parametrize("flat", [True, False])
+def test_a_draft_models_chain_is_checked_with_the_steps_guesses_where_they_pay(monkeypatch, flat):
+    """In greedy mode a draft model's chain is merged with the suffix index's, lookahead's and prompt lookup's drafts
+    where the step's expected tokens per second are highest so: with target calls that cost the same whatever they
+    score, the guesses ride along and the step takes their tokens where the draft is wrong; where each token scored
+    costs a lot, the chain goes alone. Either way the output is greedy's, and the draft's estimates learn from its
+    own chain only (levels it drafted, levels of it the target took)."""
+    from decoders.drafting import cost
+
+    taught = []
+    update = chooser.Chooser.update
+
+    def choose(self, candidates, context, fed=1):
+        chain = next((c for c in candidates if c.proposer == "draft"), None)
+        return chooser.Plan("draft", 3, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
+
+    def recording_update(self, proposer, drafted, accepted, *args):
+        taught.append((proposer, drafted, accepted))
+        update(self, proposer, drafted, accepted, *args)
+
+    chains = []
+    draft_chain = auto.AutoDrafter.draft_with_model
+
+    def recording_chain(self, *args):
+        chains.append(len((chain := draft_chain(self, *args)).tokens))
+        return chain
+
+    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
+    monkeypatch.setattr(auto.AutoDrafter, "draft_with_model", recording_chain)
+    monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0 if flat else n ** 3)
+    lm = echo_lm()  # repeats its last token, which the guesses soon guess and a random draft does not
+    prompt = lm.encode(PROMPTS[2]) * 3
+    want = decoders.generate(lm, prompt, max_new_tokens=30)
+    got = decoders.generate(lm, prompt, strategy="auto", draft=tiny_lm("qwen2"), draft_int8=False,
+                            max_new_tokens=30)
+    assert got.tokens == want.tokens and got.stats.details["steps"].get("draft", 0) > 0
+    guessed = set(got.sources) - {"target", "draft"}
+    assert guessed if flat else not guessed
+    drafts = [(drafted, accepted) for proposer, drafted, accepted in taught if proposer == "draft"]
+    assert len(drafts) == len(chains)
+    assert all(0 <= accepted <= drafted <= chain for (drafted, accepted), chain in zip(drafts, chains))
+
+
 def echo_lm() -> decoders.LM:
     """A tiny model that repeats its input token: its output embedding is its input embedding and its layers add
     next to nothing to the residual stream."""

@@ -8,7 +8,8 @@ long at once, where the suffix tree grows with the match), the draft model when 
 "self:int8"; as its own int8 copy where that copy's calls measure cheaper, and without one the target's own int8 copy
 where its calls are cheap enough and it fits in memory, `int8_copy`; drafted while the next token still pays, one
 token a call, or several where the call also checks the suffix index's guess at what follows and the draft agrees
-with it), the draft model's token trees (`staged`'s, grown on the same draft cache with the run's suffix index as
+with it; in greedy mode its chain is checked in one target call with the draft-free guesses below where that pays,
+`with_guesses`), the draft model's token trees (`staged`'s, grown on the same draft cache with the run's suffix index as
 their lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's first choice is
 often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84 for chains with the bf16
 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the steps that take them, and
@@ -40,7 +41,7 @@ from dataclasses import dataclass, replace
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_model, stack_probs
-from decoders.drafting.chooser import Candidate, Chooser, Plan
+from decoders.drafting.chooser import Candidate, Chooser, Plan, expected_tokens
 from decoders.drafting.cost import CallCost, RunningMean, calibrate, call_cost
 from decoders.drafting.draft_model import SharedCacheDraft
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
@@ -217,7 +218,7 @@ class AutoDrafter:
         plan = self.plan = self.chooser.choose(candidates, context, self.fed)
         self.record(state, plan)
         self.confidences, curve = [], None
-        self.start = len(state.tokens)
+        self.start, self.chain = len(state.tokens), None
         if plan.proposer == "suffix":
             draft = levels_above(self.parts["suffix"], plan.k)
             self.confidences, curve = self.levels[: plan.k], self.suffix_curve
@@ -234,6 +235,7 @@ class AutoDrafter:
             # prompt per category, int8 0.5B draft of the 1.5B, AMD EPYC, three interleaved repeats): 26.96 s against
             # 28.28 (QA's target calls 19-21 against 23-24; `threshold` 29.89, `staged` 26.26)
             draft = self.draft_with_model(state, room, plan.k if plan.probe else 1, drafting[0] - per_token, lead)
+            draft = self.with_guesses(state, draft, candidates, context)
         elif plan.proposer == "tree":  # grown as staged grows it (best-first while a leaf is likely enough)
             draft, self.confidences = self.draft_tree(state, plan.k if plan.probe else limit), None
         else:
@@ -244,6 +246,40 @@ class AutoDrafter:
         self.scored, self.context, self.curve = self.fed + len(draft.tokens) + ridden, context, curve
         self.clock = time.perf_counter()
         return draft
+
+    def with_guesses(self, state: DecodeState, chain: Draft, candidates: list[Candidate], context: int) -> Draft:
+        """The draft model's `chain` merged with those of this step's draft-free drafts (`self.parts`) that make the
+        step's expected tokens per second highest, the chain the tree's first branch: where a target call of a few
+        more tokens costs little more, the guesses are checked in the same call and the step takes the tokens of
+        whichever is right. Greedy mode only (a tree of sampled and one-hot siblings is not what `samplers.verify`
+        checks), on a model that takes tree masks. Sets `self.chain`, the chain's length, when merged.
+
+        A draft step had checked the chain alone. Merged so, two interleaved repeats (AMD EPYC): mixed (one prompt
+        per category) with the int8 0.5B draft of the 1.5B 22.4 s against 24.1, every prompt faster; SmolLM2-135M's
+        seven prompts in float32 (its own int8 copy drafting) 15.1 against 15.8 (edit: 10 target calls against 11,
+        its first draft step a probe whose 2 tokens the suffix index's guesses now join); without a draft on mixed
+        27.1 against 26.9; the held-out prompts with the int8 draft 31.6 against 30.9, where the bfloat16 target's
+        output of one prompt changed length between runs (43 or 45 tokens, a near tie) and with it the steps."""
+        if not (self.trees and state.sampling.greedy and self.parts and chain.tokens):
+            return chain
+        accept = {c.proposer: c.accept for c in candidates}
+        accept["draft"] = self.chooser.chain("draft", len(chain.tokens), self.confidences)
+        spent = time.perf_counter() - self.began  # the step's seconds so far: the chain's drafting
+
+        def rate(names: tuple[str, ...]) -> float:
+            drafts = [replace(chain, probs=None)] + [self.parts[name] for name in names]
+            paths = [([d.tokens[n] for n in first_branch(d.links)], accept[name])
+                     for d, name in zip(drafts, ("draft", *names))]
+            nodes = len(merge(drafts).tokens)
+            return expected_tokens(union(paths)) / (spent + self.cost.target_seconds(self.fed + nodes, context,
+                                                                                    bool(names)))
+
+        names = max((subset for size in range(len(self.parts) + 1)
+                     for subset in itertools.combinations(self.parts, size)), key=rate)
+        if not names:
+            return chain
+        self.chain = len(chain.tokens)
+        return merge([replace(chain, probs=None)] + [self.parts[name] for name in names])
 
     def ride(self, draft: Draft, window: Window, uncached: int, context: int) -> None:
         """Let lookahead's Jacobi window ride along in this step's target call when it costs at most RIDE of the
@@ -398,16 +434,18 @@ class AutoDrafter:
         state.lm.synchronize()
         now = time.perf_counter()
         self.cost.observe("target", self.scored, self.context, now - self.clock, not draft.is_chain)
+        whole = accepted  # (the step's accepted tokens, whoever drafted them)
+        if self.chain is not None:  # a draft model's chain merged with guesses (`with_guesses`): the guesses learn as
+            # a merged tree's parts do, the chain from its own nodes
+            self.teach_parts(state, draft, accepted)
+            path = draft.follow(state.tokens[self.start: self.start + accepted])
+            draft = draft.subset([n for n in range(len(draft.tokens)) if draft.source_of(n) == "draft"])
+            accepted = sum(1 for n in path if n < len(draft.tokens))  # (the chain's nodes come first)
         if self.plan.proposer in GROWN and self.fed <= 1:  # (a call that feeds the prompt is costed by extrapolating
             # the calibrated curve far past its last knot: it would teach the correction little)
             self.chooser.learn_rate(self.plan, accepted + 1, now - self.began)
         if self.plan.proposer == "merged":  # each part learns how far its own guesses went
-            path = state.tokens[self.start: self.start + accepted]
-            for name, part in self.parts.items():
-                verified = part.subset(common(part, draft))
-                if verified.tokens:
-                    confidences, curve = (self.levels, self.suffix_curve) if name == "suffix" else (None, None)
-                    self.chooser.update(name, depth(verified), len(verified.follow(path)), confidences, curve)
+            self.teach_parts(state, draft, accepted)
         elif self.plan.proposer is not None and draft.tokens:
             levels = depth(draft)  # fewer than proposed when the grammar or an EOS cut it
             confidences = None if self.confidences is None else self.confidences[:levels]
@@ -433,8 +471,18 @@ class AutoDrafter:
         elif self.model is not None:
             self.model.rewind()
         if self.ahead is not None:  # the window moves on in steps that scored it; the pool learns the text
-            self.ahead.update(state, draft, accepted)
+            self.ahead.update(state, draft, whole)
         self.index.follow("run", state.tokens)
+
+    def teach_parts(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        """Each of this step's draft-free drafts (`self.parts`) in the merged tree `draft` learns how far its own
+        guesses went."""
+        path = state.tokens[self.start: self.start + accepted]
+        for name, part in self.parts.items():
+            verified = part.subset(common(part, draft))
+            if verified.tokens:
+                confidences, curve = (self.levels, self.suffix_curve) if name == "suffix" else (None, None)
+                self.chooser.update(name, depth(verified), len(verified.follow(path)), confidences, curve)
 
     def teach_tree(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         """What the target made of a draft model's chain, as the tree grown instead would have fared: its main branch
