@@ -218,7 +218,7 @@ class AutoDrafter:
         plan = self.plan = self.chooser.choose(candidates, context, self.fed)
         self.record(state, plan)
         self.confidences, curve = [], None
-        self.start, self.chain = len(state.tokens), None
+        self.start = len(state.tokens)
         if plan.proposer == "suffix":
             draft = levels_above(self.parts["suffix"], plan.k)
             self.confidences, curve = self.levels[: plan.k], self.suffix_curve
@@ -252,7 +252,7 @@ class AutoDrafter:
         step's expected tokens per second highest, the chain the tree's first branch: where a target call of a few
         more tokens costs little more, the guesses are checked in the same call and the step takes the tokens of
         whichever is right. Greedy mode only (a tree of sampled and one-hot siblings is not what `samplers.verify`
-        checks), on a model that takes tree masks. Sets `self.chain`, the chain's length, when merged.
+        checks), on a model that takes tree masks. A merged draft's source is "merged", the chain's nodes "draft".
 
         A draft step had checked the chain alone. Merged so, two interleaved repeats (AMD EPYC): mixed (one prompt
         per category) with the int8 0.5B draft of the 1.5B 22.4 s against 24.1, every prompt faster; SmolLM2-135M's
@@ -264,22 +264,18 @@ class AutoDrafter:
             return chain
         accept = {c.proposer: c.accept for c in candidates}
         accept["draft"] = self.chooser.chain("draft", len(chain.tokens), self.confidences)
+        drafts = {"draft": replace(chain, probs=None), **self.parts}
+        paths = {name: ([d.tokens[n] for n in first_branch(d.links)], accept[name]) for name, d in drafts.items()}
         spent = time.perf_counter() - self.began  # the step's seconds so far: the chain's drafting
 
         def rate(names: tuple[str, ...]) -> float:
-            drafts = [replace(chain, probs=None)] + [self.parts[name] for name in names]
-            paths = [([d.tokens[n] for n in first_branch(d.links)], accept[name])
-                     for d, name in zip(drafts, ("draft", *names))]
-            nodes = len(merge(drafts).tokens)
-            return expected_tokens(union(paths)) / (spent + self.cost.target_seconds(self.fed + nodes, context,
-                                                                                    bool(names)))
+            nodes = len(merge([drafts[name] for name in ("draft", *names)]).tokens)
+            seconds = spent + self.cost.target_seconds(self.fed + nodes, context, bool(names))
+            return expected_tokens(union([paths[name] for name in ("draft", *names)])) / seconds
 
         names = max((subset for size in range(len(self.parts) + 1)
                      for subset in itertools.combinations(self.parts, size)), key=rate)
-        if not names:
-            return chain
-        self.chain = len(chain.tokens)
-        return merge([replace(chain, probs=None)] + [self.parts[name] for name in names])
+        return merge([drafts[name] for name in ("draft", *names)]) if names else chain
 
     def ride(self, draft: Draft, window: Window, uncached: int, context: int) -> None:
         """Let lookahead's Jacobi window ride along in this step's target call when it costs at most RIDE of the
@@ -435,8 +431,8 @@ class AutoDrafter:
         now = time.perf_counter()
         self.cost.observe("target", self.scored, self.context, now - self.clock, not draft.is_chain)
         whole = accepted  # (the step's accepted tokens, whoever drafted them)
-        if self.chain is not None:  # a draft model's chain merged with guesses (`with_guesses`): the guesses learn as
-            # a merged tree's parts do, the chain from its own nodes
+        if self.plan.proposer == "draft" and draft.source == "merged":  # its chain merged with guesses
+            # (`with_guesses`): the guesses learn as a merged tree's parts do, the chain from its own nodes
             self.teach_parts(state, draft, accepted)
             path = draft.follow(state.tokens[self.start: self.start + accepted])
             draft = draft.subset([n for n in range(len(draft.tokens)) if draft.source_of(n) == "draft"])
