@@ -85,11 +85,13 @@ def compare_report(result: dict) -> str:
     """The HTML page of one compare result."""
     legend = "".join(f'<span style="background:{c}">{s}</span>' for s, c in SOURCE_COLORS.items())
     notes = "".join(f"<li>{escape(n)}</li>" for n in report.notes(result))
+    headers, rows = report.category_table(result)
+    marks = "".join(f"<div>{escape(line)}</div>" for line in report.legend(rows))
     body = (
         "".join(f'<div class="header">{escape(line)}</div>' for line in report.header_lines(result))
         + table(*report.summary_table(result))
         + (f"<p>{escape(verdict)}</p>" if (verdict := report.verdict(result)) else "")
-        + "<h2>Speed-up over greedy by category</h2>" + table(*report.category_table(result))
+        + "<h2>Speed-up over greedy by category</h2>" + table(headers, rows) + marks
         + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
         + f'<h2>Outputs</h2><p class="legend">token sources: {legend}</p>' + outputs(result)
     )

@@ -91,8 +91,17 @@ def summary_table(result: dict) -> tuple[list[str], list[list[str]]]:
     return [h for h, _ in COLUMNS], [[get(s) for _, get in COLUMNS] for s in result["summary"]]
 
 
+TIE_MARK, FAILED_MARK = "≈", "✗"
+LEGEND = {
+    TIE_MARK: "the output left greedy's at a numeric tie, so this speed-up divides the tokens per second of two "
+              "different texts (the notes give where)",
+    FAILED_MARK: "not lossless: the output differs from greedy's beyond a numeric tie",
+}
+
+
 def category_table(result: dict) -> tuple[list[str], list[list[str]]]:
-    """Speed-up over greedy per category (tokens/call in parentheses when a strategy drafts)."""
+    """Speed-up over greedy per category, marked ≈ where an output left greedy's at a numeric tie (the ratio then
+    compares different texts) and ✗ where it is not lossless."""
     categories = result["config"]["categories"]
     rows = []
     for s in result["summary"]:
@@ -103,11 +112,16 @@ def category_table(result: dict) -> tuple[list[str], list[list[str]]]:
                 row.append("–")
                 continue
             cell = spread(figures["speedup"])
-            if figures["lossless"]["status"] == "failed":
-                cell += " ✗"
-            row.append(cell)
+            mark = {"failed": FAILED_MARK, "tie": TIE_MARK}.get(figures["lossless"]["status"])
+            row.append(f"{cell} {mark}" if mark else cell)
         rows.append(row)
     return ["strategy"] + [f"{c} ↑" for c in categories], rows
+
+
+def legend(rows: list[list[str]]) -> list[str]:
+    """What each mark used in the category table's `rows` means, one line a mark."""
+    used = {str(cell).rpartition(" ")[2] for row in rows for cell in row[1:]}
+    return [f"{mark} {meaning}" for mark, meaning in LEGEND.items() if mark in used]
 
 
 def draft_label(model: dict) -> str:
@@ -228,7 +242,10 @@ def markdown(result: dict) -> str:
     if line := verdict(result):
         parts += [line, ""]
     parts += ["Speed-up over greedy by category:", ""]
-    parts += [make_table(*category_table(result))]
+    headers, rows = category_table(result)
+    parts += [make_table(headers, rows)]
+    if marks := legend(rows):
+        parts += ["", *[f"{line}  " for line in marks]]
     if chosen := choices(result):
         parts += ["", "What the choosing strategies chose:", *[f"- {line}" for line in chosen]]
     if extra := notes(result):

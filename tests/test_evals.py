@@ -202,6 +202,20 @@ def test_the_verdict_names_the_fastest_lossless_strategy_overall_and_per_categor
                                      "prose: greedy — nothing beat it"
 
 
+def test_category_cells_say_where_an_output_left_greedys_at_a_tie_or_is_not_lossless():
+    result = {"config": {"categories": ["code", "prose"]}, "summary": [
+        _summary("greedy", "decodekit", {"code": 1.0, "prose": 1.0}, status="reference"),
+        _summary("speculative", "decodekit", {"code": 3.0, "prose": 0.8}, status="tie"),
+        _summary("broken", "decodekit", {"code": 9.0, "prose": 9.0}, status="failed"),
+    ]}
+    result["summary"][1]["by_category"]["code"]["lossless"]["status"] = "pass"  # the tie was in prose
+    headers, rows = report.category_table(result)
+    assert rows == [["greedy", "1.00", "1.00"], ["speculative", "3.00", "0.80 ≈"], ["broken", "9.00 ✗", "9.00 ✗"]]
+    legend = report.legend(rows)
+    assert [line[0] for line in legend] == ["≈", "✗"] and "different texts" in legend[0]
+    assert report.legend(rows[:1]) == []
+
+
 # ------------------------------------------------------------------------------------------------------- losslessness
 def test_a_strategy_that_changes_one_token_fails_and_a_correct_one_passes(suite_file):
     @decoders.register("test_broken_fifth")
