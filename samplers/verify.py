@@ -25,12 +25,16 @@ path (node indices), at most one node per depth; **rejected** are the children t
 accepted with probability min(1, q(x) / p_j(x)) and on rejection q <- norm(max(0, q - p_j)), where p_j is the
 distribution child j was drawn from. A sampling drafter must draw the children of a node one after another
 *without replacement* from one distribution p (siblings share their row of `draft_probs`), so p_j is p with the
-earlier siblings' tokens removed and renormalized; it may decide how many children to draw from anything drawn
+earlier drawn siblings' tokens removed and renormalized; it may decide how many children to draw from anything drawn
 before, but must never drop a drawn child. Exact by induction over the siblings: given everything drawn before
 child j, x_j ~ p_j, so one rejection-sampling step yields x_j with probability min(q_j, p_j)(x_j) and otherwise
 hands on the residual, which the remaining siblings reproduce exactly, down to a final draw from the last residual.
 One-hot children (deterministic candidates) are the case p_j = the point mass on x_j: accept x with probability q(x),
-else q <- norm(q with x removed).
+else q <- norm(q with x removed). They may follow drawn siblings as rows that are that point mass (a draft model's
+sampled chain merged with guesses from the context): which to add may then depend on the draws before them (a guess
+a draw already holds is left out), and a one-hot sibling removes nothing from a drawn one's p, which did not avoid
+its token. (Placed before the draws, a guess left out for a draw that follows would make the earlier siblings
+depend on a later draw, which is not exact.)
 """
 
 from __future__ import annotations
@@ -122,15 +126,16 @@ def verify_tree_sampling(
     path, row = [], 0
     while True:
         q = target_probs[row]  # [vocab] what the next token must follow
-        tried: list[int] = []  # tokens of the rejected siblings, drawn before the current one
+        tried: list[int] = []  # tokens of the rejected siblings drawn (not one-hot) before the current one
         for node in children[row]:
             token = int(drafted[node])
-            if draft_probs is None:
-                p = None
+            if draft_probs is None or float(draft_probs[node, token]) >= 1.0:
+                p = None  # one-hot: its own point mass
             else:
                 p = draft_probs[node].clone()  # [vocab] p_j: p without the tokens drawn before
                 p[tried] = 0.0
                 p = p / p.sum()
+                tried.append(token)
             u = float(torch.rand(1, generator=generator, device=q.device))
             if u * (1.0 if p is None else float(p[token])) < float(q[token]):
                 path.append(node)
@@ -143,6 +148,5 @@ def verify_tree_sampling(
                 residual = (q - p).clamp_min(0.0)
             if float(residual.sum()) > 0.0:  # zero only through rounding when q == p_j; q itself is then exact
                 q = residual / residual.sum()
-            tried.append(token)
         else:  # every child rejected (or none): the recovered token from the residual, or the bonus token
             return path, _draw(q, generator)

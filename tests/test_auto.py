@@ -324,6 +324,38 @@ def test_a_draft_models_chain_is_checked_with_the_steps_guesses_where_they_pay(m
     assert all(0 <= accepted <= drafted <= chain for (drafted, accepted), chain in zip(drafts, chains))
 
 
+def test_in_sampling_mode_a_chain_checked_with_guesses_still_samples_from_the_target(monkeypatch):
+    """Sampling mode: the draft model's sampled chain and prompt lookup's guess (here the target's likeliest token)
+    are checked in one call, each guess a one-hot sibling of the chain's first token; the first new token follows
+    the target's distribution, and comes from the chain, the guess or the target."""
+    from decoders.drafting import cost
+    from samplers import SamplingConfig
+    from stats import chi_square_fits
+    from test_tree import near_draft
+
+    def choose(self, candidates, context, fed=1):
+        chain = any(c.proposer == "draft" for c in candidates)
+        return chooser.Plan("draft", 1, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
+
+    lm, draft = tiny_lm("llama"), near_draft()
+    prompt = lm.encode(PROMPTS[4]) * 2
+    settings = dict(temperature=1.0, top_k=12)
+    with torch.inference_mode():
+        target = SamplingConfig(**settings).probs(lm.forward(prompt, lm.new_cache())[-1])
+    guess = int(target.argmax())
+    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
+    monkeypatch.setattr(auto, "lookup", lambda tokens, k, *sizes: [guess])
+    firsts, sources = [], []
+    for seed in range(1000):
+        result = decoders.generate(lm, prompt, strategy="auto", draft=draft, draft_int8=False, max_new_tokens=2,
+                                   seed=seed, **settings)
+        firsts.append(result.tokens[0])
+        sources.append(result.sources[0])
+    assert {"draft", "lookup", "target"} <= set(sources)
+    assert chi_square_fits(torch.tensor(firsts), target)
+
+
 def echo_lm() -> decoders.LM:
     """A tiny model that repeats its input token: its output embedding is its input embedding and its layers add
     next to nothing to the residual stream."""

@@ -177,6 +177,28 @@ def test_multi_candidate_rejection_sampling_reproduces_the_target(children, one_
     assert not chi_square_fits(firsts, p)
 
 
+def test_a_drawn_child_before_one_hot_ones_reproduces_the_target():
+    """A child drawn from p, then fixed guesses given as point-mass rows (a draft model's sampled chain merged with
+    guesses from the context); a guess the draw already holds is left out."""
+    torch.manual_seed(2)
+    q = torch.softmax(torch.randn(4, VOCAB) * 1.5, -1)  # [k + 1, vocab]
+    p = torch.softmax(torch.randn(VOCAB) * 1.5, -1)
+    guesses = q[0].topk(2).indices.tolist()  # likely tokens, so their rejection reshapes what the draw must follow
+    generator = make_generator(5)
+    firsts, taken = [], set()
+    for _ in range(6000):
+        drawn = draw_without_replacement(p, 1, generator)[0]
+        fixed = [g for g in guesses if g != drawn]
+        tokens = [drawn, *fixed]
+        rows = torch.stack([p if t == drawn else torch.nn.functional.one_hot(torch.tensor(t), VOCAB).float()
+                            for t in tokens])
+        path, token = verify_tree_sampling(tokens, [-1] * len(tokens), rows, q, generator)
+        firsts.append(tokens[path[0]] if path else token)
+        taken.add("drawn" if path and tokens[path[0]] == drawn else "guess" if path else "recovered")
+    assert {"drawn", "guess"} <= taken
+    assert chi_square_fits(torch.tensor(firsts), q[0])
+
+
 def test_multi_candidate_second_level_follows_the_target():
     """Depth 2: given an accepted first token x, the second follows q(. | x) whichever sibling x was."""
     torch.manual_seed(1)

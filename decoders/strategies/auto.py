@@ -8,7 +8,7 @@ long at once, where the suffix tree grows with the match), the draft model when 
 "self:int8"; as its own int8 copy where that copy's calls measure cheaper, and without one the target's own int8 copy
 where its calls are cheap enough and it fits in memory, `int8_copy`; drafted while the next token still pays, one
 token a call, or several where the call also checks the suffix index's guess at what follows and the draft agrees
-with it; in greedy mode its chain is checked in one target call with the draft-free guesses below where that pays,
+with it; its chain is checked in one target call with the draft-free guesses below where that pays,
 `with_guesses`), the draft model's token trees (`staged`'s, grown on the same draft cache with the run's suffix index as
 their lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's first choice is
 often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84 for chains with the bf16
@@ -38,6 +38,8 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+import torch
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_model, stack_probs
@@ -251,8 +253,9 @@ class AutoDrafter:
         """The draft model's `chain` merged with those of this step's draft-free drafts (`self.parts`) that make the
         step's expected tokens per second highest, the chain the tree's first branch: where a target call of a few
         more tokens costs little more, the guesses are checked in the same call and the step takes the tokens of
-        whichever is right. Greedy mode only (a tree of sampled and one-hot siblings is not what `samplers.verify`
-        checks), on a model that takes tree masks. A merged draft's source is "merged", the chain's nodes "draft".
+        whichever is right. On a model that takes tree masks. A merged draft's source is "merged", the chain's nodes
+        "draft". In sampling mode the chain's nodes keep the distributions they were drawn from and each guess is a
+        one-hot sibling (`samplers.verify.verify_tree_sampling`), so the step still samples from the target's.
 
         A draft step had checked the chain alone. Merged so, two interleaved repeats (AMD EPYC): mixed (one prompt
         per category) with the int8 0.5B draft of the 1.5B 22.4 s against 24.1, every prompt faster; SmolLM2-135M's
@@ -260,7 +263,7 @@ class AutoDrafter:
         its first draft step a probe whose 2 tokens the suffix index's guesses now join); without a draft on mixed
         27.1 against 26.9; the held-out prompts with the int8 draft 31.6 against 30.9, where the bfloat16 target's
         output of one prompt changed length between runs (43 or 45 tokens, a near tie) and with it the steps."""
-        if not (self.trees and state.sampling.greedy and self.parts and chain.tokens):
+        if not (self.trees and self.parts and chain.tokens):
             return chain
         accept = {c.proposer: c.accept for c in candidates}
         accept["draft"] = self.chooser.chain("draft", len(chain.tokens), self.confidences)
@@ -275,7 +278,16 @@ class AutoDrafter:
 
         names = max((subset for size in range(len(self.parts) + 1)
                      for subset in itertools.combinations(self.parts, size)), key=rate)
-        return merge([drafts[name] for name in ("draft", *names)]) if names else chain
+        if not names:
+            return chain
+        merged = merge([drafts[name] for name in ("draft", *names)])
+        if chain.probs is None:
+            return merged
+        guesses = torch.tensor(merged.tokens[len(chain.tokens):], device=chain.probs.device)  # (the chain's nodes
+        # come first: merged first, each a new node)
+        one_hot = torch.zeros(len(guesses), chain.probs.shape[-1], dtype=chain.probs.dtype, device=chain.probs.device)
+        one_hot[torch.arange(len(guesses)), guesses] = 1.0
+        return replace(merged, probs=torch.cat([chain.probs, one_hot]))
 
     def ride(self, draft: Draft, window: Window, uncached: int, context: int) -> None:
         """Let lookahead's Jacobi window ride along in this step's target call when it costs at most RIDE of the
