@@ -271,22 +271,22 @@ class AutoDrafter:
         paths = {name: ([d.tokens[n] for n in first_branch(d.links)], accept[name]) for name, d in drafts.items()}
         spent = time.perf_counter() - self.began  # the step's seconds so far: the chain's drafting
 
+        trees = {names: merge([drafts[name] for name in ("draft", *names)])  # each subset of the guesses
+                 for size in range(len(self.parts) + 1) for names in itertools.combinations(self.parts, size)}
+
         def rate(names: tuple[str, ...]) -> float:
-            nodes = len(merge([drafts[name] for name in ("draft", *names)]).tokens)
-            seconds = spent + self.cost.target_seconds(self.fed + nodes, context, bool(names))
+            seconds = spent + self.cost.target_seconds(self.fed + len(trees[names].tokens), context, bool(names))
             return expected_tokens(union([paths[name] for name in ("draft", *names)])) / seconds
 
-        names = max((subset for size in range(len(self.parts) + 1)
-                     for subset in itertools.combinations(self.parts, size)), key=rate)
+        names = max(trees, key=rate)
         if not names:
             return chain
-        merged = merge([drafts[name] for name in ("draft", *names)])
+        merged = trees[names]
         if chain.probs is None:
             return merged
         guesses = torch.tensor(merged.tokens[len(chain.tokens):], device=chain.probs.device)  # (the chain's nodes
         # come first: merged first, each a new node)
-        one_hot = torch.zeros(len(guesses), chain.probs.shape[-1], dtype=chain.probs.dtype, device=chain.probs.device)
-        one_hot[torch.arange(len(guesses)), guesses] = 1.0
+        one_hot = torch.nn.functional.one_hot(guesses, chain.probs.shape[-1]).to(chain.probs.dtype)
         return replace(merged, probs=torch.cat([chain.probs, one_hot]))
 
     def ride(self, draft: Draft, window: Window, uncached: int, context: int) -> None:
