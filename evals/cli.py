@@ -236,7 +236,8 @@ def cmd_calibrate(args) -> int:
     print(report.make_table(["role", "model", "tokens", "context", "measured ms ↓", "fit ms ↓", "× 1 token ↓"], rows))
     for role, _, curve in curves:
         knots = ", ".join(f"{n}: {seconds * 1e3:.2f}" for n, seconds in zip(curve.sizes, curve.seconds))
-        print(f"\n{role}: ms by tokens scored ({knots}) + {curve.per_position * 1e6:.2f} µs per cached position")
+        print(f"\n{role}: ms by tokens scored ({knots}) + {curve.per_position * 1e6:.2f} µs per cached position, "
+              f"{curve.per_position_per_token * 1e6:.2f} µs more for each token scored past the first")
     print(f"\nauto drafts with: {drafting.name if drafting is not None else 'no model (guesses from the context)'}, "
           f"as measured here after {CONTEXT} tokens (the int8 copy of the draft, or without one of the target, where "
           "its calls are cheap enough)")

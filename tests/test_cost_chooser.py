@@ -271,6 +271,27 @@ def test_fit_recovers_linear_and_convex_costs():
     assert fitted.per_position == 0.0  # one context length measured: no context term
 
 
+def test_the_context_costs_more_the_more_tokens_attend_to_it():
+    # measured as `measure` does: every size after 16 positions, the smallest and largest after 512 too
+    truth = lambda n, L: 0.04 + 0.002 * (n - 1) + (5e-6 + 2e-6 * (n - 1)) * L  # noqa: E731
+    samples = [(n, 16, truth(n, 16)) for n in (1, 2, 4, 8, 32)] + [(n, 512, truth(n, 512)) for n in (1, 32)]
+    fitted = fit(samples, (1, 2, 4, 8, 32))
+    assert fitted.per_position == pytest.approx(5e-6) and fitted.per_position_per_token == pytest.approx(2e-6)
+    for n, L in ((1, 0), (3, 200), (16, 300), (32, 1000)):
+        assert fitted.predict(n, L) == pytest.approx(truth(n, L))
+    # noise that makes a term negative drops it; the rest is fitted without it
+    faster = [(n, L, t - (3e-5 * L if n == 1 else 0.0)) for n, L, t in samples]  # one token faster after 512
+    fitted = fit(faster, (1, 2, 4, 8, 32))
+    assert fitted.per_position == 0.0 and fitted.per_position_per_token > 0
+    both = [(n, L, 0.1 + 0.01 * n - 1e-5 * L) for n in (1, 32) for L in (16, 512)]  # every call faster after 512
+    fitted = fit(both, (1, 32))
+    assert (fitted.per_position, fitted.per_position_per_token) == (0.0, 0.0)
+    assert fitted.predict(1, 0) == pytest.approx(0.1 + 0.01 - 1e-5 * 264)  # the mean of its two contexts
+    # a context term only where the samples tell it: two context lengths for one size tell the first alone
+    fitted = fit([(1, 16, 0.1), (1, 512, 0.11), (4, 16, 0.12)], (1, 4))
+    assert fitted.per_position > 0 and fitted.per_position_per_token == 0.0
+
+
 def test_observe_moves_the_prediction_toward_observations():
     model = CostModel(linear(1.0, 0.1, 1e-3), linear(0.2, 0.0))
     before = model.target_seconds(4, 100)

@@ -1,8 +1,9 @@
 """A cost model of this device: how many seconds a target or draft call takes, measured once and refined online.
 
-One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) + per_position * L) seconds, f
-piecewise linear in n through a few measured sizes (on a CPU a 16-token call costs 1.2-1.5x a one-token call, on a GPU
-almost the same; a few knots fit both). `calibrate` measures a handful of calls at start-up and caches the fit per
+One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) + (per_position + per_position_per_token
+* (n - 1)) * L) seconds, f piecewise linear in n through a few measured sizes (on a CPU a 16-token call costs 1.2-1.5x a
+one-token call, on a GPU almost the same; a few knots fit both), and the context's cost growing with the tokens that
+attend to it. `calibrate` measures a handful of calls at start-up and caches the fit per
 model, dtype, device, thread count and torch version under `cache_dir()/calibration/`; `observe` then keeps a running
 correction factor from the calls a run makes.
 """
@@ -21,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-VERSION = 3  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
-# float, which changed their costs; 3: drafts measured at DRAFT_SIZES with every row's logits): files of another
-# version are measured again
+VERSION = 4  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
+# float, which changed their costs; 3: drafts measured at DRAFT_SIZES with every row's logits; 4: the context term
+# grows with the tokens scored, `fit`): files of another version are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1);
 # beyond 32: extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter,
 # drafts. The curve need not be convex: on the AMD EPYC, SmolLM2-135M in float32 took 41 ms for 1 token, 67-70 for 2,
@@ -62,11 +63,13 @@ class RunningMean:
 
 @dataclass
 class CallCost:
-    """Seconds of one forward call of one model in one role, t(n, L) = scale * (f(n) + per_position * L)."""
+    """Seconds of one forward call of one model in one role,
+    t(n, L) = scale * (f(n) + (per_position + per_position_per_token * (n - 1)) * L)."""
 
     sizes: tuple[int, ...]  # n at the knots of f, increasing, from 1
     seconds: tuple[float, ...]  # f at the knots: seconds at L = 0, nondecreasing
-    per_position: float = 0.0  # seconds per cached position (attention over the context), >= 0
+    per_position: float = 0.0  # seconds per cached position (attention over the context) of a one-token call, >= 0
+    per_position_per_token: float = 0.0  # and more per position for each further token scored, >= 0 (`fit`)
     scale: float = 1.0  # online correction: a running geometric mean of observed / fitted seconds
     samples: tuple[Sample, ...] = ()  # the measurements it was fitted to, kept for reports and plots
     log_ratios: RunningMean = field(default_factory=RunningMean, compare=False)  # of the calls observed since loaded,
@@ -76,7 +79,7 @@ class CallCost:
         """Seconds of the calibrated fit, before the online correction."""
         i, r = _segment(self.sizes, n)
         f = self.seconds[i] + r * (self.seconds[i + 1] - self.seconds[i]) if r else self.seconds[i]
-        return f + self.per_position * context
+        return f + (self.per_position + self.per_position_per_token * (n - 1)) * context
 
     def predict(self, n: int, context: int) -> float:
         """Expected seconds of a call scoring `n` tokens after `context` cached ones."""
@@ -90,11 +93,13 @@ class CallCost:
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,
-                "scale": self.scale, "samples": [list(s) for s in self.samples]}
+                "per_position_per_token": self.per_position_per_token, "scale": self.scale,
+                "samples": [list(s) for s in self.samples]}
 
     @classmethod
     def from_dict(cls, data: dict) -> CallCost:
-        return cls(tuple(data["sizes"]), tuple(data["seconds"]), data["per_position"], data.get("scale", 1.0),
+        return cls(tuple(data["sizes"]), tuple(data["seconds"]), data["per_position"],
+                   data.get("per_position_per_token", 0.0), data.get("scale", 1.0),
                    tuple((int(n), int(L), float(s)) for n, L, s in data.get("samples", ())))
 
 
@@ -117,18 +122,42 @@ def _hat(sizes: tuple[int, ...], n: int) -> list[float]:
 
 
 def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
-    """Least-squares fit of f at `sizes` and per_position to measured calls; f made nondecreasing, per_position >= 0."""
-    rows = torch.tensor([_hat(sizes, n) + [float(L)] for n, L, _ in samples], dtype=torch.float64)  # [S, knots + 1]
+    """Least-squares fit of f at `sizes` and of the context terms to measured calls; f made nondecreasing.
+
+    The context terms are per_position (the cost of a cached position to a one-token call) and per_position_per_token
+    (what each further token scored adds to it): every token scored attends to the whole context, so where the
+    context costs something at all it costs more the more tokens attend to it. One term for every size misfits both
+    ends: SmolLM2-135M in float32 on the Intel Xeon (no AMX) measured 48.4 / 51.0 ms for one token after 16 / 512
+    cached positions and 103.5 / 140.4 ms for 32; one slope (40 us a position) fitted one token at 39.9 ms without
+    context, and so costed a 3-token call after 200 positions at 1.40x a one-token call, where calibration had
+    measured 1.22x at 16 (`suffix`'s 3-token calls in a run: 1.22x its one-token calls, medians), and auto turned
+    down the suffix index's 2-token guesses that `suffix` drafts. Fitted so, it drafts them; its seconds on the
+    seven prompts (three interleaved repeats, one calibration refitted both ways) were 70.8 against 71.0, `suffix`
+    66.3: on this machine one call's time varies by 20% or more from minute to minute. A term is fitted only
+    where the samples can tell it (two context lengths measured for one size, for the first; for two sizes, for the
+    second) and dropped where noise makes it negative (the 1.5B in bfloat16 there measured 32-token calls faster
+    after 512 positions than after 16)."""
+    lengths: dict[int, set[int]] = {}
+    for n, L, _ in samples:
+        lengths.setdefault(n, set()).add(L)
+    varied = sum(len(ls) > 1 for ls in lengths.values())  # sizes measured at more than one context length
+    terms = ["per_position", "per_position_per_token"][:min(varied, 2)]
     times = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)  # [S, 1]
-    solution = torch.linalg.lstsq(rows, times, driver="gelsd").solution[:, 0]  # [knots + 1]
-    if solution[-1] < 0 or len({L for _, L, _ in samples}) == 1:  # no context term when noise makes it negative or
-        # when one context length was measured
-        solution = torch.cat([torch.linalg.lstsq(rows[:, :-1], times, driver="gelsd").solution[:, 0], torch.zeros(1)])
+    while True:
+        rows = torch.tensor([_hat(sizes, n) + [{"per_position": L, "per_position_per_token": L * (n - 1)}[term]
+                                               for term in terms] for n, L, _ in samples],
+                            dtype=torch.float64)  # [S, knots + terms]
+        solution = torch.linalg.lstsq(rows, times, driver="gelsd").solution[:, 0].tolist()  # [knots + terms]
+        context = dict(zip(terms, solution[len(sizes):]))
+        if min(context.values(), default=0.0) >= 0:
+            break
+        terms.remove(min(context, key=context.get))  # noise made it negative: the most negative term goes
     knots, running = [], 1e-9
-    for value in solution[:-1].tolist():
+    for value in solution[:len(sizes)]:
         running = max(running, value)  # a call never gets cheaper by scoring more tokens
         knots.append(running)
-    return CallCost(tuple(sizes), tuple(knots), float(solution[-1]), 1.0, tuple(samples))
+    return CallCost(tuple(sizes), tuple(knots), context.get("per_position", 0.0),
+                    context.get("per_position_per_token", 0.0), 1.0, tuple(samples))
 
 
 def _resize(cache, length: int) -> None:
