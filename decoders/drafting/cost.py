@@ -44,6 +44,13 @@ WEIGHT = 0.1  # how far one observation moves a `RunningMean` (the correction fa
 # measured on a busy machine (one draft calibration here had a 0.5B call at 0.65 of a 1.5B call; runs measured 0.33)
 # is corrected by the run's first call instead of after tens of calls, which auto might never make while the draft
 # looks too dear
+TREE_PRIOR = 4  # calls' weight of the prior that a tree call costs what a causal call of as many tokens costs
+# (`CostModel.tree_extra`): one call's time varies by 20% or more on a busy CPU, and believed at once, the run's first
+# tree call set it for the steps after. On the Intel Xeon (no AMX), the 1.5B in bfloat16 with the int8 0.5B draft on
+# mixed's QA: a first tree call 153 ms over its prediction made trees look that much dearer, and auto took ten plain
+# steps (0.3 s each) before a probe found them cheap; its next 14 tree calls brought the extra to -30 ms. Measured
+# alone there, a tree mask adds 1-5 ms to a call of SmolLM2-135M (float32) and moving the accepted path 3 ms. Two
+# interleaved repeats of that suite (one prompt per category): 142.0 s against 141.0 believing the first call
 Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
 
 
@@ -265,13 +272,14 @@ class CostModel:
     learned from the run's tree calls (not calibrated: a run without trees pays nothing to measure it). On the AMD
     EPYC it came to about nothing: -12 to +14 ms on 131-180 ms calls of the 1.5B (bfloat16), -3 to 0 ms for
     SmolLM2-135M (float32), whose tree steps had looked 30 ms dear until calibration measured 2- and 3-token calls.
+    So it starts from nothing, weighed as TREE_PRIOR calls.
     """
 
     target: CallCost
     draft: CallCost | None = None  # None: no draft model
     observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
-    tree_extras: RunningMean = field(default_factory=RunningMean)  # seconds tree calls cost beyond causal calls of as
-    # many tokens
+    tree_extras: RunningMean = field(default_factory=lambda: RunningMean(0.0, TREE_PRIOR))  # seconds tree calls cost
+    # beyond causal calls of as many tokens
 
     @property
     def tree_extra(self) -> float:
@@ -316,7 +324,7 @@ class CostModel:
         draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
         observed = dict(data.get("observed", {}))
         return cls(CallCost.from_dict(data["target"]), draft, observed,
-                   RunningMean(data.get("tree_extra", 0.0), observed.get("tree", 0)))
+                   RunningMean(data.get("tree_extra", 0.0), TREE_PRIOR + observed.get("tree", 0)))
 
 
 def calibrate(lm, draft=None, *, cache: bool = True, refresh: bool = False, folder: Path | None = None,
