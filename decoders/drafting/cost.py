@@ -1,11 +1,11 @@
 """A cost model of this device: how many seconds a target or draft call takes, measured once and refined online.
 
 One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) + (per_position + per_position_per_token
-* (n - 1)) * L) seconds, f piecewise linear in n through a few measured sizes (on a CPU a 16-token call costs 1.2-1.5x a
-one-token call, on a GPU almost the same; a few knots fit both), and the context's cost growing with the tokens that
-attend to it. `calibrate` measures a handful of calls at start-up and caches the fit per
-model, dtype, device, thread count and torch version under `cache_dir()/calibration/`; `observe` then keeps a running
-correction factor from the calls a run makes.
+* (n - 1)) * L) seconds: f piecewise linear in n through a few measured sizes (on a CPU a 16-token call costs 1.2-1.5x a
+one-token call, on a GPU almost the same; a few knots fit both), and the context costing more the more tokens attend
+to it. `calibrate` measures a handful of calls at start-up and caches the fit per model, dtype, device, thread count
+and torch version under `cache_dir()/calibration/`; `observe` then keeps a running correction factor from the calls
+a run makes.
 """
 
 from __future__ import annotations
