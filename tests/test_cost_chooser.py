@@ -179,6 +179,21 @@ def test_a_proposer_can_keep_one_calibration_curve_per_kind_of_draft():
                                                                 "suffix:4", "suffix:8", "suffix:8"]
 
 
+def test_each_level_of_a_draft_can_be_judged_on_its_own_curve():
+    """A suffix-index draft after a 1-token match: once its first token is right, its second continues a 2-token
+    match, and is judged and taught as one (`level_curve`)."""
+    chooser = Chooser(cpu_like())
+    chooser.ceilings.update({"suffix:1": 0.4, "suffix:2": 0.75})
+    curves = [match_curve(1), match_curve(2)]
+    accept = chooser.candidate("suffix", 2, [1.0, 1.0], curve=curves).accept
+    assert accept == pytest.approx((chooser.calibrated("suffix:1", 1.0), chooser.calibrated("suffix:2", 1.0)))
+    assert accept[0] == pytest.approx(0.43, abs=0.02) and accept[1] == pytest.approx(0.81, abs=0.02)  # (SPREAD)
+    assert chooser.chain("suffix", 2, [1.0, 1.0], "suffix:1") == (accept[0], accept[0])  # one curve for both
+    for _ in range(20):
+        chooser.update("suffix", drafted=2, accepted=1, confidences=[1.0, 1.0], curve=curves)
+    assert chooser.calibrated("suffix:1", 1.0) > 0.8 and chooser.calibrated("suffix:2", 1.0) < 0.3  # each its own
+
+
 def test_a_curve_whose_ceiling_is_known_starts_from_it_and_learns_on():
     """`Chooser.ceilings`: a curve's measured ceiling is its prior (auto's suffix index per match length), evidence
     moves it as any curve's; curves without one keep the default prior."""

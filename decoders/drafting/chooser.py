@@ -115,6 +115,15 @@ class Plan:
         return self.expected_tokens / self.seconds
 
 
+Curves = str | Sequence[str] | None  # the calibration curve of a draft's levels: one for every level, one per level,
+# or None (the proposer's own)
+
+
+def level_curve(curve: Curves, level: int) -> str | None:
+    """The calibration curve of level `level` (from 0) of a draft whose levels are judged on `curve`."""
+    return curve if curve is None or isinstance(curve, str) else curve[level]
+
+
 def expected_tokens(accept: Sequence[float]) -> float:
     """E = 1 + sum_i prod_{j<=i} p_j: expected tokens from verifying a draft with these acceptance probabilities."""
     total, running = 1.0, 1.0
@@ -173,23 +182,24 @@ class Chooser:
                                             for g in range(len(GAMMAS))]
         return sum(w * confidence ** gamma for w, gamma in zip(weights, GAMMAS))
 
-    def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None, curve: str | None = None
+    def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None, curve: Curves = None
               ) -> tuple[float, ...]:
-        """[k] estimates for levels 1..k (`confidences` [k]: the drafter's probability of each drafted token)."""
+        """[k] estimates for levels 1..k (`confidences` [k]: the drafter's probability of each drafted token;
+        `curve`: the calibration curve they are judged on, one for every level or one per level)."""
         given = confidences if confidences is not None else [None] * k
-        return tuple(self.acceptance(proposer, d + 1, given[d], curve) for d in range(k))
+        return tuple(self.acceptance(proposer, d + 1, given[d], level_curve(curve, d)) for d in range(k))
 
-    def candidate(self, proposer: str, k: int, confidences: Sequence[float] | None = None, curve: str | None = None,
+    def candidate(self, proposer: str, k: int, confidences: Sequence[float] | None = None, curve: Curves = None,
                   **costs) -> Candidate:
         """A `Candidate` of k levels with this chooser's estimates; `costs`: per_token_seconds, fixed_seconds, nodes."""
         return Candidate(proposer, self.chain(proposer, k, confidences, curve), **costs)
 
     def update(self, proposer: str, drafted: int, accepted: int, confidences: Sequence[float] | None = None,
-               curve: str | None = None) -> None:
+               curve: Curves = None) -> None:
         """Learn from a verification that accepted `accepted` of `drafted` levels: levels 1..accepted were accepted,
         the next one rejected, later ones tell nothing (they were conditional on it). `curve`: the calibration curve
         the confidences teach, when not the proposer's own (a drafter whose tokens are calibrated apart by kind, as
-        the suffix index's by match length)."""
+        the suffix index's by match length), one for every level or one per level."""
         decay = self.options.decay
         for depth in range(1, min(accepted + 1, drafted) + 1):
             confidence = None if confidences is None else confidences[depth - 1]
@@ -197,7 +207,7 @@ class Chooser:
             counts = self.counts.setdefault((proposer, min(depth, self.options.max_depth)), [0.0, 0.0])
             counts[0], counts[1] = decay * counts[0] + took, decay * counts[1] + (not took)
             if confidence is not None:  # the calibration curve learns from every token with a probability
-                self.learn_curve(curve or proposer, confidence, took)
+                self.learn_curve(level_curve(curve, depth - 1) or proposer, confidence, took)
 
     def prior(self, curve: str) -> Sequence[float]:
         """[CEILINGS] log prior of each ceiling of `curve`: PRIOR, or where its ceiling is known (`ceilings`), a normal
