@@ -65,11 +65,14 @@ CHEAPER = 0.8  # auto drafts with the draft model's own int8 copy where the copy
 # this share of the original's (`int8_copy`): the copy's tokens are nearly the original's (`threshold` with the 0.5B's
 # int8 copy and with the 0.5B in bfloat16 drafting for the 1.5B took the same target calls within one on each of
 # seven prompts, AMD EPYC), so its cheaper calls are what it brings; the margin covers the acceptance it may lose
-SELF = 0.6  # without a draft model, auto drafts with the target's own int8 copy where the copy's one-token call is
+SELF = 0.7  # without a draft model, auto drafts with the target's own int8 copy where the copy's one-token call is
 # measured at most this share of the target's: 0.49 for the 1.5B in bfloat16 on the AMD EPYC, where `auto` with it
 # ran bench 2.01 / 2.71 / 1.73x greedy against 1.22 / 2.13 / 1.12x without it (one run), 0.28-0.36 for SmolLM2-135M
 # in float32 there (seven prompts 1.4-3.4x, without it 1.0-3.6x), and 0.51 for the 1.5B on the Intel Xeon with AMX
-# (`auto` with `draft="self:int8"` 1.51x overall there)
+# (`auto` with `draft="self:int8"` 1.51x overall there). It was 0.6 until the Intel Xeon without AMX measured the
+# 1.5B's copy at 0.60-0.65 (just over, most calibrations): there, two interleaved repeats of bench took 132.9 s with
+# the copy (`auto@self_int8=True`, 63 target calls) against 174.2 s without (247), and SmolLM2's seven prompts 54.7 s
+# against 54.9 (the chooser still drafts with the copy only where its chain pays)
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
 GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what their steps gave (`Chooser.correction`):
 # the draft model's chains run on while its confidences say the next token pays, and its trees grow as `staged` grows
