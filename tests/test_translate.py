@@ -110,12 +110,14 @@ def test_drafts_survive_the_translation(strategy, arch):
     the target's own ids; under a tokenizer of fewer merges (another split of the prompt) some drafts still hold."""
     lm, twin = text_pair(arch, "twin")
     _, subset = text_pair(arch, "subset")
+    fixed = {"k": 4} if strategy == "speculative" else {}  # (its default k follows each draft's measured call costs,
+    # which the twin and the target measure apart: once in a CI run, noise gave them different k)
     from_subset = 0
     for prompt in PROMPTS:
         want = decoders.generate(lm, prompt, max_new_tokens=40)
-        own = decoders.generate(lm, prompt, strategy=strategy, draft=lm, max_new_tokens=40)
+        own = decoders.generate(lm, prompt, strategy=strategy, draft=lm, max_new_tokens=40, **fixed)
         for draft in (twin, subset):
-            got = decoders.generate(lm, prompt, strategy=strategy, draft=draft, max_new_tokens=40)
+            got = decoders.generate(lm, prompt, strategy=strategy, draft=draft, max_new_tokens=40, **fixed)
             assert got.tokens == want.tokens, f"{strategy} with {draft.name} diverged on {prompt!r}"
             if draft is twin and strategy != "auto":  # auto's choices follow measured times
                 assert got.sources == own.sources
