@@ -148,14 +148,15 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     for n, L, _ in samples:
         lengths.setdefault(n, set()).add(L)
     varied = sum(len(ls) > 1 for ls in lengths.values())  # sizes measured at more than one context length
-    terms = ["per_position", "per_position_per_token"][:min(varied, 2)]
+    names = ("per_position", "per_position_per_token")
+    terms = list(names[:min(varied, 2)])
+    rows = torch.tensor([_hat(sizes, n) + [L, L * (n - 1)] for n, L, _ in samples],
+                        dtype=torch.float64)  # [S, knots + 2]: the knots' weights, then both terms' columns
     times = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)  # [S, 1]
     while True:
-        rows = torch.tensor([_hat(sizes, n) + [{"per_position": L, "per_position_per_token": L * (n - 1)}[term]
-                                               for term in terms] for n, L, _ in samples],
-                            dtype=torch.float64)  # [S, knots + terms]
-        solution = torch.linalg.lstsq(rows, times, driver="gelsd").solution[:, 0].tolist()  # [knots + terms]
-        context = dict(zip(terms, solution[len(sizes):]))
+        columns = [*range(len(sizes)), *(len(sizes) + names.index(term) for term in terms)]
+        solution = torch.linalg.lstsq(rows[:, columns], times, driver="gelsd").solution[:, 0].tolist()
+        context = dict(zip(terms, solution[len(sizes):]))  # [knots + terms] solved, the terms' values here
         if min(context.values(), default=0.0) >= 0:
             break
         terms.remove(min(context, key=context.get))  # noise made it negative: the most negative term goes
