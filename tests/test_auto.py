@@ -150,6 +150,44 @@ def test_a_trees_draft_calls_check_as_much_of_the_suffix_indexs_chain_as_pays(mo
         assert checked == own and any(own)
 
 
+def test_tree_thresholds_are_what_pays_at_the_planned_rate():
+    """Hand-computed: a node pays where its path's probability reaches rate x node seconds, a draft call where the
+    likeliest leaf's reaches rate x (call + node); never below staged's thresholds, never at 1."""
+    assert auto.tree_thresholds(5.0, 0.02, 0.07) == pytest.approx((0.1, 0.45))
+    assert auto.tree_thresholds(5.0, 0.001, 0.02) == (auto.TREE.min_prob, auto.TREE.expand_prob)  # cheap: staged's
+    assert auto.tree_thresholds(100.0, 1.0, 1.0) == (auto.SURE, auto.SURE)
+
+
+@pytest.mark.parametrize("nodes", ["cheap", "dear"])
+def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(monkeypatch, nodes):
+    """Each tree grows by staged's rule with the thresholds this step's planned rate and the measured costs set: where
+    a node adds a quarter of a one-token call to the target's, and a draft call costs as much, a tree planned at one
+    token a second takes nodes of probability 0.25 and makes further calls under leaves of 0.5; where both are all
+    but free, staged's own thresholds."""
+    from decoders.drafting.cost import CallCost, CostModel
+
+    slope = 0.0 if nodes == "cheap" else 0.25
+    monkeypatch.setattr(auto, "calibrate", lambda lm, draft: CostModel(
+        CallCost((1, 2), (1.0, 1.0 + slope)), CallCost((1, 2), (slope, 2 * slope))))
+    monkeypatch.setattr(CostModel, "observe", lambda *args, **kwargs: None)  # (the tiny model's calls take ms)
+    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1: next(
+        (chooser.Plan("tree", 1, 1.0, 1.0) for c in candidates if c.proposer == "tree"),
+        chooser.Plan(None, 0, 1.0, 1.0)))
+    grown, propose = [], auto.TreeDrafter.propose
+
+    def recording(self, state, limit):
+        grown.append((self.options.min_prob, self.options.expand_prob))
+        return propose(self, state, limit)
+
+    monkeypatch.setattr(auto.TreeDrafter, "propose", recording)
+    lm = tiny_lm("llama")
+    want = decoders.generate(lm, PROMPTS[1], max_new_tokens=30).tokens
+    got = decoders.generate(lm, PROMPTS[1], strategy="auto", draft=lm, max_new_tokens=30, draft_int8=False)
+    assert got.tokens == want and grown
+    staged = (auto.TREE.min_prob, auto.TREE.expand_prob)
+    assert all(g == (pytest.approx((0.25, 0.5)) if nodes == "dear" else staged) for g in grown)
+
+
 def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch):
     """The first chain drafts after the whole prompt: that call scores the prompt, and must not be taken for a
     one-token call (it made the draft look 4x dearer than it is, and auto declined it)."""

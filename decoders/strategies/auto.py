@@ -9,10 +9,11 @@ long at once, where the suffix tree grows with the match), the draft model when 
 where its calls are cheap enough and it fits in memory, `int8_copy`; drafted while the next token still pays, one
 token a call, or several where the call also checks the suffix index's guess at what follows and the draft agrees
 with it; its chain is checked in one target call with the draft-free guesses below where that pays,
-`with_guesses`), the draft model's token trees (`staged`'s, grown on the same draft cache with the run's suffix index as
-their lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's first choice is
-often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84 for chains with the bf16
-0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the steps that take them, and
+`with_guesses`), the draft model's token trees (`staged`'s, grown on the same draft cache by `staged`'s rule, its
+thresholds raised to what pays at the step's planned rate, `tree_thresholds`, with the run's suffix index as their
+lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's first choice is often
+wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84 for chains with the bf16 0.5B
+draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the steps that take them, and
 the context), the suffix index's, prompt lookup's and lookahead's guesses merged into one tree (where a call of a few
 more tokens costs little more, checking every guess at once takes the tokens of whichever is right), and nothing (a
 plain greedy step).
@@ -73,6 +74,7 @@ SELF = 0.7  # without a draft model, auto drafts with the target's own int8 copy
 # 1.5B's copy at 0.60-0.65 (just over, most calibrations): there, two interleaved repeats of bench took 132.9 s with
 # the copy (`auto@self_int8=True`, 63 target calls) against 174.2 s without (247), and SmolLM2's seven prompts 54.7 s
 # against 54.9 (the chooser still drafts with the copy only where its chain pays)
+SURE = 0.99  # the highest tree thresholds (`AutoDrafter.tree_options`): `staged`'s must stay below 1
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
 GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what their steps gave (`Chooser.correction`):
 # the draft model's chains run on while its confidences say the next token pays, and its trees grow as `staged` grows
@@ -389,7 +391,7 @@ class AutoDrafter:
         paths = [self.chooser.chain("tree", room), chain.accept, suffix.accept if suffix is not None else ()]
         accept = at_least(paths, room)
         drafting = tuple(catch_up + self.tree_level.mean * d for d in range(1, room + 1))
-        nodes = tuple(min(TREE.budget, max(d, round(self.tree_nodes.mean * d))) for d in range(1, room + 1))
+        nodes = tuple(self.tree_size(d) for d in range(1, room + 1))
         return Candidate("tree", accept, nodes=nodes, drafting=drafting, tree=True)
 
     def draft_with_model(self, state: DecodeState, limit: int, planned: int, catch_up: float, lead: list[int]
@@ -430,10 +432,26 @@ class AutoDrafter:
         self.confidences = list(given_above(cumulative))
         return Draft(tokens, stack_probs(rows))
 
+    def tree_size(self, levels: int) -> int:
+        """The nodes a draft-model tree of `levels` levels is expected to hold (as many a level as the trees so far)."""
+        return min(TREE.budget, max(levels, round(self.tree_nodes.mean * levels)))
+
+    def tree_options(self, context: int) -> StagedOptions:
+        """`staged`'s options for growing this step's tree, its thresholds raised to what pays at the rate this step's
+        plan expects (`tree_thresholds`), a node costed as the nodes past the plan's add to the target call on
+        average, a draft call as a call of the tree's width."""
+        planned, budget = self.tree_size(self.plan.k), TREE.budget
+        big, small = (self.cost.target_seconds(self.fed + n, context, tree=True) for n in (budget, planned))
+        node = (big - small) / max(1, budget - planned)
+        call = self.cost.draft.predict(self.tree.options.width, context)
+        min_prob, expand_prob = tree_thresholds(self.plan.rate, node, call)
+        return replace(self.tree.options, min_prob=min_prob, expand_prob=expand_prob)
+
     def draft_tree(self, state: DecodeState, limit: int) -> Draft:
         """A draft-model tree of at most `limit` levels; learns what it cost per level (catching up aside)."""
         context, start = len(state.cache), time.perf_counter()
         _, catch_up = self.draft_call(context)
+        self.tree.options = self.tree_options(context)
         draft = self.tree.propose(state, limit)
         state.lm.synchronize()
         if levels := depth(draft):
@@ -550,6 +568,23 @@ def given_above(reach: Sequence[float]) -> tuple[float, ...]:
     """[levels] P(level d accepted | the levels above accepted), from P(levels 1..d accepted) per level (0 below a
     level never reached)."""
     return tuple(r / above if above else 0.0 for r, above in zip(reach, [1.0, *reach]))
+
+
+def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float]:
+    """(min_prob, expand_prob) for growing a draft-model tree (`StagedOptions`) in a step expected to give `rate` new
+    tokens per second, where a node adds `node` seconds to the target call and a draft call costs `call` seconds: a
+    node pays where its path's probability (the tokens it may add) reaches rate x node, and a draft call, which adds
+    children under the likeliest leaf, only where that leaf's path reaches rate x (call + node) - never below
+    `staged`'s own thresholds, never at 1 (SURE).
+
+    `staged`'s thresholds (0.05, 0.3) were measured on the AMD EPYC, where a 16-token call of the 1.5B cost 1.2-1.5
+    one-token calls; on the Intel Xeon without AMX it costs 2.3, and auto's trees outgrew the plans it chose them by:
+    on mixed's translation with the int8 0.5B draft, trees planned at 2-5 nodes grew to 10-12, and their steps took
+    0.9-1.1 s where their plans said 0.5-0.65 (for that, at rate 5 and 20 ms a node, a 70 ms draft call: 0.1, 0.45).
+    Grown so, with the int8 0.5B draft of the 1.5B in bfloat16 there, two interleaved repeats: bench 99.7 s against
+    110.1 (the same target calls in cheaper steps), mixed (one prompt per category) 162.9 against 167.1, and its
+    translation alone, three repeats, 74.2 against 76.0 (equal: its target calls ran 41-58 either way)."""
+    return (min(SURE, max(TREE.min_prob, rate * node)), min(SURE, max(TREE.expand_prob, rate * (call + node))))
 
 
 def per_level(parents: Sequence[int]) -> tuple[int, ...]:
