@@ -134,6 +134,8 @@ class Auto(Rule):
                  ) -> None:
         self.chooser, self.max_draft = Chooser(cost, options), max_draft
         self.chooser.declined["draft"] = options.probe_after
+        if shares_cache:  # as `auto` expects the target's own int8 copy to agree with it
+            self.chooser.priors["draft"] = SELF_ACCEPTANCE
 
     def propose(self, recorded, truth, start, limit, context, costs):
         per_token, catch_up = costs

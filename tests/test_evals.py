@@ -450,3 +450,17 @@ def test_chain_replay_reproduces_the_target_calls_of_real_runs():
             assert run.tokens == out
             assert tally.per_prompt[prompt_id][1] == run.stats.target_calls, (name, prompt_id)
         assert tally.calls < tally.tokens  # drafts were accepted: the replay had something to get right
+
+
+def test_the_chain_replays_auto_expects_the_targets_own_int8_copy_to_agree_as_auto_does():
+    """`auto`'s rule in evals.replay_chains starts a draft that shares the target's cache (its own int8 copy) from
+    the prior `auto` gives it: from the default prior it replayed SmolLM2-135M's drafts as 521 target calls where
+    `auto`'s rule takes 288."""
+    from decoders.drafting.chooser import ChooserOptions
+    from decoders.drafting.cost import CallCost, CostModel
+    from decoders.strategies.speculative import SELF_ACCEPTANCE
+    from evals.replay_chains import Auto
+
+    cost = CostModel(CallCost((1,), (1.0,)), CallCost((1,), (0.25,)))
+    for shares_cache, prior in ((True, SELF_ACCEPTANCE), (False, ChooserOptions().prior_mean)):
+        assert Auto(ChooserOptions(), cost, shares_cache).chooser.acceptance("draft", 1) == pytest.approx(prior)
