@@ -253,7 +253,7 @@ def test_the_draft_is_probed_at_once_unless_it_drafts_on_the_targets_still_empty
 def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_where_cheap(monkeypatch, ride):
     """auto's lookahead proposer: its candidates count the Jacobi window in the tokens a call scores, a step that
     takes them scores the window (whose logits move it on), and the result is greedy's. In the other steps the
-    window rides along where it adds at most RIDE to the call (here: never, or always)."""
+    window rides along where it adds at most RIDE to the call (here: never, or always, its rides paid for)."""
     seen = {"offered": 0, "windows": 0}
 
     def choose(self, candidates, context, fed=1):
@@ -277,6 +277,8 @@ def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_wher
     monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(LookaheadDrafter, "update", counting_update)
     monkeypatch.setattr(auto, "RIDE", float("inf") if ride else -1.0)
+    monkeypatch.setattr(auto.AutoDrafter, "credit_window",
+                        lambda self, state, draft, accepted: setattr(self, "window_gain", float("inf")))
     lm = tiny_lm("qwen2")
     prompt = lm.encode(PROMPTS[2]) * 2  # repeated text: the pool has guesses
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
@@ -284,6 +286,38 @@ def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_wher
     taken = got.stats.details["steps"].get("lookahead", 0)
     assert got.tokens == want and 0 < taken < seen["offered"]
     assert seen["windows"] == (got.stats.target_calls if ride else taken)  # riding: every step, guesses or not
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_the_window_rides_along_only_while_lookaheads_guesses_pay_for_its_rides(monkeypatch, pays):
+    """The window's rides may cost at most one plain step more than the target calls lookahead's guesses saved: where
+    its guesses give nothing (here: never taken), it rides until then and no further."""
+    from decoders.drafting.cost import CostModel
+    from decoders.strategies.lookahead import LookaheadDrafter
+
+    windows, update = [], LookaheadDrafter.update
+
+    def counting_update(self, state, draft, accepted):
+        windows.append(len(draft.window.tokens) if draft.window is not None else 0)
+        update(self, state, draft, accepted)
+
+    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1: chooser.Plan(None, 0, 1, 1))
+    monkeypatch.setattr(LookaheadDrafter, "update", counting_update)
+    monkeypatch.setattr(CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0 + 0.1 * n)
+    monkeypatch.setattr(auto, "RIDE", float("inf"))
+    if pays:  # as if every step's accepted tokens were lookahead's alone
+        credit = auto.AutoDrafter.credit_window
+        monkeypatch.setattr(auto.AutoDrafter, "credit_window", lambda self, state, draft, accepted: (
+            credit(self, state, draft, accepted), setattr(self, "window_gain", self.window_gain + 1.0)))
+    lm = tiny_lm("qwen2")
+    prompt = lm.encode(PROMPTS[2]) * 2
+    got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
+    assert got.tokens == decoders.generate(lm, prompt, max_new_tokens=30).tokens
+    rode = [n for n in windows if n]
+    if pays:
+        assert len(rode) == len(windows) > 2
+    else:  # 0.1 s a window token: the rides' first 1.1 s, then none (the first step's window may be smaller)
+        assert 0.1 * sum(rode) <= 1.1 and windows[: len(rode)] == rode and 1 <= len(rode) < len(windows) - 2
 
 
 def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(monkeypatch):

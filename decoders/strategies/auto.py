@@ -85,7 +85,8 @@ GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what the
 # its int8 copy drafted instead, 27 calls of 64-110 ms to save 9 target calls. Two interleaved repeats of mixed (one
 # prompt per category): without a draft 26.4 s against 27.6, with the int8 0.5B draft 24.6 against 25.1; bench
 # without a draft 20.4 against 20.4, SmolLM2-135M's seven prompts 14.8 against 14.5
-RIDE = 0.1  # the most a target call may grow to carry lookahead's window along (`AutoDrafter.ride`): on the AMD
+RIDE = 0.1  # the most a target call may grow to carry lookahead's window along (`AutoDrafter.ride`, which also
+# keeps its rides within what its guesses saved): on the AMD
 # EPYC the 6 tokens of the default window add 8% to a plain step, and 20% or more to a call of 16 or more tokens
 
 
@@ -173,6 +174,8 @@ class AutoDrafter:
         self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
         self.fed = 0  # and the tokens it feeds before the draft (the prompt, in the first step)
         self.clock = self.began = 0.0  # when that call and the step began
+        self.rides = self.window_gain = 0.0  # the seconds lookahead's window added to the calls it rode along in
+        # (`ride`), and the seconds its guesses saved (`credit_window`)
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
         if state.draft is not None:
             state.stats.details["draft"] = state.draft.name
@@ -301,11 +304,36 @@ class AutoDrafter:
         (bench, the 1.5B without a draft, AMD EPYC: lookahead chosen in 8 / 5 / 9 steps, target calls 104 / 49 /
         88). Riding where it adds at most RIDE: lookahead chosen in 25 / 3 / 29 steps, 92 / 50 / 80 calls; riding
         in every plain, suffix and lookup step: 87 / 45 / 77 calls, but up to 20% more per call; `lookahead`
-        alone: 90 / 50 / 73 calls)."""
+        alone: 90 / 50 / 73 calls).
+
+        And only while its rides are paid for: they may cost at most one plain step more than the target calls
+        lookahead's guesses saved (`credit_window`), so a window whose guesses give nothing stops riding after about
+        a target call's worth of rides, and rides again once they give. Riding wherever it added at most RIDE,
+        SmolLM2-135M in float32 (Intel Xeon without AMX, where its 7-token call costs 1.5x a 1-token one, so the
+        window rode in the suffix index's longer steps) took lookahead's guesses in 1-2 steps a prompt. Its seven
+        prompts, three interleaved repeats: 90.7 s with this budget against 92.1 without (`suffix` 84.0 in the same
+        run); in another such run, never riding, 79.9 s against 82.0 (`suffix` 76.5). The 1.5B in bfloat16 without a
+        draft on bench, two repeats: 126.2 s with the budget against 133.4."""
         scored = uncached + len(draft.tokens)
         call = self.cost.target_seconds(scored, context, not draft.is_chain)
-        if self.cost.target_seconds(scored + len(window.tokens), context, tree=True) <= (1 + RIDE) * call:
-            draft.window = window
+        extra = self.cost.target_seconds(scored + len(window.tokens), context, tree=True) - call
+        if extra <= RIDE * call and self.rides + extra <= self.window_gain + self.cost.target_seconds(1, context):
+            draft.window, self.rides = window, self.rides + extra
+
+    def credit_window(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        """Credit the window's rides (`ride`) with the accepted tokens of this step that only lookahead's guesses
+        held (not the other draft-free drafts, nor a draft model's chain they were checked with): each is a target call
+        saved, a plain step's seconds."""
+        guesses = self.parts.get("lookahead")
+        if guesses is None or self.plan.proposer not in ("lookahead", "merged", "draft") or not draft.tokens:
+            return
+        path = state.tokens[self.start: self.start + accepted]
+        rivals = [part for name, part in self.parts.items() if name != "lookahead"]
+        if self.plan.proposer == "draft":
+            rivals.append(draft.subset([n for n in range(len(draft.tokens)) if draft.source_of(n) == "draft"]))
+        verified = len(guesses.subset(common(guesses, draft)).follow(path))
+        held = max((len(rival.follow(path)) for rival in rivals), default=0)
+        self.window_gain += max(0, verified - held) * self.cost.target_seconds(1, self.context)
 
     def merged_candidate(self, merged: Draft, candidates: list[Candidate]) -> Candidate:
         """The draft-model-free drafts (`self.parts`: the suffix index's tree, lookahead's n-grams, prompt lookup's
@@ -464,6 +492,7 @@ class AutoDrafter:
         now = time.perf_counter()
         self.cost.observe("target", self.scored, self.context, now - self.clock, not draft.is_chain)
         whole = accepted  # (the step's accepted tokens, whoever drafted them)
+        self.credit_window(state, draft, accepted)
         if self.plan.proposer == "draft" and draft.source == "merged":  # its chain merged with guesses
             # (`with_guesses`): the guesses learn as a merged tree's parts do, the chain from its own nodes
             self.teach_parts(state, draft, accepted)
