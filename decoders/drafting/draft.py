@@ -57,6 +57,11 @@ class Draft:
         """What `result.sources` calls node `node` once accepted."""
         return self.origins[node] if self.origins is not None else self.source
 
+    def drafted_by(self, source: str) -> Draft:
+        """The draft with only the nodes `source` drafted (`subset`: their parents must be among them, as for the
+        chain a draft merged with guesses starts with)."""
+        return self.subset([n for n in range(len(self.tokens)) if self.source_of(n) == source])
+
     def subset(self, nodes: list[int]) -> Draft:
         """The draft with only `nodes` (increasing, each one's parent kept too): a chain's prefix, a pruned tree."""
         if len(nodes) == len(self.tokens):

@@ -331,7 +331,7 @@ class AutoDrafter:
         path = state.tokens[self.start: self.start + accepted]
         rivals = [part for name, part in self.parts.items() if name != "lookahead"]
         if self.plan.proposer == "draft":
-            rivals.append(draft.subset([n for n in range(len(draft.tokens)) if draft.source_of(n) == "draft"]))
+            rivals.append(draft.drafted_by("draft"))
         verified = len(guesses.subset(common(guesses, draft)).follow(path))
         held = max((len(rival.follow(path)) for rival in rivals), default=0)
         self.window_gain += max(0, verified - held) * self.cost.target_seconds(1, self.context)
@@ -498,7 +498,7 @@ class AutoDrafter:
             # (`with_guesses`): the guesses learn as a merged tree's parts do, the chain from its own nodes
             self.teach_parts(state, draft, accepted)
             path = draft.follow(state.tokens[self.start: self.start + accepted])
-            draft = draft.subset([n for n in range(len(draft.tokens)) if draft.source_of(n) == "draft"])
+            draft = draft.drafted_by("draft")
             accepted = sum(1 for n in path if n < len(draft.tokens))  # (the chain's nodes come first)
         if self.plan.proposer in GROWN and self.fed <= 1:  # (a call that feeds the prompt is costed by extrapolating
             # the calibrated curve far past its last knot: it would teach the correction little)
