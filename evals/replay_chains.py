@@ -36,7 +36,7 @@ from decoders.drafting import Draft  # noqa: E402
 from decoders.drafting.chooser import Chooser, ChooserOptions  # noqa: E402
 from decoders.drafting.cost import calibrate  # noqa: E402
 from decoders.models.quantize import Int8Linear  # noqa: E402
-from decoders.strategies.auto import AutoOptions  # noqa: E402
+from decoders.strategies.auto import AutoOptions, expect_draft  # noqa: E402
 from decoders.strategies.speculative import ACCEPTANCE, SELF_ACCEPTANCE, SpeculativeOptions, default_k  # noqa: E402
 from decoders.strategies.threshold import ThresholdOptions, adapt_threshold  # noqa: E402
 from evals import methods  # noqa: E402
@@ -133,9 +133,7 @@ class Auto(Rule):
     def __init__(self, options: ChooserOptions, cost, shares_cache: bool, max_draft: int = AutoOptions.max_draft
                  ) -> None:
         self.chooser, self.max_draft = Chooser(cost, options), max_draft
-        self.chooser.declined["draft"] = options.probe_after
-        if shares_cache:  # as `auto` expects the target's own int8 copy to agree with it
-            self.chooser.priors["draft"] = SELF_ACCEPTANCE
+        expect_draft(self.chooser, shares_cache)  # as `auto` starts its chooser
 
     def propose(self, recorded, truth, start, limit, context, costs):
         per_token, catch_up = costs

@@ -131,18 +131,12 @@ class AutoDrafter:
         self.chooser = Chooser(self.cost)
         self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
         self.chooser.priors["lookup"] = LOOKUP_PRIOR  # first guesses were measured to be worth
-        if self.model is not None:  # probe the draft model when first offered: its confidences then inform every
-            # later choice
-            self.chooser.declined["draft"] = self.chooser.options.probe_after
         self.shares_cache = isinstance(self.model, SharedCacheDraft)  # a draft on the target's cache (the target's
         # own int8 copy) is offered once that cache holds the prompt, from the second step: before the first, a draft
         # would compute the prompt's keys and values only to throw them away (0.19 s of SmolLM2's 1.3 s on bench's
         # edit prompt, its 300-token prompt's prefill)
-        if self.shares_cache:  # and it is expected to agree with the target as
-            # `speculative` expects (SELF_ACCEPTANCE): from the default prior of 0.5 and 2-token probes every 16 steps
-            # it was drafted in 4 of SmolLM2's 55 steps on mixed's math (float32, AMD EPYC), 30 of them plain steps,
-            # where its copy agrees with it on 0.90 of the tokens `speculative` (k=8) drafts
-            self.chooser.priors["draft"] = SELF_ACCEPTANCE
+        if self.model is not None:
+            expect_draft(self.chooser, self.shares_cache)
         self.tree: TreeDrafter | None = None  # the draft model's trees: on its own cache (not the target's, which a
         # self draft shares and a tree would fill with nodes), in its own vocabulary, both models taking tree masks,
         # as wide as `staged` grows them for this draft's measured costs (`staged.frontier_width`). Where a 2-token
@@ -566,6 +560,17 @@ class AutoDrafter:
         details["steps"][name] = details["steps"].get(name, 0) + 1
         details["predicted_tokens"] += plan.expected_tokens
         details["predicted_seconds"] += plan.seconds
+
+
+def expect_draft(chooser: Chooser, shares_cache: bool) -> None:
+    """What `chooser` expects of a run's draft model before it has drafted: it is probed when first offered (its
+    confidences then inform every later choice), and one on the target's cache (the target's own int8 copy) is
+    expected to agree with the target as `speculative` expects (SELF_ACCEPTANCE): from the default prior of 0.5 and
+    2-token probes every 16 steps it was drafted in 4 of SmolLM2's 55 steps on mixed's math (float32, AMD EPYC), 30 of
+    them plain steps, where its copy agrees with it on 0.90 of the tokens `speculative` (k=8) drafts."""
+    chooser.declined["draft"] = chooser.options.probe_after
+    if shares_cache:
+        chooser.priors["draft"] = SELF_ACCEPTANCE
 
 
 def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
