@@ -214,7 +214,7 @@ def cmd_calibrate(args) -> int:
 
     from decoders.drafting import cost
     from decoders.driver import resolve_draft
-    from decoders.strategies.auto import AutoOptions, drafting_model
+    from decoders.drafting.copies import drafting_model
 
     _check_draft_arguments(args)
     if args.threads:
@@ -225,7 +225,7 @@ def cmd_calibrate(args) -> int:
           file=sys.stderr)
     costs = cost.calibrate(lm, draft, refresh=args.refresh)
     curves = [("target", lm.name, costs.target)] + ([("draft", args.draft, costs.draft)] if draft else [])
-    drafting = drafting_model(lm, draft, AutoOptions(), CONTEXT)  # what auto drafts with: an int8 copy where it pays
+    drafting = drafting_model(lm, draft, CONTEXT)  # what auto drafts with: an int8 copy where it pays
     if drafting is not None and drafting is not draft:
         curves.append(("auto's draft", drafting.name, cost.call_cost(drafting, "draft")))
     print(f"device: {lm.device} · dtype: {str(lm.dtype).removeprefix('torch.')} · threads: {torch.get_num_threads()}"

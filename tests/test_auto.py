@@ -10,7 +10,7 @@ import torch
 import decoders
 import grammars
 from conftest import PROMPTS, tiny_lm
-from decoders.drafting import chooser
+from decoders.drafting import chooser, copies
 from decoders.strategies import auto
 
 
@@ -482,8 +482,8 @@ def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monke
     from decoders.drafting.cost import CallCost
 
     flat = lambda seconds: CallCost((1, 2), (seconds, seconds))  # noqa: E731
-    assert auto.cheaper(flat(0.025), flat(0.059), 500, 0.8) and auto.cheaper(flat(0.8), flat(1.0), 0, 0.8)
-    assert not auto.cheaper(flat(0.9), flat(1.0), 0, 0.8) and not auto.cheaper(flat(0.7), flat(1.0), 100, 0.6)
+    assert copies.cheaper(flat(0.025), flat(0.059), 500, 0.8) and copies.cheaper(flat(0.8), flat(1.0), 0, 0.8)
+    assert not copies.cheaper(flat(0.9), flat(1.0), 0, 0.8) and not copies.cheaper(flat(0.7), flat(1.0), 100, 0.6)
 
     lm = tiny_lm("llama")
     draft = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-draft")
@@ -492,7 +492,7 @@ def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monke
     made = quantized(monkeypatch)
 
     def drafted_by(verdict, **options):
-        monkeypatch.setattr(auto, "cheaper", lambda copy, original, context, bar: verdict)
+        monkeypatch.setattr(copies, "cheaper", lambda copy, original, context, bar: verdict)
         got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=30, **options)
         assert got.tokens == want and got.stats.draft_calls > 0
         return got.stats.details["draft"]
@@ -500,7 +500,7 @@ def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monke
     assert drafted_by(False) == "tiny-draft" and made == [draft]  # measured dearer: made, measured, let go
     assert drafted_by(True) == "tiny-draft" and len(made) == 1  # the verdict holds for this draft
     assert drafted_by(False, draft_int8=True) == "tiny-draft:int8" and len(made) == 2
-    auto.VERDICTS.pop(draft.model)
+    copies.VERDICTS.pop(draft.model)
     assert drafted_by(True) == "tiny-draft:int8" and len(made) == 2  # (the copy kept with the draft)
     assert drafted_by(True, draft_int8=False) == "tiny-draft"
     int8 = decoders.quantize(draft, "int8")
@@ -519,19 +519,19 @@ def test_without_a_draft_the_target_drafts_as_its_own_int8_copy_where_that_pays_
     prompt = PROMPTS[0]
     want = decoders.generate(target, prompt, max_new_tokens=30).tokens
     made, bars = quantized(monkeypatch), []
-    monkeypatch.setattr(auto, "cheaper", lambda copy, original, context, bar: bars.append(bar) or True)
+    monkeypatch.setattr(copies, "cheaper", lambda copy, original, context, bar: bars.append(bar) or True)
 
     def drafted_by(**options):
         got = decoders.generate(target, prompt, strategy="auto", max_new_tokens=30, **options)
         assert got.tokens == want
         return got.stats.details.get("draft"), got.stats.draft_calls
 
-    monkeypatch.setattr(auto, "free_memory", lambda device: 2 * auto.int8_bytes(target) - 1)  # short of room
+    monkeypatch.setattr(copies, "free_memory", lambda device: 2 * copies.int8_bytes(target) - 1)  # short of room
     assert drafted_by() == (None, 0) and not made and not bars  # (not made to be measured either)
-    auto.VERDICTS.pop(target.model)
-    monkeypatch.setattr(auto, "free_memory", lambda device: 2 * auto.int8_bytes(target))
+    copies.VERDICTS.pop(target.model)
+    monkeypatch.setattr(copies, "free_memory", lambda device: 2 * copies.int8_bytes(target))
     name, calls = drafted_by()
-    assert name == "tiny-target:int8" and calls > 0 and made == [target] and bars == [auto.SELF]
+    assert name == "tiny-target:int8" and calls > 0 and made == [target] and bars == [copies.SELF]
     assert drafted_by(self_int8=False) == (None, 0)
     with pytest.raises(ValueError, match="self_int8"):
         decoders.generate(target, prompt, strategy="auto", self_int8=1)

@@ -14,10 +14,10 @@ import torch
 
 import decoders
 from decoders.drafting import cost as cost_module
-from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, expected_tokens
+from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, at_least, expected_tokens, union
 from decoders.drafting.cost import DRAFT_SIZES, TARGET_SIZES, TREE_PRIOR, CallCost, CostModel, calibrate, fit
 from decoders.strategies import auto
-from decoders.strategies.auto import at_least, match_curve, union
+from decoders.strategies.auto import match_curve
 
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
 

@@ -1,5 +1,5 @@
-"""Token trees: ancestry masks, scoring a tree (plus a window) in one target call, and rolling a cache back to the
-accepted path. Shared by the draft-then-verify loop (the target's cache) and `staged` (the draft model's cache).
+"""Token trees: ancestry masks and levels, scoring a tree (plus a window) in one target call, and rolling a cache back
+to the accepted path. Shared by the draft-then-verify loop (the target's cache) and `staged` (the draft model's cache).
 
 A tree is flattened in topological order after the uncached tail: each node sees the accepted tokens, its ancestors
 and itself, at position len(tokens) + its depth.
@@ -7,6 +7,7 @@ and itself, at position len(tokens) + its depth.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -120,3 +121,15 @@ def common(part: Draft, whole: Draft) -> list[int]:
             place[node] = found
             kept.append(node)
     return kept
+
+
+def per_level(parents: Sequence[int]) -> tuple[int, ...]:
+    """[levels] the nodes of a tree in levels 1..d, for each d."""
+    _, depths = ancestry(parents)
+    return tuple(itertools.accumulate(depths.count(level) for level in range(max(depths, default=-1) + 1)))
+
+
+def levels_above(draft: Draft, levels: int) -> Draft:
+    """The draft's first `levels` levels."""
+    _, depths = ancestry(draft.links)
+    return draft.subset([n for n, d in enumerate(depths) if d < levels])

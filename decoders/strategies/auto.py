@@ -6,9 +6,9 @@ levels that pay, and to its main branch on a model that cannot take tree masks),
 chain after the most recent match of the last 1-3 tokens: where the output copies the prompt at length, it drafts
 long at once, where the suffix tree grows with the match), the draft model when one is given (`draft=` a model or
 "self:int8"; as its own int8 copy where that copy's calls measure cheaper, and without one the target's own int8 copy
-where its calls are cheap enough and it fits in memory, `int8_copy`; drafted while the next token still pays, one
-token a call, or several where the call also checks the suffix index's guess at what follows and the draft agrees
-with it; its chain is checked in one target call with the draft-free guesses below where that pays,
+where its calls are cheap enough and it fits in memory, `decoders.drafting.copies`; drafted while the next token still
+pays, one token a call, or several where the call also checks the suffix index's guess at what follows and the draft
+agrees with it; its chain is checked in one target call with the draft-free guesses below where that pays,
 `with_guesses`), the draft model's token trees (`staged`'s, grown on the same draft cache by `staged`'s rule, its
 thresholds raised to what pays at the step's planned rate, `tree_thresholds`, with the run's suffix index as their
 lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's first choice is often
@@ -32,11 +32,8 @@ Every token is verified by the target as in any drafting strategy: exact in gree
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import time
-import warnings
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -44,13 +41,13 @@ import torch
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_model, stack_probs
-from decoders.drafting.chooser import Candidate, Chooser, Curves, Plan, expected_tokens
-from decoders.drafting.cost import CallCost, RunningMean, calibrate, call_cost
+from decoders.drafting.chooser import Candidate, Chooser, Curves, Plan, at_least, expected_tokens, given_above, union
+from decoders.drafting.copies import drafting_model
+from decoders.drafting.cost import RunningMean, calibrate
 from decoders.drafting.draft_model import SharedCacheDraft
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import ancestry, common, depth, first_branch, merge
-from decoders.models.lm import LM, free_memory
-from decoders.models.quantize import int8_bytes
+from decoders.drafting.tree import ancestry, common, depth, first_branch, levels_above, merge, per_level
+from decoders.models.lm import LM
 from decoders.options import check_whole
 from decoders.registry import register
 from decoders.strategies.lookahead import LookaheadDrafter, LookaheadOptions
@@ -62,20 +59,7 @@ from decoders.strategies.staged import StagedOptions, TreeDrafter, frontier_widt
 LOOKUP = PromptLookupOptions()  # auto's prompt lookup matches n-grams as `prompt_lookup` does by default
 TREE = StagedOptions()  # auto's draft-model trees grow as `staged`'s do by default
 LOOKAHEAD = LookaheadOptions()  # and its lookahead window and n-gram guesses are `lookahead`'s
-CHEAPER = 0.8  # auto drafts with the draft model's own int8 copy where the copy's one-token call is measured at most
-# this share of the original's (`int8_copy`): the copy's tokens are nearly the original's (`threshold` with the 0.5B's
-# int8 copy and with the 0.5B in bfloat16 drafting for the 1.5B took the same target calls within one on each of
-# seven prompts, AMD EPYC), so its cheaper calls are what it brings; the margin covers the acceptance it may lose
-SELF = 0.7  # without a draft model, auto drafts with the target's own int8 copy where the copy's one-token call is
-# measured at most this share of the target's: 0.49 for the 1.5B in bfloat16 on the AMD EPYC, where `auto` with it
-# ran bench 2.01 / 2.71 / 1.73x greedy against 1.22 / 2.13 / 1.12x without it (one run), 0.28-0.36 for SmolLM2-135M
-# in float32 there (seven prompts 1.4-3.4x, without it 1.0-3.6x), and 0.51 for the 1.5B on the Intel Xeon with AMX
-# (`auto` with `draft="self:int8"` 1.51x overall there). It was 0.6 until the Intel Xeon without AMX measured the
-# 1.5B's copy at 0.60-0.65 (just over, most calibrations): there, two interleaved repeats of bench took 132.9 s with
-# the copy (`auto@self_int8=True`, 63 target calls) against 174.2 s without (247), and SmolLM2's seven prompts 54.7 s
-# against 54.9 (the chooser still drafts with the copy only where its chain pays)
 SURE = 0.99  # the highest tree thresholds (`AutoDrafter.tree_options`): `staged`'s must stay below 1
-MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
 GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what their steps gave (`Chooser.correction`):
 # the draft model's chains run on while its confidences say the next token pays, and its trees grow as `staged` grows
 # them, so neither drafts what its plan counted on. The other proposers' drafts are their plans' levels, whose errors
@@ -86,8 +70,8 @@ GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what the
 # prompt per category): without a draft 26.4 s against 27.6, with the int8 0.5B draft 24.6 against 25.1; bench
 # without a draft 20.4 against 20.4, SmolLM2-135M's seven prompts 14.8 against 14.5
 RIDE = 0.1  # the most a target call may grow to carry lookahead's window along (`AutoDrafter.ride`, which also
-# keeps its rides within what its guesses saved): on the AMD
-# EPYC the 6 tokens of the default window add 8% to a plain step, and 20% or more to a call of 16 or more tokens
+# keeps its rides within what its guesses saved): on the AMD EPYC the 6 tokens of the default window add 8% to a plain
+# step, and 20% or more to a call of 16 or more tokens
 
 
 @dataclass(frozen=True)
@@ -99,10 +83,11 @@ class AutoOptions:
     max_lookup: int = LOOKUP.k  # the longest prompt-lookup chain
     draft_trees: bool = True  # offer the draft model's trees where both models take tree masks
     draft_int8: bool | None = None  # draft with the draft model's own int8 copy (`decoders.quantize`): None where
-    # its calls are measured cheaper (`int8_copy`), True always, False never. A draft that is already quantized
-    # (a "self:int8" draft, one loaded with quantize="int8") is used as it is
+    # its calls are measured cheaper (`copies.int8_copy`), True always, False never. A draft that is already
+    # quantized (a "self:int8" draft, one loaded with quantize="int8") is used as it is
     self_int8: bool | None = None  # without a draft model, draft with the target's own int8 copy ("self:int8"):
-    # None where its calls are measured cheap enough and it fits in memory (`int8_copy`), True always, False never
+    # None where its calls are measured cheap enough and it fits in memory (`copies.int8_copy`), True always, False
+    # never
 
     def __post_init__(self):
         check_whole(self, max_draft=1, max_tree=1, max_lookup=1)
@@ -119,8 +104,9 @@ class AutoDrafter:
 
     def __init__(self, state: DecodeState, options: AutoOptions) -> None:
         self.options = options
-        state.draft = drafting_model(state.lm, state.draft, options, len(state.tokens))  # (the run's draft from here
-        # on: its calls and stats are the copy's where a copy drafts)
+        state.draft = drafting_model(state.lm, state.draft, len(state.tokens), options.draft_int8,
+                                     options.self_int8)  # (the run's draft from here on: its calls and stats are the
+        # copy's where a copy drafts)
         self.model = draft_model(state) if state.draft is not None else None
         self.suffix = SuffixOptions(max_tree=options.max_tree)
         self.index = SuffixIndex()  # the run's own text, grown with every accepted token
@@ -573,38 +559,6 @@ def expect_draft(chooser: Chooser, shares_cache: bool) -> None:
         chooser.priors["draft"] = SELF_ACCEPTANCE
 
 
-def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
-    """[levels] acceptance per level of a tree that holds each of `paths` ([levels or fewer] acceptance per level
-    of one path, given the levels above), when all that is known is that: P(the first d levels accepted) is at least
-    each path's own, so it is taken as their largest. (The largest of each level's acceptance instead is optimistic:
-    the paths part ways, a suffix path sure of its second level once its first is right does not make the draft
-    model's second level likelier. With it, auto's int8-draft trees on mixed's QA expected 77 tokens and gave 62.)"""
-    reach = [max(math.prod(path[:d]) for path in paths if len(path) >= d) for d in range(1, levels + 1)]
-    return given_above(reach)
-
-
-def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ...]:
-    """Acceptance per level of a tree merged from several drafts, from each one's main path (tokens) and its
-    acceptance per level. Paths that agree on their first d tokens are one guess at them, as likely as the likeliest
-    says; paths that part ways guess different tokens, and the tree's first d levels are accepted unless every guess
-    is wrong (taken as independent: 1 - prod(1 - P)), and never more often than its first d - 1."""
-    reach = []
-    for d in range(1, max((min(len(t), len(a)) for t, a in paths), default=0) + 1):
-        guesses: dict[tuple[int, ...], float] = {}
-        for tokens, accept in paths:
-            if min(len(tokens), len(accept)) >= d:
-                guess = tuple(tokens[:d])
-                guesses[guess] = max(guesses.get(guess, 0.0), math.prod(accept[:d]))
-        reach.append(min(reach[-1] if reach else 1.0, 1.0 - math.prod(1.0 - p for p in guesses.values())))
-    return given_above(reach)
-
-
-def given_above(reach: Sequence[float]) -> tuple[float, ...]:
-    """[levels] P(level d accepted | the levels above accepted), from P(levels 1..d accepted) per level (0 below a
-    level never reached)."""
-    return tuple(r / above if above else 0.0 for r, above in zip(reach, [1.0, *reach]))
-
-
 def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float]:
     """(min_prob, expand_prob) for growing a draft-model tree (`StagedOptions`) in a step expected to give `rate` new
     tokens per second, where a node adds `node` seconds to the target call and a draft call costs `call` seconds: a
@@ -620,71 +574,6 @@ def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float
     110.1 (the same target calls in cheaper steps), mixed (one prompt per category) 162.9 against 167.1, and its
     translation alone, three repeats, 74.2 against 76.0 (equal: its target calls ran 41-58 either way)."""
     return (min(SURE, max(TREE.min_prob, rate * node)), min(SURE, max(TREE.expand_prob, rate * (call + node))))
-
-
-def per_level(parents: Sequence[int]) -> tuple[int, ...]:
-    """[levels] the nodes of a tree in levels 1..d, for each d."""
-    _, depths = ancestry(parents)
-    return tuple(itertools.accumulate(depths.count(level) for level in range(max(depths, default=-1) + 1)))
-
-
-def levels_above(draft: Draft, levels: int) -> Draft:
-    """The draft's first `levels` levels."""
-    _, depths = ancestry(draft.links)
-    return draft.subset([n for n, d in enumerate(depths) if d < levels])
-
-
-VERDICTS: weakref.WeakKeyDictionary[object, dict[str, bool]] = weakref.WeakKeyDictionary()  # torch module -> role
-# -> whether its int8 copy pays (`int8_copy`), so that a copy found too dear is not made again for each run, nor for
-# each LM wrapping the module (transformers' `model.generate` wraps it anew in each call)
-
-
-def drafting_model(lm: LM, draft: LM | None, options: AutoOptions, context: int) -> LM | None:
-    """What auto drafts with for the target `lm` after `context` tokens: the draft model (`draft`) or its int8 copy,
-    or without one the target's own int8 copy or nothing, as `int8_copy` finds they pay."""
-    if draft is not None:
-        return int8_copy(draft, options.draft_int8, context, "draft", CHEAPER) or draft
-    return int8_copy(lm, options.self_int8, context, "target", SELF)
-
-
-def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float) -> LM | None:
-    """`model`'s own int8 copy to draft with (`LM.self_draft`: made on first use, kept with the model), or None:
-    where `int8` is True, or, when None, where a one-token draft call of the copy after `context` tokens is measured
-    (`call_cost`, cached per model and device) at most `bar` of a one-token call of `model` in `role` ("draft":
-    the run's draft model, "target": the target itself, without a draft) and the copy takes at most MEMORY of the
-    memory free on the model's device. Decided once per model and role; a copy found too dear is let go again.
-
-    The copy's linear layers hold int8 weights with one scale per output, its embeddings and norms are the
-    original's: where a call reads its weights once (one token on a CPU) it reads half the bytes of bfloat16. On the
-    AMD EPYC the 0.5B's copy took 28 ms a call where the 0.5B in bfloat16 took 65, and the 1.5B's 0.48-0.51 of the
-    1.5B's call. Making it costs seconds once, in the first run with the model (1.3-1.7 s for the 0.5B there, 2.7-3.9
-    s for the 1.5B)."""
-    if int8 is False or model.quantized_from is not None:
-        return None
-    verdicts = VERDICTS.setdefault(model.model, {})
-    if int8 is None and role not in verdicts:
-        free = free_memory(model.device)
-        verdicts[role] = (free is None or int8_bytes(model) <= MEMORY * free) and pays(model, role, context, bar)
-        if not verdicts[role]:
-            model.drop_self_draft("int8")
-    return model.self_draft("int8") if int8 or verdicts[role] else None
-
-
-def pays(model: LM, role: str, context: int, bar: float) -> bool:
-    """Whether `model`'s int8 copy is `cheaper` (made here, if need be). A model `decoders.quantize` cannot copy (no
-    linear layer it knows, weights already quantized by another library, ...) drafts as it is, with a warning."""
-    try:
-        copy = model.self_draft("int8")
-    except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
-        warnings.warn(f"auto drafts with {model.name!r} as it is: its int8 copy could not be made ({error})",
-                      stacklevel=4)
-        return False
-    return cheaper(call_cost(copy, "draft"), call_cost(model, role), context, bar)
-
-
-def cheaper(copy: CallCost, original: CallCost, context: int, bar: float) -> bool:
-    """Whether a one-token call of `copy` after `context` tokens costs at most `bar` of one of `original`."""
-    return copy.predict(1, context) <= bar * original.predict(1, context)
 
 
 def _takes_trees(lm: LM) -> bool:
