@@ -352,6 +352,58 @@ def test_cost_model_round_trips_through_json():
     assert CostModel.from_dict(CostModel(linear(1.0, 0.0)).to_dict()).draft is None
 
 
+class ClockedLM:
+    """An LM whose calls take `seconds(n)` on a fake clock (`cost_module.time`, patched): measuring sees what a slow
+    machine would show it, at once."""
+
+    class Cache:
+        def __init__(self):
+            self.length = 0
+
+        def __len__(self):
+            return self.length
+
+        def crop(self, length):
+            self.length = length
+
+    def __init__(self, seconds):
+        self.seconds, self.now, self.scored = seconds, 0.0, []
+        self.context_length, self.vocab_size = 4096, 100
+
+    def perf_counter(self):
+        return self.now
+
+    def new_cache(self):
+        cache = self.Cache()
+        cache.hf = type("HF", (), {"layers": []})()
+        return cache
+
+    def forward(self, tokens, cache, keep=1):
+        self.scored.append(len(tokens))
+        self.now += self.seconds(len(tokens))
+        cache.length += len(tokens)
+
+    def synchronize(self):
+        pass
+
+
+def test_calibration_extrapolates_sizes_whose_calls_would_be_dear_and_grow_with_their_tokens(monkeypatch):
+    # the 1.5B in bfloat16 on an AVX2-only CPU: every token scored costs about as much as the first
+    proportional = ClockedLM(lambda n: 0.05 + 0.15 * n)
+    monkeypatch.setattr(cost_module, "time", proportional)
+    samples = cost_module.measure(proportional)
+    assert proportional.scored[2:] == [1, 2, 3, 1, 3]  # after the warm-up: 1-3 tokens, then 1 and 3 after 512 again
+    fitted = fit(samples, (1, 2, 3))
+    for n in (1, 4, 16, 32):
+        assert fitted.predict(n, 16) == pytest.approx(0.05 + 0.15 * n)
+    # cheap calls, or dear ones whose time flattens, are all measured (a CPU reading weights, a GPU)
+    smollm2 = {1: 0.041, 2: 0.067, 3: 0.083, 4: 0.066, 8: 0.058, 16: 0.07, 32: 0.1}  # float32, AMD EPYC (AVX-512)
+    for seconds in (lambda n: 0.002 * n, lambda n: 0.3 + 0.01 * n, smollm2.get):
+        clocked = ClockedLM(seconds)
+        monkeypatch.setattr(cost_module, "time", clocked)
+        assert [n for n, L, _ in cost_module.measure(clocked) if L == 16] == list(TARGET_SIZES)
+
+
 # --- calibration on tiny models -----------------------------------------------------------------------------------
 
 

@@ -1,11 +1,11 @@
 """A cost model of this device: how many seconds a target or draft call takes, measured once and refined online.
 
 One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) + (per_position + per_position_per_token
-* (n - 1)) * L) seconds: f piecewise linear in n through a few measured sizes (on a CPU a 16-token call costs 1.2-1.5x a
-one-token call, on a GPU almost the same; a few knots fit both), and the context costing more the more tokens attend
-to it. `calibrate` measures a handful of calls at start-up and caches the fit per model, dtype, device, thread count
-and torch version under `cache_dir()/calibration/`; `observe` then keeps a running correction factor from the calls
-a run makes.
+* (n - 1)) * L) seconds: f piecewise linear in n through a few measured sizes (on a CPU a 16-token call costs 1.2-1.5x
+a one-token call, on a GPU almost the same, on a CPU computing bfloat16 in float about 9x; a few knots fit all), and
+the context costing more the more tokens attend to it. `calibrate` measures a handful of calls at start-up and caches
+the fit per model, dtype, device, thread count and torch version under `cache_dir()/calibration/`; `observe` then keeps
+a running correction factor from the calls a run makes.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-VERSION = 4  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
+VERSION = 5  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
 # float, which changed their costs; 3: drafts measured at DRAFT_SIZES with every row's logits; 4: the context term
-# grows with the tokens scored, `fit`): files of another version are measured again
+# grows with the tokens scored, `fit`; 5: dear sizes extrapolated, `proportional`): files of another version are
+# measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1);
 # beyond 32: extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter,
 # drafts. The curve need not be convex: on the AMD EPYC, SmolLM2-135M in float32 took 41 ms for 1 token, 67-70 for 2,
@@ -38,7 +39,11 @@ DRAFT_SIZES = (1, 2, 3, 4, 5, 8, 16)  # a draft call scores one token, more wher
 # without a draft on mixed (one prompt per category) 25.1 against 26.0 and on bench 20.9 against 21.3, with the int8
 # 0.5B draft on mixed 21.9 against 22.4; SmolLM2-135M's seven prompts (float32, without a draft) 15.5 against 15.7
 SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
-BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least one), so only cheap calls repeat
+BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least one), so only cheap calls repeat,
+# and sizes whose calls would take longer where the time grows with the tokens are extrapolated (`proportional`)
+LINEAR = 0.8  # a call is compute-bound where each token it scores costs at least this share of a one-token call
+# (`proportional`): 0.85-0.90 for the 1.5B in bfloat16 on the AVX2-only AMD EPYC; SmolLM2-135M's 2- and 3-token calls
+# in float32 on the AMD EPYC with AVX-512: 0.82 and 0.67
 WEIGHT = 0.1  # how far one observation moves a `RunningMean` (the correction factor: in log space): about the last 10
 # calls count; a run's first calls weigh 1, 1/2, 1/3 ... (a running mean) until that falls to WEIGHT, so a calibration
 # measured on a busy machine (one draft calibration here had a 0.5B call at 0.65 of a 1.5B call; runs measured 0.33)
@@ -184,28 +189,62 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
     """Time a few calls of `lm` scoring `sizes` tokens, with the logits of every position (a target scores a draft,
     a draft checks guesses).
 
-    Two warm-up calls (the SHORT prompt, then one token), then a round of every size at SHORT context and the smallest
-    and largest at LONG (9 calls for the target's sizes or a draft's), repeated until `budget` seconds have passed;
-    each point keeps its fastest time, since a busy machine only ever adds time. A 1.5B model on a CPU gets one round.
+    Two warm-up calls (the SHORT prompt, then one token), then the sizes in turn at SHORT context, up to the first
+    that `proportional` says need not be measured, then the smallest and largest measured at LONG (9 calls for the
+    target's sizes or a draft's where all are measured); then rounds of those calls again until `budget` seconds have
+    passed, each point keeping its fastest time, since a busy machine only ever adds time. A 1.5B model on a CPU gets
+    one round.
     """
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
-    plan = [(n, SHORT) for n in sizes] + [(n, long) for n in sorted({sizes[0], sizes[-1]}) if long > SHORT]
-    best = [math.inf] * len(plan)
     begin = time.perf_counter()
     with torch.inference_mode():
         cache = lm.new_cache()
         lm.forward(ids[:SHORT], cache, keep=1)
         lm.forward(ids[:1], cache, keep=1)
-        while best[-1] == math.inf or time.perf_counter() - begin < budget:
-            for i, (n, context) in enumerate(plan):
-                _resize(cache, context)
-                lm.synchronize()
-                start = time.perf_counter()
-                lm.forward(ids[:n], cache, keep=n)
-                lm.synchronize()
-                best[i] = min(best[i], time.perf_counter() - start)
+
+        def call(n: int, context: int) -> float:
+            _resize(cache, context)
+            lm.synchronize()
+            start = time.perf_counter()
+            lm.forward(ids[:n], cache, keep=n)
+            lm.synchronize()
+            return time.perf_counter() - start
+
+        timed: list[tuple[int, float]] = []  # (size, seconds) at SHORT
+        for n in sizes:
+            if proportional(timed, n):
+                break
+            timed.append((n, call(n, SHORT)))
+        plan = [(n, SHORT) for n, _ in timed] + [(n, long) for n in sorted({timed[0][0], timed[-1][0]})
+                                                 if long > SHORT]
+        best = [seconds for _, seconds in timed] + [call(n, context) for n, context in plan[len(timed):]]
+        while time.perf_counter() - begin < budget:
+            best = [min(b, call(n, context)) for b, (n, context) in zip(best, plan)]
     return [(n, context, seconds) for (n, context), seconds in zip(plan, best)]
+
+
+def proportional(timed: list[tuple[int, float]], n: int) -> bool:
+    """Whether a call of `n` tokens need not be measured, given the calls `timed` so far ((size, seconds), sizes
+    increasing from 1): where every call of several tokens took at least LINEAR of a one-token call per token (a
+    compute-bound call: each token scored costs about as much as the first, the weights' reading little) in at least
+    two sizes, and a call of `n` tokens, extrapolating the last segment, would take more than BUDGET. The fit extends
+    that segment past the last size measured (`_segment`), as calibration would have found it.
+
+    On an AMD EPYC with AVX2 alone (no AVX-512: bfloat16 is computed in float), the 1.5B in bfloat16 took 198, 344,
+    504, 753, 1273, 2518 and 5354 ms for 1, 2, 3, 4, 8, 16 and 32 tokens: measuring every size and the smallest and
+    largest again after 512 positions took 16 s where the issue asks well under one (now 4.7 s, 2.5 of them the
+    warm-up's 16 tokens). Stopping after 3, the last segment costs 4 / 8 / 16 / 32 tokens at 664 / 1304 / 2584 / 5144
+    ms. Where the weights' reading dominates (a GPU; a CPU with bfloat16 or int8 kernels: the 1.5B in bfloat16 on an
+    AMD EPYC with AVX-512, 139-168 ms for 1-5 tokens; the 0.5B's int8 copy on the AVX2 one, 81 / 94 / 105 / 130 / 200
+    ms for 1-5) or the calls are cheap (SmolLM2-135M's 41, 67, 83 ms for 1, 2, 3 in float32, then 61-71 for 4),
+    every size is measured."""
+    if len(timed) < 3:
+        return False
+    one = timed[0][1]
+    (b, tb), (c, tc) = timed[-2:]
+    compute_bound = all(t >= LINEAR * one * m for m, t in timed[1:])
+    return compute_bound and tc + (tc - tb) * (n - c) / (c - b) > BUDGET
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
@@ -254,7 +293,8 @@ def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = F
                 return CallCost.from_dict(data["cost"])
         except (ValueError, KeyError, TypeError):  # a damaged file is measured again and overwritten
             pass
-    cost = fit(measure(lm, sizes, budget), sizes)
+    samples = measure(lm, sizes, budget)
+    cost = fit(samples, tuple(sorted({n for n, _, _ in samples})))  # (the sizes measured: see `proportional`)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one `accelerate launch` may race here
