@@ -302,6 +302,12 @@ def test_the_context_costs_more_the_more_tokens_attend_to_it():
     fitted = fit(both, (1, 32))
     assert (fitted.per_position, fitted.per_position_per_token) == (0.0, 0.0)
     assert fitted.predict(1, 0) == pytest.approx(0.1 + 0.01 - 1e-5 * 264)  # the mean of its two contexts
+    # one token dearer per position than 32 (which noise made cheaper after 512): the context costs every call the
+    # one-token slope, not nothing (SmolLM2-135M in float32, AVX2)
+    smollm2 = [(1, 16, 0.030), (2, 16, 0.046), (32, 16, 0.554), (1, 512, 0.073), (32, 512, 0.508)]
+    fitted = fit(smollm2, (1, 2, 32))
+    assert fitted.per_position == pytest.approx(0.043 / 496) and fitted.per_position_per_token == 0.0
+    assert fitted.predict(1, 200) == pytest.approx(0.030 + 184 * 0.043 / 496, rel=0.05)
     # a context term only where the samples tell it: two context lengths for one size tell the first alone
     fitted = fit([(1, 16, 0.1), (1, 512, 0.11), (4, 16, 0.12)], (1, 4))
     assert fitted.per_position > 0 and fitted.per_position_per_token == 0.0

@@ -24,8 +24,8 @@ import torch
 
 VERSION = 5  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
 # float, which changed their costs; 3: drafts measured at DRAFT_SIZES with every row's logits; 4: the context term
-# grows with the tokens scored, `fit`; 5: dear sizes extrapolated, `proportional`): files of another version are
-# measured again
+# grows with the tokens scored, `fit`; 5: dear sizes extrapolated, `proportional`, and a context term that comes out
+# negative raised to nothing, not dropped): files of another version are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1);
 # beyond 32: extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter,
 # drafts. The curve need not be convex: on the AMD EPYC, SmolLM2-135M in float32 took 41 ms for 1 token, 67-70 for 2,
@@ -147,30 +147,32 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     seven prompts (three interleaved repeats, one calibration refitted both ways) were 70.8 against 71.0, `suffix`
     66.3: on this machine one call's time varies by 20% or more from minute to minute. A term is fitted only
     where the samples can tell it (two context lengths measured for one size, for the first; for two sizes, for the
-    second) and dropped where noise makes it negative (the 1.5B in bfloat16 there measured 32-token calls faster
-    after 512 positions than after 16)."""
+    second). A term the fit makes negative is raised to nothing, the other kept as fitted with it: SmolLM2-135M in
+    float32 on the AVX2-only AMD EPYC took 30 / 73 ms for one token after 16 / 512 positions and 554 / 508 ms for
+    32, and dropping the term that came out negative and refitting without it (as this fit did before) dropped both,
+    and costed one- and two-token calls alike at 51 ms, where plain steps took 35-60 and two-token ones 56-74;
+    `auto` then drafted its int8 copy's and the suffix index's guesses in most steps. Fitted so (87 us a position
+    for any call), two interleaved repeats of four of its prompts (code, prose, an article, RAG) ran 46.8 s against
+    54.3 (the second repeat alone 22.2 against 24.5), 73-97 of the three long ones' steps plain; greedy ran the four in 20-23 s
+    there, `suffix` in 24-26."""
     lengths: dict[int, set[int]] = {}
     for n, L, _ in samples:
         lengths.setdefault(n, set()).add(L)
-    varied = sum(len(ls) > 1 for ls in lengths.values())  # sizes measured at more than one context length
-    names = ("per_position", "per_position_per_token")
-    terms = list(names[:min(varied, 2)])
+    varied = sorted(n for n, ls in lengths.items() if len(ls) > 1)  # sizes measured at more than one context length
+    terms = min(len(varied), 2)
     rows = torch.tensor([_hat(sizes, n) + [L, L * (n - 1)] for n, L, _ in samples],
                         dtype=torch.float64)  # [S, knots + 2]: the knots' weights, then both terms' columns
     times = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)  # [S, 1]
-    while True:
-        columns = [*range(len(sizes)), *(len(sizes) + names.index(term) for term in terms)]
-        solution = torch.linalg.lstsq(rows[:, columns], times, driver="gelsd").solution[:, 0].tolist()
-        context = dict(zip(terms, solution[len(sizes):]))  # [knots + terms] solved, the terms' values here
-        if min(context.values(), default=0.0) >= 0:
-            break
-        terms.remove(min(context, key=context.get))  # noise made it negative: the most negative term goes
+    solution = torch.linalg.lstsq(rows[:, :len(sizes) + terms], times, driver="gelsd").solution[:, 0].tolist()
+    per_position, per_token = [*solution[len(sizes):], 0.0, 0.0][:2]
+    per_position, per_token = max(0.0, per_position), max(0.0, per_token)
+    context = torch.tensor([[L * (per_position + per_token * (n - 1))] for n, L, _ in samples], dtype=torch.float64)
+    solution = torch.linalg.lstsq(rows[:, :len(sizes)], times - context, driver="gelsd").solution[:, 0].tolist()
     knots, running = [], 1e-9
-    for value in solution[:len(sizes)]:
+    for value in solution:
         running = max(running, value)  # a call never gets cheaper by scoring more tokens
         knots.append(running)
-    return CallCost(tuple(sizes), tuple(knots), context.get("per_position", 0.0),
-                    context.get("per_position_per_token", 0.0), 1.0, tuple(samples))
+    return CallCost(tuple(sizes), tuple(knots), per_position, per_token, 1.0, tuple(samples))
 
 
 def _resize(cache, length: int) -> None:
