@@ -153,8 +153,8 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     and costed one- and two-token calls alike at 51 ms, where plain steps took 35-60 and two-token ones 56-74;
     `auto` then drafted its int8 copy's and the suffix index's guesses in most steps. Fitted so (87 us a position
     for any call), two interleaved repeats of four of its prompts (code, prose, an article, RAG) ran 46.8 s against
-    54.3 (the second repeat alone 22.2 against 24.5), 73-97 of the three long ones' steps plain; greedy ran the four in 20-23 s
-    there, `suffix` in 24-26."""
+    54.3 (the second repeat alone 22.2 against 24.5), 73-97 of the three long ones' steps plain; greedy ran the four
+    in 20-23 s there, `suffix` in 24-26."""
     lengths: dict[int, set[int]] = {}
     for n, L, _ in samples:
         lengths.setdefault(n, set()).add(L)
