@@ -158,8 +158,8 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     lengths: dict[int, set[int]] = {}
     for n, L, _ in samples:
         lengths.setdefault(n, set()).add(L)
-    varied = sorted(n for n, ls in lengths.items() if len(ls) > 1)  # sizes measured at more than one context length
-    terms = min(len(varied), 2)
+    varied = sum(len(ls) > 1 for ls in lengths.values())  # sizes measured at more than one context length
+    terms = min(varied, 2)  # the context terms the samples can tell
     rows = torch.tensor([_hat(sizes, n) + [L, L * (n - 1)] for n, L, _ in samples],
                         dtype=torch.float64)  # [S, knots + 2]: the knots' weights, then both terms' columns
     times = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)  # [S, 1]
