@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -74,13 +75,19 @@ def test_free_lookup_taken_whenever_acceptance_is_positive_on_flat_costs():
     assert chooser.choose([Candidate("lookup", (0.05,))], context=0).proposer == "lookup"
 
 
-def test_a_call_that_feeds_the_prompt_makes_unlikely_levels_worth_drafting():
-    chooser = Chooser(cpu_like())  # each scored position costs 2% of a one-token call
-    lookup = Candidate("lookup", (0.01,))
-    assert chooser.choose([lookup], context=0).proposer is None  # 1.01 tokens / 1.02 s < 1 token / 1 s
-    plan = chooser.choose([lookup], context=0, fed=300)  # the prompt's 300 tokens cost 6.98 s: 1.01 / 7.0 > 1 / 6.98
+def test_a_call_that_feeds_the_prompt_takes_levels_whose_tokens_are_worth_the_seconds_they_add():
+    chooser = Chooser(cpu_like())  # each scored position costs 2% of a one-token call; a plain step makes 1 token/s
+    # the prompt's 300 tokens cost 6.98 s; one level more adds 0.02 s, worth 0.02 tokens at the later steps' rate:
+    # a level accepted 1% of the time does not pay (its 1.01 tokens in 7.0 s have a higher rate than 1 in 6.98 s)
+    assert chooser.choose([Candidate("lookup", (0.01,))], context=0, fed=300).proposer is None
+    plan = chooser.choose([Candidate("lookup", (0.05,))], context=0, fed=300)  # one accepted 5% of the time does
     assert (plan.proposer, plan.seconds) == ("lookup", pytest.approx(1.0 + 0.02 * 300))
     assert chooser.evaluate(None, 0, context=0, fed=300).seconds == pytest.approx(1.0 + 0.02 * 299)
+    # where the prompt's call costs no more for a few tokens more (a GPU), even the unlikely level rides along
+    flat = Chooser(CostModel(CallCost((1, 2, 300, 310), (1.0, 1.02, 6.98, 6.98))))
+    lookup = Candidate("lookup", (0.01,))
+    assert flat.choose([lookup], context=0).proposer is None  # in a later step it adds 0.02 s for 0.01 tokens
+    assert flat.choose([lookup], context=0, fed=300).proposer == "lookup"
 
 
 def test_tree_levels_cost_their_nodes():
@@ -263,6 +270,31 @@ def test_break_even_guard_probes_after_the_set_number_of_plain_steps():
     assert [(p.proposer, p.k, p.probe) for p in plans] == [(None, 0, False)] * 3 + [("draft", 2, True)] + \
         [(None, 0, False)] * 3 + [("draft", 2, True)]
     assert chooser.choose([], context=0).proposer is None  # nothing offered: nothing to probe or count
+
+
+def test_break_even_guard_probes_only_what_could_pay():
+    # each token a call scores costs 0.9 of a one-token call (a CPU computing bfloat16 in float): a free guess could
+    # pay if every level of it were accepted (3 tokens in 2.8 s beat 1 in 1 s), a draft model's 0.15 s calls cannot
+    # (2 tokens in 2.05 s, 3 in 3.1 s, 4 in 4.15 s)
+    chooser = Chooser(CostModel(linear(1.0, 0.9), linear(0.15, 0.0)), ChooserOptions(probe_after=2))
+    lookup = Candidate("lookup", (0.3, 0.3))
+    draft = Candidate("draft", (0.3, 0.3, 0.3), per_token_seconds=0.15, fixed_seconds=0.5, catch_up=0.5)
+    assert not chooser.could_pay(draft, context=0, rate=1.0)
+    assert chooser.could_pay(lookup, context=0, rate=1.0)
+    assert not chooser.could_pay(lookup, context=0, rate=1.1)  # nor can it beat a plan of 1.1 tokens/s
+    plans = [chooser.choose([lookup, draft], context=0) for _ in range(6)]
+    assert [(p.proposer, p.probe) for p in plans] == [(None, False)] * 2 + [("lookup", True)] + \
+        [(None, False)] * 2 + [("lookup", True)]
+    # catching up is paid once: a draft whose calls are cheap enough (3 tokens in 2.82 s) could pay for it in a
+    # run long enough: 100 tokens in 5 + 33.3 x 2.82 = 99.0 s rather than 100 s, but not 50 tokens (52.0 s)
+    cheap = Candidate("draft", (0.3, 0.3), per_token_seconds=0.01, fixed_seconds=5.0, catch_up=5.0)
+    assert chooser.could_pay(cheap, context=0, rate=1.0)  # (a run without end)
+    assert chooser.could_pay(cheap, context=0, rate=1.0, remaining=100)
+    assert not chooser.could_pay(cheap, context=0, rate=1.0, remaining=50)
+    assert not chooser.could_pay(replace(cheap, catch_up=0.0), context=0, rate=1.0)  # (5 s in every step)
+    assert not chooser.choose([cheap], context=0, remaining=50).probe
+    chooser.declined["draft"] = 2
+    assert chooser.choose([cheap], context=0, remaining=100).probe
 
 
 def test_options_are_checked():

@@ -26,8 +26,15 @@ drafters that are sure and wrong: the suffix index gives a token it saw once aft
 and with c ** gamma alone (1 for c = 1, whatever gamma) `auto` expected every such level accepted (3.0 tokens for
 two-level drafts that gave 1.3 on average: predicted 164 tokens for a 110-token run on the AMD EPYC).
 Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens (a draft
-model's chain: at least), so that estimates it lost can recover. A proposer whose acceptance is known better than the
-priors before a run (`Chooser.priors`, `Chooser.ceilings`) starts from that.
+model's chain: at least), so that estimates it lost can recover - if it could pay: if drafting the rest of the run
+with it, every level accepted, would beat the rate of the plan chosen, its drafter's catching up paid once
+(`could_pay`). Where a call costs about as much per token it scores as a plain step (a CPU computing bfloat16 in
+float) hardly any draft can, and probes only lose. A proposer whose acceptance is known better than the priors before a run (`Chooser.priors`, `Chooser.ceilings`)
+starts from that.
+
+A call that feeds the prompt (a run's first) costs far more than the later steps; there the plan is the one of highest
+value: expected tokens less its seconds at the rate the later steps are expected to make (`choose`), so a level rides
+along in it where its tokens are worth the seconds it adds, not where it adds little to that one call's rate.
 
 Last, what a proposer's steps gave against what their plans predicted may correct how its plans are compared
 (`correction`, learned from the steps the caller passes to `learn_rate`): a plan's E and S are for the levels it
@@ -96,6 +103,8 @@ class Candidate:
     # model's tree, whose first call also grows the levels a lower stage proposes)
     tree: bool | None = None  # whether the target scores it with a tree mask (`CostModel.tree_extra`); None: where
     # its levels hold more nodes than one each
+    catch_up: float = 0.0  # of its drafting seconds, those that feed the drafter what it has not seen (a draft model
+    # catching up on the prompt or the steps it sat out): paid once, not in each step it drafts (`Chooser.could_pay`)
 
 
 @dataclass(frozen=True)
@@ -279,21 +288,39 @@ class Chooser:
         seconds = extra + self.cost.target_seconds(fed + nodes, context, tree)
         return Plan(candidate.proposer, k, expected_tokens(candidate.accept[:k]), seconds)
 
-    def best(self, candidate: Candidate, context: int, fed: int = 1) -> Plan:
-        """The prefix of `candidate` (at least one level) of highest rate; the shortest on ties."""
-        return max((self.evaluate(candidate, k, context, fed) for k in range(1, len(candidate.accept) + 1)),
-                   key=lambda plan: plan.rate)
+    def best(self, candidate: Candidate, context: int, fed: int = 1, rate: float | None = None) -> Plan:
+        """The prefix of `candidate` (at least one level) of highest rate; the shortest on ties. Given `rate`, the
+        tokens per second the run's steps make, the one of highest `value` instead."""
+        plans = [self.evaluate(candidate, k, context, fed) for k in range(1, len(candidate.accept) + 1)]
+        return max(plans, key=lambda plan: plan.rate if rate is None else self.value(plan, rate))
 
-    def choose(self, candidates: Sequence[Candidate], context: int, fed: int = 1) -> Plan:
+    def value(self, plan: Plan, rate: float) -> float:
+        """What `plan` is worth where a second is worth `rate` tokens: its expected tokens (corrected by what its
+        proposer's steps gave, `correction`) less its seconds."""
+        return plan.expected_tokens * self.correction(plan.proposer) - rate * plan.seconds
+
+    def choose(self, candidates: Sequence[Candidate], context: int, fed: int = 1, remaining: int | None = None
+               ) -> Plan:
         """The plan of highest expected tokens per second among `candidates` and a plain step, each rate corrected by
         what its proposer's steps gave against their plans (`correction`), except that a proposer declined
-        `probe_after` steps in a row is probed with `probe_tokens` levels. `fed`: as in `evaluate` (where the call
-        feeds the prompt, a draft's levels cost a small share of it, and are worth drafting though unlikely)."""
+        `probe_after` steps in a row is probed with `probe_tokens` levels where it could pay in the `remaining` tokens
+        of the run (`could_pay`).
+
+        `fed`: as in `evaluate`. A call that feeds the prompt costs many steps' seconds; the plan for it is the one of
+        highest `value` at the rate of the plan a later step would choose, so a level rides along where its expected
+        tokens are worth the seconds it adds. (Chosen by their rates, the levels of any guess that added a smaller share
+        to the call than to its tokens rode along: on the AVX2-only AMD EPYC, where SmolLM2-135M's calls in float32 cost
+        0.5-0.8 of a one-token call for each token scored, a run's first step scored 13 guesses with its 40-150
+        prompt tokens, for 0.1-0.3 s, and the first answer token seldom follows the prompt's text.)"""
         offered = [c for c in candidates if c.accept]
-        plan = max([self.evaluate(None, 0, context, fed), *(self.best(c, context, fed) for c in offered)],
-                   key=lambda p: p.rate * self.correction(p.proposer))
+        steady = [self.evaluate(None, 0, context), *(self.best(c, context) for c in offered)]
+        plan = max(steady, key=lambda p: p.rate * self.correction(p.proposer))
+        rate = plan.rate * self.correction(plan.proposer)  # what a later step is expected to make
+        if fed > 1:
+            plan = max([self.evaluate(None, 0, context, fed), *(self.best(c, context, fed, rate) for c in offered)],
+                       key=lambda p: self.value(p, rate))
         due = [c for c in offered if c.proposer != plan.proposer
-               and self.declined.get(c.proposer, 0) >= self.options.probe_after]
+               and self.declined.get(c.proposer, 0) >= self.options.probe_after and self.could_pay(c, context, rate, remaining)]
         if due:
             probe = max(due, key=lambda c: self.declined[c.proposer])
             k = min(self.options.probe_tokens, len(probe.accept))
@@ -301,6 +328,27 @@ class Chooser:
         for c in offered:
             self.declined[c.proposer] = 0 if c.proposer == plan.proposer else self.declined.get(c.proposer, 0) + 1
         return plan
+
+    def could_pay(self, candidate: Candidate, context: int, rate: float, remaining: int | None = None) -> bool:
+        """Whether drafting the `remaining` tokens of the run (None: without end) with some prefix of `candidate`
+        every step, every level accepted, in steps that feed one token, would take less time than steps at `rate`
+        tokens per second: its drafter catching up (`Candidate.catch_up`) once, then each step without it. What the
+        break-even guard probes.
+
+        On the AVX2-only AMD EPYC, where the 1.5B in bfloat16 costs 198 / 344 / 504 ms for 1 / 2 / 3 tokens, no
+        probe of lookahead (its window rides along) can pay, and a draft model's (80 ms a call for the int8 0.5B) just
+        about breaks even if always right, which never pays for its catching up on the prompt (1.5 s on mixed's
+        math). Probed every 16 declined steps, auto's probes of its six proposers took 10.9 s of a 38.0 s run on
+        bench's prose (int8 0.5B draft; greedy: 30.5 s) for 24 tokens, which plain steps made in 5.2 s."""
+        perfect = replace(candidate, accept=(1.0,) * len(candidate.accept))
+        for k in range(1, len(candidate.accept) + 1):
+            step = self.evaluate(perfect, k, context).seconds - candidate.catch_up
+            if remaining is None:
+                if (k + 1) / max(step, 1e-9) > rate:
+                    return True
+            elif candidate.catch_up + step * remaining / (k + 1) < remaining / rate:
+                return True
+        return False
 
     def learn_rate(self, plan: Plan, tokens: int, seconds: float) -> None:
         """Learn from a step taken on `plan` that gave `tokens` new tokens (the target's own included) in `seconds`

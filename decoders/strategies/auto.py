@@ -191,7 +191,7 @@ class AutoDrafter:
             candidates.append(self.merged_candidate(merged, candidates))
         offered = self.model is not None and (len(state.cache) > 0 or not self.shares_cache)
         if offered and (room := self.model.room(min(o.max_draft, limit))):
-            per_token, _ = self.draft_call(context)
+            per_token, catch_up = self.draft_call(context)
             # whether to draft at all is judged by the draft's acceptance per depth, how far by its probability of
             # each token it drafts (`draft_with_model`). Judging the start by its probabilities in the last draft
             # instead turned the draft down for 16 steps in a row after one unsure draft (until the next probe):
@@ -201,11 +201,11 @@ class AutoDrafter:
             guessed = levels and not self.model.translates  # (a draft of another vocabulary drafts through text)
             guess, accept = (tree.main_branch().tokens, candidates[0].accept) if guessed else ([], ())
             lead, drafting = self.lead(guess, accept, room, context, unseen)
-            candidates.append(self.chooser.candidate("draft", room, drafting=drafting))
+            candidates.append(self.chooser.candidate("draft", room, drafting=drafting, catch_up=catch_up))
             if self.tree is not None:
                 candidates.append(self.tree_candidate(min(room, TREE.max_depth), context,
                                                       candidates[0] if levels else None, candidates[-1]))
-        plan = self.plan = self.chooser.choose(candidates, context, self.fed)
+        plan = self.plan = self.chooser.choose(candidates, context, self.fed, state.remaining)
         self.record(state, plan)
         self.confidences, curve = [], None
         self.start = len(state.tokens)
@@ -401,7 +401,7 @@ class AutoDrafter:
         accept = at_least(paths, room)
         drafting = tuple(catch_up + self.tree_level.mean * d for d in range(1, room + 1))
         nodes = tuple(self.tree_size(d) for d in range(1, room + 1))
-        return Candidate("tree", accept, nodes=nodes, drafting=drafting, tree=True)
+        return Candidate("tree", accept, nodes=nodes, drafting=drafting, tree=True, catch_up=catch_up)
 
     def draft_with_model(self, state: DecodeState, limit: int, planned: int, catch_up: float, lead: list[int]
                          ) -> Draft:
