@@ -29,8 +29,8 @@ Break-even guard: a proposer declined `probe_after` steps in a row is taken once
 model's chain: at least), so that estimates it lost can recover - if it could pay: if drafting the rest of the run
 with it, every level accepted, would beat the rate of the plan chosen, its drafter's catching up paid once
 (`could_pay`). Where a call costs about as much per token it scores as a plain step (a CPU computing bfloat16 in
-float) hardly any draft can, and probes only lose. A proposer whose acceptance is known better than the priors before a run (`Chooser.priors`, `Chooser.ceilings`)
-starts from that.
+float) hardly any draft can, and probes only lose. A proposer whose acceptance is known better than the priors
+before a run (`Chooser.priors`, `Chooser.ceilings`) starts from that.
 
 A call that feeds the prompt (a run's first) costs far more than the later steps; there the plan is the one of highest
 value: expected tokens less its seconds at the rate the later steps are expected to make (`choose`), so a level rides
@@ -313,14 +313,16 @@ class Chooser:
         0.5-0.8 of a one-token call for each token scored, a run's first step scored 13 guesses with its 40-150
         prompt tokens, for 0.1-0.3 s, and the first answer token seldom follows the prompt's text.)"""
         offered = [c for c in candidates if c.accept]
-        steady = [self.evaluate(None, 0, context), *(self.best(c, context) for c in offered)]
+        later = context + fed - 1  # the context of the steps after this one, which feed one token each
+        steady = [self.evaluate(None, 0, later), *(self.best(c, later) for c in offered)]
         plan = max(steady, key=lambda p: p.rate * self.correction(p.proposer))
         rate = plan.rate * self.correction(plan.proposer)  # what a later step is expected to make
         if fed > 1:
             plan = max([self.evaluate(None, 0, context, fed), *(self.best(c, context, fed, rate) for c in offered)],
                        key=lambda p: self.value(p, rate))
         due = [c for c in offered if c.proposer != plan.proposer
-               and self.declined.get(c.proposer, 0) >= self.options.probe_after and self.could_pay(c, context, rate, remaining)]
+               and self.declined.get(c.proposer, 0) >= self.options.probe_after
+               and self.could_pay(c, later, rate, remaining)]
         if due:
             probe = max(due, key=lambda c: self.declined[c.proposer])
             k = min(self.options.probe_tokens, len(probe.accept))
