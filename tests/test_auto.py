@@ -20,7 +20,7 @@ def random_plans(monkeypatch):
     least)."""
     rng = random.Random(0)
 
-    def choose(self, candidates, context, fed=1):
+    def choose(self, candidates, context, fed=1, remaining=None):
         picked = rng.choice([*candidates, None])
         if picked is None:
             return chooser.Plan(None, 0, 1.0, 1.0)
@@ -84,7 +84,7 @@ def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
     on the target's cache, and `draft_trees=False` get plain chains only."""
     offered, widths = [], []
 
-    def choose(self, candidates, context, fed=1):
+    def choose(self, candidates, context, fed=1, remaining=None):
         offered.append({c.proposer for c in candidates})
         tree = next((c for c in candidates if c.proposer == "tree"), None)
         return chooser.Plan("tree", len(tree.accept), 1.0, 1.0) if tree else chooser.Plan(None, 0, 1.0, 1.0)
@@ -127,7 +127,7 @@ def test_a_trees_draft_calls_check_as_much_of_the_suffix_indexs_chain_as_pays(mo
     checked, own = [], []
     monkeypatch.setattr(auto, "calibrate", lambda lm, draft: CostModel(
         line(1.0, 0.02), line(0.25, 0.0 if rows == "cheap" else 0.25)))
-    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1: next(
+    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1, remaining=None: next(
         (chooser.Plan("tree", len(c.accept), 1.0, 1.0) for c in candidates if c.proposer == "tree"),
         chooser.Plan(None, 0, 1.0, 1.0)))
     tree_lower = auto.AutoDrafter.tree_lower
@@ -170,7 +170,7 @@ def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(
     monkeypatch.setattr(auto, "calibrate", lambda lm, draft: CostModel(
         CallCost((1, 2), (1.0, 1.0 + slope)), CallCost((1, 2), (slope, 2 * slope))))
     monkeypatch.setattr(CostModel, "observe", lambda *args, **kwargs: None)  # (the tiny model's calls take ms)
-    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1: next(
+    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1, remaining=None: next(
         (chooser.Plan("tree", 1, 1.0, 1.0) for c in candidates if c.proposer == "tree"),
         chooser.Plan(None, 0, 1.0, 1.0)))
     grown, propose = [], auto.TreeDrafter.propose
@@ -197,7 +197,8 @@ def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch
     monkeypatch.setattr(CostModel, "observe",
                         lambda self, kind, n, context, seconds, tree=False: observed.append((kind, n)))
     monkeypatch.setattr(chooser.Chooser, "choose",
-                        lambda self, candidates, context, fed=1: chooser.Plan("draft", 3, 1.0, 1.0, probe=True))
+                        lambda self, candidates, context, fed=1, remaining=None:
+                        chooser.Plan("draft", 3, 1.0, 1.0, probe=True))
     lm = tiny_lm("llama")
     prompt = lm.encode(PROMPTS[0])
     decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=10, draft_trees=False)
@@ -217,7 +218,8 @@ def test_a_draft_probe_drafts_its_tokens_then_on_while_the_next_one_pays(monkeyp
         update(self, proposer, n, accepted, *args)
 
     monkeypatch.setattr(chooser.Chooser, "choose",
-                        lambda self, candidates, context, fed=1: chooser.Plan("draft", 2, 1.0, 1.0, probe=True))
+                        lambda self, candidates, context, fed=1, remaining=None:
+                        chooser.Plan("draft", 2, 1.0, 1.0, probe=True))
     monkeypatch.setattr(chooser.Chooser, "keep_drafting", lambda self, *args, **kwargs: pays)
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
     lm = tiny_lm("llama")
@@ -235,12 +237,13 @@ def test_the_draft_is_probed_at_once_unless_it_drafts_on_the_targets_still_empty
     nothing, and drafting then would compute the prompt's keys and values only to throw them away."""
     offered, plans, choose = [], [], chooser.Chooser.choose
 
-    def recording_choose(self, candidates, context, fed=1):
+    def recording_choose(self, candidates, context, fed=1, remaining=None):
         offered.append({c.proposer for c in candidates})
-        plans.append(choose(self, candidates, context, fed))
+        plans.append(choose(self, candidates, context, fed, remaining))
         return plans[-1]
 
     monkeypatch.setattr(chooser.Chooser, "choose", recording_choose)
+    probed_whatever_it_costs(monkeypatch)  # (a draft that could pay)
     lm = tiny_lm("llama")
     decoders.generate(lm, PROMPTS[0], strategy="auto", draft=lm if draft == "separate" else draft, max_new_tokens=10)
     if draft == "separate":
@@ -256,7 +259,7 @@ def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_wher
     window rides along where it adds at most RIDE to the call (here: never, or always, its rides paid for)."""
     seen = {"offered": 0, "windows": 0}
 
-    def choose(self, candidates, context, fed=1):
+    def choose(self, candidates, context, fed=1, remaining=None):
         ahead = next((c for c in candidates if c.proposer == "lookahead"), None)
         if ahead is None:
             return chooser.Plan(None, 0, 1.0, 1.0)
@@ -301,7 +304,8 @@ def test_the_window_rides_along_only_while_lookaheads_guesses_pay_for_its_rides(
         windows.append(len(draft.window.tokens) if draft.window is not None else 0)
         update(self, state, draft, accepted)
 
-    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1: chooser.Plan(None, 0, 1, 1))
+    monkeypatch.setattr(chooser.Chooser, "choose",
+                        lambda self, candidates, context, fed=1, remaining=None: chooser.Plan(None, 0, 1, 1))
     monkeypatch.setattr(LookaheadDrafter, "update", counting_update)
     monkeypatch.setattr(CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0 + 0.1 * n)
     monkeypatch.setattr(auto, "RIDE", float("inf"))
@@ -326,7 +330,7 @@ def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(m
     guesses went, never the merged tree itself."""
     updates = []
 
-    def choose(self, candidates, context, fed=1):
+    def choose(self, candidates, context, fed=1, remaining=None):
         merged = next((c for c in candidates if c.proposer == "merged"), None)
         if merged is None:
             return chooser.Plan(None, 0, 1.0, 1.0)
@@ -364,7 +368,7 @@ def test_a_draft_models_chain_is_checked_with_the_steps_guesses_where_they_pay(m
     taught = []
     update = chooser.Chooser.update
 
-    def choose(self, candidates, context, fed=1):
+    def choose(self, candidates, context, fed=1, remaining=None):
         chain = next((c for c in candidates if c.proposer == "draft"), None)
         return chooser.Plan("draft", 3, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
 
@@ -405,7 +409,7 @@ def test_in_sampling_mode_a_chain_checked_with_guesses_still_samples_from_the_ta
     from stats import chi_square_fits
     from test_tree import near_draft
 
-    def choose(self, candidates, context, fed=1):
+    def choose(self, candidates, context, fed=1, remaining=None):
         chain = any(c.proposer == "draft" for c in candidates)
         return chooser.Plan("draft", 1, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
 
@@ -449,7 +453,7 @@ def test_a_chain_teaches_the_trees_estimates_what_a_tree_would_have_caught(monke
     taught = []  # (chain's drafted, chain's accepted, tree's levels, tree's accepted)
     update = chooser.Chooser.update
 
-    def choose(self, candidates, context, fed=1):
+    def choose(self, candidates, context, fed=1, remaining=None):
         chain = next((c for c in candidates if c.proposer == "draft"), None)
         assert chain is None or any(c.proposer == "tree" for c in candidates)  # (both models take tree masks)
         return chooser.Plan("draft", 4, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
@@ -485,6 +489,7 @@ def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monke
     assert copies.cheaper(flat(0.025), flat(0.059), 500, 0.8) and copies.cheaper(flat(0.8), flat(1.0), 0, 0.8)
     assert not copies.cheaper(flat(0.9), flat(1.0), 0, 0.8) and not copies.cheaper(flat(0.7), flat(1.0), 100, 0.6)
 
+    probed_whatever_it_costs(monkeypatch)
     lm = tiny_lm("llama")
     draft = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-draft")
     prompt = PROMPTS[1]
@@ -514,6 +519,7 @@ def test_without_a_draft_the_target_drafts_as_its_own_int8_copy_where_that_pays_
     """`self_int8`: without a draft model, the target's own int8 copy drafts (on the target's cache) where its
     one-token call is measured at most SELF of the target's and it takes at most MEMORY of the free memory; True
     always, False never. The tokens are greedy's either way."""
+    probed_whatever_it_costs(monkeypatch)
     lm = tiny_lm("qwen2")
     target = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-target")
     prompt = PROMPTS[0]
@@ -555,6 +561,12 @@ def test_a_model_that_cannot_be_quantized_drafts_as_it_is(monkeypatch):
         decoders.generate(target, PROMPTS[0], strategy="auto", max_new_tokens=20, self_int8=True)
 
 
+def probed_whatever_it_costs(monkeypatch) -> None:
+    """The break-even guard probes a draft however dear (a tiny draft as large as its target cannot pay), so that it
+    drafts in a run."""
+    monkeypatch.setattr(chooser.Chooser, "could_pay", lambda self, *args: True)
+
+
 def quantized(monkeypatch) -> list:
     """The models `decoders.quantize` makes copies of from here on, in order."""
     from decoders.models import quantize as quantizing
@@ -564,12 +576,13 @@ def quantized(monkeypatch) -> list:
     return made
 
 
-def test_the_evaluator_meters_the_int8_copy_auto_drafts_with():
+def test_the_evaluator_meters_the_int8_copy_auto_drafts_with(monkeypatch):
     """`decodekit compare` times draft calls with hooks on the draft's forward: also on the int8 copies kept with the
     draft and the target, which auto drafts with (a copy made inside a run was not hooked: its seconds are unknown)."""
     from decoders.registry import get
     from evals import timing
 
+    probed_whatever_it_costs(monkeypatch)
     lm = tiny_lm("llama")
     draft = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-draft")
     prompt, strategy = lm.encode(PROMPTS[0]), get("auto")(draft_int8=True)
