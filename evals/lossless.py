@@ -99,6 +99,24 @@ def incremental_logits(lm: decoders.LM, prompt: Sequence[int], reference: Sequen
         return logits[-1].float()
 
 
+class Scored:
+    """The logits `verdict` scores, each computed once per model, prompt, reference prefix and way of scoring: the runs
+    of several strategies often leave greedy's output at the same tie, and each scoring is a forward pass over the
+    prompt and the reference up to there (on the AVX2-only AMD EPYC, where the 1.5B computes bfloat16 in float, 15-30 s
+    each; in the default suite's SmolLM2 report four runs left code-palindrome at the same token)."""
+
+    def __init__(self) -> None:
+        self.logits: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, score: Callable, lm: decoders.LM, prompt: Sequence[int], reference: Sequence[int],
+                 position: int) -> torch.Tensor:
+        """`score(lm, prompt, reference, position)` ([vocab]: `margin_at` or `incremental_logits`), once."""
+        key = (score, id(lm), tuple(prompt), tuple(reference[:position]))
+        if key not in self.logits:
+            self.logits[key] = score(lm, prompt, reference, position)
+        return self.logits[key]
+
+
 def float32_copy(lm: decoders.LM) -> decoders.LM:
     """A float32 copy of `lm`'s model (same weights, same device), wrapped with its tokenizer."""
     # each weight goes straight to its float32 copy: deepcopy finds it in the memo and never copies the original first
@@ -149,6 +167,7 @@ def verdict(
     candidate: Sequence[int],
     exact: Float32Model | None = None,  # the float32 judge to share across calls; default: one made for this call
     gaps: Sequence[float | None] = (),  # the run's `Stats.argmax_gaps`: 0 where the verifying call chose the token
+    scored: Scored | None = None,  # the logits scored so far, to share across calls; default: this call's own
 ) -> dict:
     """Compare a run's tokens with greedy's: {"status": "exact" | "tie" | "failed", "position", "margin", ...,
     "reason"}, the reason one line a user can read."""
@@ -161,9 +180,10 @@ def verdict(
                 "reason": f"length differs ({len(candidate)} tokens vs greedy's {len(reference)}; {longer} goes on)"}
     if exact is None:
         with Float32Model(lm) as exact:
-            return verdict(lm, prompt, reference, candidate, exact, gaps)
+            return verdict(lm, prompt, reference, candidate, exact, gaps, scored)
+    scored = scored or Scored()
     name = str(lm.dtype).removeprefix("torch.")
-    logits = margin_at(lm, prompt, reference, position)  # [vocab]
+    logits = scored(margin_at, lm, prompt, reference, position)  # [vocab]
     top = torch.topk(logits, 2).values
     expected, got = int(reference[position]), int(candidate[position])
     gap = abs(float(logits[expected] - logits[got]))
@@ -173,7 +193,7 @@ def verdict(
              "got_token": got}
     if gap <= limit:
         return {**found, "reason": f"numeric tie: {gap:.3g} apart in {name}, within its rounding of {limit:.3g}"}
-    again = incremental_logits(lm, prompt, reference, position)  # [vocab], as greedy scored it
+    again = scored(incremental_logits, lm, prompt, reference, position)  # [vocab], as greedy scored it
     greedy_gap = found["greedy_gap"] = abs(float(again[expected] - again[got]))
     if greedy_gap <= tolerance(lm.dtype, float(again.max())):
         return {**found, "reason": f"numeric tie: {greedy_gap:.3g} apart in greedy's own {name} scoring, "
@@ -182,7 +202,7 @@ def verdict(
         return {**found, "status": "failed",
                 "reason": f"different token: {greedy_gap:.3g} apart in {name}, beyond its rounding of {limit:.3g}"}
     try:
-        exact32 = margin_at(exact.get(), prompt, reference, position)  # [vocab]
+        exact32 = scored(margin_at, exact.get(), prompt, reference, position)  # [vocab]
     except Exception as error:  # noqa: BLE001 - a model float32 cannot copy or run keeps its low-precision verdict
         return {**found, "status": "failed", "reason": f"different token: {greedy_gap:.3g} apart in {name}, beyond "
                                                        f"its rounding of {limit:.3g}; no float32 recheck: {error}"}
@@ -252,6 +272,7 @@ def check(
     the prompt's grammar when `grammar`); `schemas` maps a prompt id to (schema, its `grammars.JsonSchema`), for the
     grammar peers' validity.
     """
+    scored = Scored()  # (runs that leave greedy's output at the same token share its scoring)
     with Float32Model(lm) as exact:  # made only if a divergence needs it, dropped on return
         for run in runs:
             if run.strategy == BASELINE and run.repeat == 0 and not run.grammar:
@@ -261,4 +282,4 @@ def check(
             else:
                 expected = reference(run.prompt_id, run.grammar)
                 run.lossless = verdict(lm, prompts[run.prompt_id], expected, run.tokens, exact,
-                                       getattr(run, "argmax_gaps", ()))
+                                       getattr(run, "argmax_gaps", ()), scored)

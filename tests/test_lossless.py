@@ -136,6 +136,33 @@ def test_one_float32_copy_serves_a_whole_check_and_is_released(monkeypatch):
     assert len(copies) == 1 and copies[0]() is None  # made once for two divergences, and gone after the check
 
 
+def test_runs_that_leave_greedy_at_the_same_token_share_its_scorings(monkeypatch):
+    """Each scoring `verdict` needs (a forward pass over the prompt and greedy's tokens up to the divergence) is made
+    once per check for every run that diverges there, and the verdicts are those of scoring each run alone."""
+    lm, prompt, a, b = near_tie()
+    reference = decoders.generate(lm, prompt, max_new_tokens=4).tokens
+    other = b if reference[0] == a else a
+    wrong = int(lossless.margin_at(lm, prompt, reference, 0).argmin())
+    calls = []
+
+    def counting(score):
+        def counted(model, *args):
+            calls.append((score.__name__, id(model), len(args[1][: args[2]])))
+            return score(model, *args)
+        counted.__name__ = score.__name__
+        return counted
+
+    runs = [run(reference, strategy="greedy"), run([other] + reference[1:]), run([wrong] + reference[1:]),
+            run([wrong] + reference[1:], strategy="other"), run([other] + reference[1:], strategy="third")]
+    alone = [lossless.verdict(lm, prompt, reference, r.tokens)["status"] for r in runs[1:]]
+    for name in ("margin_at", "incremental_logits"):
+        monkeypatch.setattr(lossless, name, counting(getattr(lossless, name)))
+    lossless.check(lm, runs, {"pi": prompt}, lambda prompt_id, grammar: reference)
+    assert [r.lossless["status"] for r in runs] == ["reference", *alone] == ["reference", "tie", "failed", "failed",
+                                                                              "tie"]
+    assert calls and len(calls) == len(set(calls))  # four divergences at token 0, each scoring made once
+
+
 def test_float32_and_the_rounding_error_seen_decide(monkeypatch):
     """Hand-built logits: both bfloat16 scorings put greedy's token 3 ahead of the run's token 4 by 0.5; float32 has
     them at 20 and `run_logit`, and token 6 shows how far bfloat16 moves a gap here (0 or 0.6)."""
