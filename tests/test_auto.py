@@ -3,6 +3,7 @@ greedy's (the chooser's own picks depend on measured times, so the registry-wide
 
 import copy
 import random
+import weakref
 
 import pytest
 import torch
@@ -12,6 +13,19 @@ import grammars
 from conftest import PROMPTS, tiny_lm
 from decoders.drafting import chooser, copies
 from decoders.strategies import auto
+
+
+@pytest.fixture(autouse=True)
+def int8_copies_never_pay(monkeypatch):
+    """Whether auto drafts with an int8 copy is decided by timing its calls against the original's (`copies.pays`),
+    which on tiny models is noise, and once decided holds for the model (`copies.VERDICTS`): a copy measured cheaper in
+    one test made the tiny Llama, as the draft of itself, draft as its own int8 copy on the target's cache in the
+    tests after it, where no tree is offered. Here a copy costs what its original costs (so it never pays) unless a
+    test says otherwise (`draft_int8`, `self_int8`, or its own `copies.cheaper`), and each test decides anew."""
+    from decoders.drafting.cost import CallCost
+
+    monkeypatch.setattr(copies, "VERDICTS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(copies, "call_cost", lambda lm, role="target", **options: CallCost((1,), (0.01,)))
 
 
 @pytest.fixture
