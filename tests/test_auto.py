@@ -370,6 +370,35 @@ def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(m
     assert all(0 <= accepted <= drafted for _, drafted, accepted in updates)
 
 
+def test_guesses_not_taken_learn_how_far_the_tokens_after_them_went(monkeypatch):
+    """A draft-free draft that its step did not verify is judged by the tokens that follow it, once they tell: in a
+    run of plain steps, prompt lookup learns of each chain it offered how many of its tokens greedy's output repeats."""
+    updates = []
+    update = chooser.Chooser.update
+
+    def recording_update(self, proposer, drafted, accepted, *args):
+        updates.append((proposer, drafted, accepted))
+        update(self, proposer, drafted, accepted, *args)
+
+    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, *args, **kwargs: chooser.Plan(None, 0, 1.0, 1.0))
+    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
+    lm, n = tiny_lm("llama"), 30
+    prompt = lm.encode(PROMPTS[2]) * 3
+    out = decoders.generate(lm, prompt, max_new_tokens=n).tokens
+    assert decoders.generate(lm, prompt, strategy="auto", max_new_tokens=n).tokens == out
+    want = []
+    for i in range(len(out)):  # step i, after i tokens: the chain lookup offered, and what came after it
+        chain = auto.lookup(prompt + out[:i], min(auto.LOOKUP.k, n - i - 1), auto.LOOKUP.max_ngram,
+                            auto.LOOKUP.min_ngram)
+        after = out[i:]
+        took = next((j for j, (a, b) in enumerate(zip(chain, after)) if a != b), min(len(chain), len(after)))
+        if chain and (took == len(chain) or took < len(after)):  # (else the run ended before it was judged)
+            want.append(("lookup", len(chain), took))
+    assert want and any(took for _, _, took in want) and any(took < drafted for _, drafted, took in want)
+    assert sorted(u for u in updates if u[0] == "lookup") == sorted(want)
+    assert "suffix" in {proposer for proposer, _, _ in updates}
+
+
 @pytest.mark.parametrize("flat", [True, False])
 def test_a_draft_models_chain_is_checked_with_the_steps_guesses_where_they_pay(monkeypatch, flat):
     """In greedy mode a draft model's chain is merged with the suffix index's, lookahead's and prompt lookup's drafts

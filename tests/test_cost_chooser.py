@@ -270,6 +270,8 @@ def test_break_even_guard_probes_after_the_set_number_of_plain_steps():
     assert [(p.proposer, p.k, p.probe) for p in plans] == [(None, 0, False)] * 3 + [("draft", 2, True)] + \
         [(None, 0, False)] * 3 + [("draft", 2, True)]
     assert chooser.choose([], context=0).proposer is None  # nothing offered: nothing to probe or count
+    chooser.watched.add("draft")  # (its estimates learn from every step: nothing for a probe to recover)
+    assert all(chooser.choose([draft], context=0).proposer is None for _ in range(8))
 
 
 def test_break_even_guard_probes_only_what_could_pay():

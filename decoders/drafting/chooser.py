@@ -26,9 +26,10 @@ drafters that are sure and wrong: the suffix index gives a token it saw once aft
 and with c ** gamma alone (1 for c = 1, whatever gamma) `auto` expected every such level accepted (3.0 tokens for
 two-level drafts that gave 1.3 on average: predicted 164 tokens for a 110-token run on the AMD EPYC).
 Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens (a draft
-model's chain: at least), so that estimates it lost can recover - if it could pay: if drafting the rest of the run
-with it, every level accepted, would beat the rate of the plan chosen, its drafter's catching up paid once
-(`could_pay`). Where a call costs about as much per token it scores as a plain step (a CPU computing bfloat16 in
+model's chain: at least), so that estimates it lost can recover - unless its estimates learn from the steps it is not
+taken in as well (`watched`: a drafter that drafts for free, whose guesses the tokens that follow judge anyway), and
+if it could pay: if drafting the rest of the run with it, every level accepted, would beat the rate of the plan
+chosen, its drafter's catching up paid once (`could_pay`). Where a call costs about as much per token it scores as a plain step (a CPU computing bfloat16 in
 float) hardly any draft can, and probes only lose. A proposer whose acceptance is known better than the priors
 before a run (`Chooser.priors`, `Chooser.ceilings`) starts from that.
 
@@ -183,6 +184,7 @@ class Chooser:
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
         self.fits: dict[str, list[list[float]]] = {}  # curve -> [CEILINGS][GAMMAS] log-likelihoods, decayed
         self.curves: dict[str, list[float]] = {}  # curve -> [GAMMAS] posterior weight x mean ceiling (cached)
+        self.watched: set[str] = set()  # proposers whose estimates learn from every step, taken or not: never probed
         self.priors: dict[str, float] = {}  # proposer -> its prior acceptance where known better than prior_mean
         self.ceilings: dict[str, float] = {}  # curve -> its prior ceiling a where known better than PRIOR's
         self.realized: dict[str | None, list[float]] = {}  # proposer -> [predicted tokens, tokens, predicted seconds,
@@ -304,7 +306,7 @@ class Chooser:
         """The plan of highest expected tokens per second among `candidates` and a plain step, each rate corrected by
         what its proposer's steps gave against their plans (`correction`), except that a proposer declined
         `probe_after` steps in a row is probed with `probe_tokens` levels where it could pay in the `remaining` tokens
-        of the run (`could_pay`).
+        of the run (`could_pay`) and its estimates learn only from the steps it is taken in (not `watched`).
 
         `fed`: as in `evaluate`. A call that feeds the prompt costs many steps' seconds; the plan for it is the one of
         highest `value` at the rate of the plan a later step would choose, so a level rides along where its expected
@@ -320,7 +322,7 @@ class Chooser:
         if fed > 1:
             plan = max([self.evaluate(None, 0, context, fed), *(self.best(c, context, fed, rate) for c in offered)],
                        key=lambda p: self.value(p, rate))
-        due = [c for c in offered if c.proposer != plan.proposer
+        due = [c for c in offered if c.proposer != plan.proposer and c.proposer not in self.watched
                and self.declined.get(c.proposer, 0) >= self.options.probe_after
                and self.could_pay(c, later, rate, remaining)]
         if due:

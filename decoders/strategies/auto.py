@@ -21,8 +21,9 @@ plain greedy step).
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
 draft model and the suffix index, as a calibration curve of their own probabilities, the index's one per length of
-the suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a proposer it has turned
-down for a while and weighs the draft model's plans by what their steps gave against them. So the same code drafts long
+the suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a draft model it has
+turned down for a while and weighs its plans by what their steps gave against them; the draft-free guesses learn from
+every step, taken or not, judged by the tokens that follow them. So the same code drafts long
 where draft calls are cheap (a GPU, an int8 draft), short or not at all where they are not, and copies wherever the
 context repeats itself.
 
@@ -74,6 +75,21 @@ RIDE = 0.1  # the most a target call may grow to carry lookahead's window along 
 # step, and 20% or more to a call of 16 or more tokens
 
 
+FREE = ("suffix", "lookup", "lookahead", "merged")  # the proposers whose drafts cost no draft-model call: taught by
+# every step (`AutoDrafter.learn_unverified`)
+
+
+@dataclass(frozen=True)
+class Guess:
+    """A draft-free draft that its step did not verify, waiting for the tokens that judge it."""
+
+    proposer: str
+    start: int  # where it begins in the run's tokens
+    draft: Draft
+    confidences: list[float] | None  # the probabilities its proposer gave its levels (None: it gives none)
+    curve: Curves  # the calibration curves they teach
+
+
 @dataclass(frozen=True)
 class AutoOptions:
     """Options of `auto`: bounds only; what to draft and how much is measured, not set."""
@@ -117,6 +133,9 @@ class AutoDrafter:
         self.chooser = Chooser(self.cost)
         self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
         self.chooser.priors["lookup"] = LOOKUP_PRIOR  # first guesses were measured to be worth
+        self.chooser.watched.update(FREE)  # (`unverified`: their estimates learn from every step, never probed)
+        self.unverified: list[Guess] = []  # draft-free drafts not verified in their step, until the tokens after them
+        # tell how far each would have been accepted (`learn_unverified`)
         self.shares_cache = isinstance(self.model, SharedCacheDraft)  # a draft on the target's cache (the target's
         # own int8 copy) is offered once that cache holds the prompt, from the second step: before the first, a draft
         # would compute the prompt's keys and values only to throw them away (0.19 s of SmolLM2's 1.3 s on bench's
@@ -214,9 +233,8 @@ class AutoDrafter:
             self.confidences, curve = self.levels[: plan.k], self.suffix_curves[: plan.k]
         elif plan.proposer == "lookahead":
             draft, self.confidences = levels_above(guesses, plan.k), None
-        elif plan.proposer == "merged":  # its parts learn from it (`update`), and need no probes of their own
+        elif plan.proposer == "merged":  # its parts learn from it (`update`)
             draft, self.confidences = levels_above(merged, plan.k), None
-            self.chooser.declined.update(dict.fromkeys(self.parts, 0))
         elif plan.proposer == "lookup":
             draft, self.confidences = Draft(chain[: plan.k], source="lookup"), None
         elif plan.proposer == "draft":  # a probe drafts its tokens, then on while the next one pays, as any chain:
@@ -474,9 +492,10 @@ class AutoDrafter:
         self.cost.observe("target", self.scored, self.context, now - self.clock, not draft.is_chain)
         whole = accepted  # (the step's accepted tokens, whoever drafted them)
         self.credit_window(state, draft, accepted)
+        verified: set[str] = set()  # the draft-free drafts this step verified (some of their levels)
         if self.plan.proposer == "draft" and draft.source == "merged":  # its chain merged with guesses
             # (`with_guesses`): the guesses learn as a merged tree's parts do, the chain from its own nodes
-            self.teach_parts(state, draft, accepted)
+            verified = self.teach_parts(state, draft, accepted)
             path = draft.follow(state.tokens[self.start: self.start + accepted])
             draft = draft.drafted_by("draft")
             accepted = sum(1 for n in path if n < len(draft.tokens))  # (the chain's nodes come first)
@@ -484,8 +503,9 @@ class AutoDrafter:
             # the calibrated curve far past its last knot: it would teach the correction little)
             self.chooser.learn_rate(self.plan, accepted + 1, now - self.began)
         if self.plan.proposer == "merged":  # each part learns how far its own guesses went
-            self.teach_parts(state, draft, accepted)
+            verified = self.teach_parts(state, draft, accepted)
         elif self.plan.proposer is not None and draft.tokens:
+            verified = {self.plan.proposer}
             levels = depth(draft)  # fewer than proposed when the grammar or an EOS cut it
             confidences = None if self.confidences is None else self.confidences[:levels]
             # a tree grows as deep as staged's rule finds its leaves likely, which may fall short of the levels the
@@ -512,16 +532,51 @@ class AutoDrafter:
         if self.ahead is not None:  # the window moves on in steps that scored it; the pool learns the text
             self.ahead.update(state, draft, whole)
         self.index.follow("run", state.tokens)
+        self.learn_unverified(state, verified)
 
-    def teach_parts(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+    def teach_parts(self, state: DecodeState, draft: Draft, accepted: int) -> set[str]:
         """Each of this step's draft-free drafts (`self.parts`) in the merged tree `draft` learns how far its own
-        guesses went."""
-        path = state.tokens[self.start: self.start + accepted]
+        guesses went; returns the names of those it held."""
+        path, taught = state.tokens[self.start: self.start + accepted], set()
         for name, part in self.parts.items():
             verified = part.subset(common(part, draft))
             if verified.tokens:
-                confidences, curve = (self.levels, self.suffix_curves) if name == "suffix" else (None, None)
+                confidences, curve = self.judged(name)
                 self.chooser.update(name, depth(verified), len(verified.follow(path)), confidences, curve)
+                taught.add(name)
+        return taught
+
+    def judged(self, name: str) -> tuple[list[float] | None, Curves]:
+        """The probabilities this step's draft-free draft `name` gave its levels and the curves they teach (the suffix
+        index's; the others give none)."""
+        return (self.levels, self.suffix_curves) if name == "suffix" else (None, None)
+
+    def learn_unverified(self, state: DecodeState, verified: set[str]) -> None:
+        """Teach the draft-free drafts this step made but did not verify (not in `verified`) how far the target would
+        have accepted them, once the tokens after them tell (those of earlier steps as well): each is a guess at what
+        follows, made for free, so what follows judges it whether or not it was checked. In greedy mode that is exactly
+        what verifying it would have found; in sampling mode a token the target samples equals a guessed one with the
+        probability it would have been accepted (a guess is a sure draft: accepted with the target's probability of
+        it), so the estimates learn the same odds.
+
+        Taught only in the steps that took them, these proposers' estimates stood still while declined and were probed
+        every 16 steps to recover (`Chooser`'s break-even guard), and what they had learned was the luck of the steps
+        chosen by it, the likeliest to have been judged too well: on the AVX2-only AMD EPYC, where a target call of
+        the 1.5B in bfloat16 costs 0.85 of a one-token call for each token it scores, the suffix index's steps on
+        mixed's math expected 34.3 tokens and gave 29, and the probes of lookup and the merged guesses took 3.4 s
+        for 13 tokens that plain steps would have made in 2.7."""
+        for name, part in self.parts.items():
+            if name not in verified:
+                self.unverified.append(Guess(name, self.start, part, *self.judged(name)))
+        waiting = []
+        for guess in self.unverified:
+            after = state.tokens[guess.start:]
+            levels, took = depth(guess.draft), len(guess.draft.follow(after))
+            if took == levels or took < len(after):  # all its levels right, or a token after them known wrong
+                self.chooser.update(guess.proposer, levels, took, guess.confidences, guess.curve)
+            else:
+                waiting.append(guess)
+        self.unverified = waiting
 
     def teach_tree(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         """What the target made of a draft model's chain, as the tree grown instead would have fared: its main branch
