@@ -376,9 +376,10 @@ def test_guesses_not_taken_learn_how_far_the_tokens_after_them_went(monkeypatch)
     updates = []
     update = chooser.Chooser.update
 
-    def recording_update(self, proposer, drafted, accepted, *args):
-        updates.append((proposer, drafted, accepted))
-        update(self, proposer, drafted, accepted, *args)
+    def recording_update(self, proposer, drafted, accepted, confidences=None, curve=None, known=0):
+        levels = range(known + 1, min(accepted + 1, drafted) + 1)
+        updates.extend((proposer, level, level <= accepted) for level in levels)
+        update(self, proposer, drafted, accepted, confidences, curve, known)
 
     monkeypatch.setattr(chooser.Chooser, "choose", lambda self, *args, **kwargs: chooser.Plan(None, 0, 1.0, 1.0))
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
@@ -386,17 +387,17 @@ def test_guesses_not_taken_learn_how_far_the_tokens_after_them_went(monkeypatch)
     prompt = lm.encode(PROMPTS[2]) * 3
     out = decoders.generate(lm, prompt, max_new_tokens=n).tokens
     assert decoders.generate(lm, prompt, strategy="auto", max_new_tokens=n).tokens == out
-    want = []
+    want = []  # (proposer, level, accepted) of each level judged
     for i in range(len(out)):  # step i, after i tokens: the chain lookup offered, and what came after it
         chain = auto.lookup(prompt + out[:i], min(auto.LOOKUP.k, n - i - 1), auto.LOOKUP.max_ngram,
                             auto.LOOKUP.min_ngram)
         after = out[i:]
         took = next((j for j, (a, b) in enumerate(zip(chain, after)) if a != b), min(len(chain), len(after)))
-        if chain and (took == len(chain) or took < len(after)):  # (else the run ended before it was judged)
-            want.append(("lookup", len(chain), took))
-    assert want and any(took for _, _, took in want) and any(took < drafted for _, drafted, took in want)
+        judged = min(len(chain), took + 1) if took < len(after) else took  # (the run may end before a level)
+        want.extend(("lookup", level, level <= took) for level in range(1, judged + 1))
+    assert any(took for *_, took in want) and not all(took for *_, took in want)
     assert sorted(u for u in updates if u[0] == "lookup") == sorted(want)
-    assert "suffix" in {proposer for proposer, _, _ in updates}
+    assert "suffix" in {proposer for proposer, *_ in updates}
 
 
 @pytest.mark.parametrize("flat", [True, False])

@@ -29,9 +29,9 @@ Break-even guard: a proposer declined `probe_after` steps in a row is taken once
 model's chain: at least), so that estimates it lost can recover - unless its estimates learn from the steps it is not
 taken in as well (`watched`: a drafter that drafts for free, whose guesses the tokens that follow judge anyway), and
 if it could pay: if drafting the rest of the run with it, every level accepted, would beat the rate of the plan
-chosen, its drafter's catching up paid once (`could_pay`). Where a call costs about as much per token it scores as a plain step (a CPU computing bfloat16 in
-float) hardly any draft can, and probes only lose. A proposer whose acceptance is known better than the priors
-before a run (`Chooser.priors`, `Chooser.ceilings`) starts from that.
+chosen, its drafter's catching up paid once (`could_pay`). Where a call costs about as much per token it scores as a
+plain step (a CPU computing bfloat16 in float) hardly any draft can, and probes only lose. A proposer whose acceptance
+is known better than the priors before a run (`Chooser.priors`, `Chooser.ceilings`) starts from that.
 
 A call that feeds the prompt (a run's first) costs far more than the later steps; there the plan is the one of highest
 value: expected tokens less its seconds at the rate the later steps are expected to make (`choose`), so a level rides
@@ -238,13 +238,14 @@ class Chooser:
         return Candidate(proposer, self.chain(proposer, k, confidences, curve), **costs)
 
     def update(self, proposer: str, drafted: int, accepted: int, confidences: Sequence[float] | None = None,
-               curve: Curves = None) -> None:
+               curve: Curves = None, known: int = 0) -> None:
         """Learn from a verification that accepted `accepted` of `drafted` levels: levels 1..accepted were accepted,
         the next one rejected, later ones tell nothing (they were conditional on it). `curve`: the calibration curve
         the confidences teach, when not the proposer's own (a drafter whose tokens are calibrated apart by kind, as
-        the suffix index's by match length), one for every level or one per level."""
+        the suffix index's by match length), one for every level or one per level. `known`: levels 1..known were
+        learned before (a guess judged level by level as the tokens after it come)."""
         decay = self.options.decay
-        for depth in range(1, min(accepted + 1, drafted) + 1):
+        for depth in range(known + 1, min(accepted + 1, drafted) + 1):
             confidence = None if confidences is None else confidences[depth - 1]
             took = depth <= accepted
             counts = self.counts.setdefault((proposer, min(depth, self.options.max_depth)), [0.0, 0.0])
