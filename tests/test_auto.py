@@ -371,7 +371,7 @@ def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(m
 
 
 def test_guesses_not_taken_learn_how_far_the_tokens_after_them_went(monkeypatch):
-    """A draft-free draft that its step did not verify is judged by the tokens that follow it, once they tell: in a
+    """A draft-free draft that its step did not verify is judged level by level by the tokens that follow it: in a
     run of plain steps, prompt lookup learns of each chain it offered how many of its tokens greedy's output repeats."""
     updates = []
     update = chooser.Chooser.update

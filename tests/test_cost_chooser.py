@@ -201,6 +201,19 @@ def test_each_level_of_a_draft_can_be_judged_on_its_own_curve():
     assert chooser.calibrated("suffix:1", 1.0) > 0.8 and chooser.calibrated("suffix:2", 1.0) < 0.3  # each its own
 
 
+def test_a_draft_learned_level_by_level_teaches_what_it_teaches_at_once():
+    """A guess judged as the tokens after it come (`update`'s `known`: the levels learned before) ends with the
+    estimates of one verification of it."""
+    whole, parts = Chooser(cpu_like()), Chooser(cpu_like())
+    curves = [match_curve(m) for m in (1, 2, 3, 4)]
+    whole.update("suffix", drafted=4, accepted=2, confidences=[1.0, 0.5, 0.9, 0.8], curve=curves)
+    parts.update("suffix", drafted=1, accepted=1, confidences=[1.0, 0.5, 0.9, 0.8], curve=curves)
+    parts.update("suffix", drafted=2, accepted=2, confidences=[1.0, 0.5, 0.9, 0.8], curve=curves, known=1)
+    parts.update("suffix", drafted=3, accepted=2, confidences=[1.0, 0.5, 0.9, 0.8], curve=curves, known=2)
+    assert parts.counts == whole.counts and parts.fits == whole.fits
+    assert whole.counts[("suffix", 3)] == [0.0, 1.0]  # (the third level rejected, the fourth never judged)
+
+
 def test_a_curve_whose_ceiling_is_known_starts_from_it_and_learns_on():
     """`Chooser.ceilings`: a curve's measured ceiling is its prior (auto's suffix index per match length), evidence
     moves it as any curve's; curves without one keep the default prior."""
