@@ -23,9 +23,8 @@ cached on disk, and refined from the calls this run makes; acceptance is learned
 draft model and the suffix index, as a calibration curve of their own probabilities, the index's one per length of
 the suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a draft model it has
 turned down for a while and weighs its plans by what their steps gave against them; the draft-free guesses learn from
-every step, taken or not, judged by the tokens that follow them. So the same code drafts long
-where draft calls are cheap (a GPU, an int8 draft), short or not at all where they are not, and copies wherever the
-context repeats itself.
+every step, taken or not, judged by the tokens that follow them. So the same code drafts long where draft calls are
+cheap (a GPU, an int8 draft), short or not at all where they are not, and copies wherever the context repeats itself.
 
 Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode.
 """
@@ -134,7 +133,7 @@ class AutoDrafter:
         self.chooser = Chooser(self.cost)
         self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
         self.chooser.priors["lookup"] = LOOKUP_PRIOR  # first guesses were measured to be worth
-        self.chooser.watched.update(FREE)  # (`unverified`: their estimates learn from every step, never probed)
+        self.chooser.watched.update(FREE)  # (their estimates learn from every step, `learn_unverified`: never probed)
         self.unverified: list[Guess] = []  # draft-free drafts not verified in their step, until the tokens after them
         # tell how far each would have been accepted (`learn_unverified`)
         self.shares_cache = isinstance(self.model, SharedCacheDraft)  # a draft on the target's cache (the target's
