@@ -567,10 +567,11 @@ class AutoDrafter:
         the 1.5B in bfloat16 costs 0.85 of a one-token call for each token it scores, the suffix index's steps on
         mixed's math expected 34.3 tokens and gave 29, and the probes of lookup and the merged guesses took 3.4 s
         for 13 tokens that plain steps would have made in 2.7. Taught by every step, two interleaved repeats there:
-        the 1.5B without a draft on four prompts (bench's prose, two of QA and translation, mixed's math) 243.3 s
-        against 253.0, greedy 238.2; SmolLM2-135M on five `default` prompts in bfloat16 40.1 s against 40.7 (greedy
-        41.2), on six in float32 64.7 against 63.9 (greedy 70.4; its article prompt took 81 target calls against 88,
-        in more seconds: its merged guesses' steps gave 34 tokens where they expected 53)."""
+        the 1.5B without a draft on four prompts (bench's prose, mixed's math, new ones of QA and translation) 242.3 s
+        against 255.5, greedy 243.0 (per prompt 0.96-1.01 of greedy's seconds, before 1.01-1.09); SmolLM2-135M (judged
+        whole, a commit before) on five `default` prompts in bfloat16 40.1 s against 40.7 (greedy 41.2), on six in
+        float32 64.7 against 63.9 (greedy 70.4; its article prompt took 81 target calls against 88, in more seconds:
+        its merged guesses' steps gave 34 tokens where they expected 53)."""
         for name, part in self.parts.items():
             if name not in verified:
                 self.unverified.append(Guess(name, self.start, part, *self.judged(name)))
