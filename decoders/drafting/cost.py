@@ -5,7 +5,7 @@ One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) 
 a one-token call, on a GPU almost the same, on a CPU computing bfloat16 in float about 9x; a few knots fit all), and
 the context costing more the more tokens attend to it. `calibrate` measures a handful of calls at start-up and caches
 the fit per model, dtype, device, thread count and torch version under `cache_dir()/calibration/`; `observe` then keeps
-a running correction factor from the calls a run makes.
+a correction factor, the median over the last calls a run makes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import json
 import math
 import os
 import re
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,11 +46,14 @@ BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least
 LINEAR = 0.8  # a call is compute-bound where each token it scores costs at least this share of a one-token call
 # (`proportional`): 0.85-0.90 for the 1.5B in bfloat16 on the AVX2-only AMD EPYC; SmolLM2-135M's 2- and 3-token calls
 # in float32 on the AMD EPYC with AVX-512: 0.82 and 0.67
-WEIGHT = 0.1  # how far one observation moves a `RunningMean` (the correction factor: in log space): about the last 10
-# calls count; a run's first calls weigh 1, 1/2, 1/3 ... (a running mean) until that falls to WEIGHT, so a calibration
-# measured on a busy machine (one draft calibration here had a 0.5B call at 0.65 of a 1.5B call; runs measured 0.33)
-# is corrected by the run's first call instead of after tens of calls, which auto might never make while the draft
-# looks too dear
+WEIGHT = 0.1  # how far one observation moves a `RunningMean`: about the last 10 values count; the first ones weigh
+# 1, 1/2, 1/3 ... (a running mean) until that falls to WEIGHT
+WINDOW = 9  # the calls whose median ratio to the fit is a cost's online correction (`CallCost.observe`). The first
+# call is believed at once, so a calibration measured on a busy machine (one draft calibration here had a 0.5B call at
+# 0.65 of a 1.5B call; runs measured 0.33) is corrected by the run's first call instead of after tens of calls, which
+# auto might never make while the draft looks too dear; from the third call on, a stalled call or two among the last
+# WINDOW hardly move it. The running mean it replaces weighed a run's second call 1/2, its third 1/3 ...: a call
+# stalled by the machine among them moved the costs of the tens of steps after it
 TREE_PRIOR = 4  # calls' weight of the prior that a tree call costs what a causal call of as many tokens costs
 # (`CostModel.tree_extra`): one call's time varies by 20% or more on a busy CPU, and believed at once, the run's first
 # tree call set it for the steps after. On the Intel Xeon (no AMX), the 1.5B in bfloat16 with the int8 0.5B draft on
@@ -82,10 +87,10 @@ class CallCost:
     seconds: tuple[float, ...]  # f at the knots: seconds at L = 0, nondecreasing
     per_position: float = 0.0  # seconds per cached position (attention over the context) of a one-token call, >= 0
     per_position_per_token: float = 0.0  # and more per position for each further token scored, >= 0 (`fit`)
-    scale: float = 1.0  # online correction: a running geometric mean of observed / fitted seconds
+    scale: float = 1.0  # online correction: observed / fitted seconds, the median of the last WINDOW calls' ratios
     samples: tuple[Sample, ...] = ()  # the measurements it was fitted to, kept for reports and plots
-    log_ratios: RunningMean = field(default_factory=RunningMean, compare=False)  # of the calls observed since loaded,
-    # whose mean is log(scale) (not saved: each run corrects from its own first call)
+    log_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW), compare=False)  # of the last
+    # calls observed since loaded (not saved: each run corrects from its own first call)
 
     def fitted(self, n: int, context: int) -> float:
         """Seconds of the calibrated fit, before the online correction."""
@@ -98,10 +103,10 @@ class CallCost:
         return self.scale * self.fitted(n, context)
 
     def observe(self, n: int, context: int, seconds: float) -> None:
-        """Move the correction factor toward a measured call: the mean of the first 1 / WEIGHT calls' ratios, then
-        an exponential average (an outlier among them moves it at most WEIGHT * log 4)."""
-        self.log_ratios.add(math.log(min(max(seconds / self.fitted(n, context), 0.25), 4.0)))
-        self.scale = math.exp(self.log_ratios.mean)
+        """Correct the fit by a measured call: the scale becomes the median ratio of observed to fitted seconds over the
+        last WINDOW calls (each ratio within 1/4 and 4; the median of two is their geometric mean)."""
+        self.log_ratios.append(math.log(min(max(seconds / self.fitted(n, context), 0.25), 4.0)))
+        self.scale = math.exp(statistics.median(self.log_ratios))
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,
@@ -344,13 +349,14 @@ class CostModel:
         return self.draft.predict(catch_up, context) + (calls - 1) * self.draft.predict(1, context)
 
     def observe(self, kind: str, n: int, context: int, seconds: float, tree: bool = False) -> None:
-        """Refine the `kind` ("target" or "draft") cost with a measured call of `n` tokens after `context`; a target
-        call with a tree mask (`tree`) refines `tree_extra` instead, weighed as `CallCost.observe` weighs."""
+        """Refine the `kind` ("target" or "draft") cost with a measured call of `n` tokens after `context`
+        (`CallCost.observe`); a target call with a tree mask (`tree`) refines `tree_extra` instead."""
         part = self.target if kind == "target" else self.draft
         if kind not in ("target", "draft") or part is None:
             raise ValueError(f"cannot observe a {kind!r} call: kinds are 'target' and, with a draft model, 'draft'")
-        if kind == "target" and n > TARGET_SIZES[-1]:
-            return  # a call longer than calibration measures (the prompt's, mostly) is extrapolated: it tells little
+        if n > (TARGET_SIZES if kind == "target" else DRAFT_SIZES)[-1]:
+            return  # a call longer than calibration measures (a prompt's, or a draft's catch-up on it) is costed by
+        # extrapolating far past the last knot: it tells little
         kind = "tree" if tree and kind == "target" else kind
         self.observed[kind] = self.observed.get(kind, 0) + 1
         if kind == "tree":
