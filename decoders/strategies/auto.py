@@ -222,7 +222,7 @@ class AutoDrafter:
             lead, drafting = self.lead(guess, accept, room, context, unseen)
             candidates.append(self.chooser.candidate("draft", room, drafting=drafting, catch_up=catch_up))
             if self.tree is not None:
-                candidates.append(self.tree_candidate(min(room, TREE.max_depth), context,
+                candidates.append(self.tree_candidate(min(room, TREE.max_depth), catch_up,
                                                       candidates[0] if levels else None, candidates[-1]))
         plan = self.plan = self.chooser.choose(candidates, context, self.fed, state.remaining)
         self.record(state, plan)
@@ -399,7 +399,7 @@ class AutoDrafter:
         fed = len(self.model.uncached()) if len(tokens) == self.start else tree.options.width  # (the root's call)
         return self.worth_checking(tokens, room, context, fed, tree.suffix)[0]
 
-    def tree_candidate(self, room: int, context: int, suffix: Candidate | None, chain: Candidate) -> Candidate:
+    def tree_candidate(self, room: int, catch_up: float, suffix: Candidate | None, chain: Candidate) -> Candidate:
         """The draft model's tree, up to `room` levels. Its main branch is the draft model's `chain`, with the
         draft's next choices beside it, so its first d levels are at least as likely to be accepted as the chain's
         (and as the tree's own estimate says), and as the suffix index's main branch (`suffix`'s levels, when it has
@@ -413,8 +413,7 @@ class AutoDrafter:
         edit / prose), now 1.26 / 0.96 / 1.14, and on mixed (one prompt per category) 0.85 / 0.94 / 0.84 / 0.66,
         now 0.97 / 1.00 / 1.02 / 0.95. (Counting a call per level the chain is not expected to cover, from the suffix
         candidate's acceptance, was no closer: 0.81 / 1.04 / 1.19 on bench.) Catching the draft up on steps it sat
-        out costs once, as for chains."""
-        _, catch_up = self.draft_call(context)
+        out costs once, as for chains (`catch_up` seconds, `draft_call`)."""
         paths = [self.chooser.chain("tree", room), chain.accept, suffix.accept if suffix is not None else ()]
         accept = at_least(paths, room)
         drafting = tuple(catch_up + self.tree_level.mean * d for d in range(1, room + 1))
