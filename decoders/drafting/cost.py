@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-VERSION = 5  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
+VERSION = 6  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
 # float, which changed their costs; 3: drafts measured at DRAFT_SIZES with every row's logits; 4: the context term
 # grows with the tokens scored, `fit`; 5: dear sizes extrapolated, `proportional`, and a context term that comes out
-# negative raised to nothing, not dropped): files of another version are measured again
+# negative raised to nothing, not dropped; 6: at least ROUNDS rounds): files of another version are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # n measured for the target (a chain of k scores k + 1, a tree its nodes + 1);
 # beyond 32: extrapolated. Between knots f is linear: on a CPU's convex curve that errs toward dearer, i.e. shorter,
 # drafts. The curve need not be convex: on the AMD EPYC, SmolLM2-135M in float32 took 41 ms for 1 token, 67-70 for 2,
@@ -41,8 +41,14 @@ DRAFT_SIZES = (1, 2, 3, 4, 5, 8, 16)  # a draft call scores one token, more wher
 # without a draft on mixed (one prompt per category) 25.1 against 26.0 and on bench 20.9 against 21.3, with the int8
 # 0.5B draft on mixed 21.9 against 22.4; SmolLM2-135M's seven prompts (float32, without a draft) 15.5 against 15.7
 SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
-BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least one), so only cheap calls repeat,
+BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least ROUNDS), so only cheap calls repeat,
 # and sizes whose calls would take longer where the time grows with the tokens are extrapolated (`proportional`)
+ROUNDS = 2  # measuring rounds at least, each point keeping its fastest: a process's first seconds of calls run slow,
+# and calibration runs in them (in `auto`'s first run). Eight single rounds of SmolLM2-135M in bfloat16 in one process
+# (AMD EPYC, AVX2 only), 8 / 16 / 32 tokens: the first 229 / 439 / 841 ms, the seven after it 138-166 / 257-298 /
+# 490-537. Cached from one round, its 4-16-token calls were costed 1.4-1.5x what they took in runs, and `auto` drafted
+# the suffix index's guesses about 2 levels deep on bench's edit prompt, which copies the prompt at length, in 30 target
+# calls where `prompt_lookup` made 12 (auto 1.12x greedy, prompt_lookup 1.19x)
 LINEAR = 0.8  # a call is compute-bound where each token it scores costs at least this share of a one-token call
 # (`proportional`): 0.85-0.90 for the 1.5B in bfloat16 on the AVX2-only AMD EPYC; SmolLM2-135M's 2- and 3-token calls
 # in float32 on the AMD EPYC with AVX-512: 0.82 and 0.67
@@ -198,9 +204,9 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
 
     Two warm-up calls (the SHORT prompt, then one token), then the sizes in turn at SHORT context, up to the first
     that `proportional` says need not be measured, then the smallest and largest measured at LONG (9 calls for the
-    target's sizes or a draft's where all are measured); then rounds of those calls again until `budget` seconds have
-    passed, each point keeping its fastest time, since a busy machine only ever adds time. A 1.5B model on a CPU gets
-    one round.
+    target's sizes or a draft's where all are measured); then rounds of those calls again, ROUNDS in all and more until
+    `budget` seconds have passed, each point keeping its fastest time, since a busy machine only ever adds time. A 1.5B
+    model on a CPU gets two rounds.
     """
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
@@ -226,8 +232,10 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
         plan = [(n, SHORT) for n, _ in timed] + [(n, long) for n in sorted({timed[0][0], timed[-1][0]})
                                                  if long > SHORT]
         best = [seconds for _, seconds in timed] + [call(n, context) for n, context in plan[len(timed):]]
-        while time.perf_counter() - begin < budget:
+        rounds = 1
+        while rounds < ROUNDS or time.perf_counter() - begin < budget:
             best = [min(b, call(n, context)) for b, (n, context) in zip(best, plan)]
+            rounds += 1
     return [(n, context, seconds) for (n, context), seconds in zip(plan, best)]
 
 
