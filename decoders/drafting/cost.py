@@ -46,9 +46,9 @@ BUDGET = 0.25  # seconds per model: measuring rounds repeat until then (at least
 ROUNDS = 2  # measuring rounds at least, each point keeping its fastest: a process's first seconds of calls run slow,
 # and calibration runs in them (in `auto`'s first run). Eight single rounds of SmolLM2-135M in bfloat16 in one process
 # (AMD EPYC, AVX2 only), 8 / 16 / 32 tokens: the first 229 / 439 / 841 ms, the seven after it 138-166 / 257-298 /
-# 490-537. Cached from one round, its 4-16-token calls were costed 1.4-1.5x what they took in runs, and `auto` drafted
-# the suffix index's guesses about 2 levels deep on bench's edit prompt, which copies the prompt at length, in 30 target
-# calls where `prompt_lookup` made 12 (auto 1.12x greedy, prompt_lookup 1.19x)
+# 490-537. Cached from one round, its 4-16-token calls were costed 1.4-1.5x what they take, and `auto` drafted the
+# suffix index's guesses about 2 levels deep on bench's edit prompt, which copies the prompt at length: 30 target calls
+# where `prompt_lookup` made 12 (1.12x greedy, prompt_lookup 1.19x); measured in two rounds, 25 calls (1.21x, 1.36x)
 LINEAR = 0.8  # a call is compute-bound where each token it scores costs at least this share of a one-token call
 # (`proportional`): 0.85-0.90 for the 1.5B in bfloat16 on the AVX2-only AMD EPYC; SmolLM2-135M's 2- and 3-token calls
 # in float32 on the AMD EPYC with AVX-512: 0.82 and 0.67
