@@ -372,13 +372,14 @@ def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(m
 
 def test_guesses_not_taken_learn_how_far_the_tokens_after_them_went(monkeypatch):
     """A draft-free draft that its step did not verify is judged level by level by the tokens that follow it: in a
-    run of plain steps, prompt lookup learns of each chain it offered how many of its tokens greedy's output repeats."""
+    run of plain steps, prompt lookup learns of each chain it offered how many of its tokens greedy's output repeats,
+    each level on the curve of the match it continues (`match_curve`)."""
     updates = []
     update = chooser.Chooser.update
 
     def recording_update(self, proposer, drafted, accepted, confidences=None, curve=None, known=0):
         levels = range(known + 1, min(accepted + 1, drafted) + 1)
-        updates.extend((proposer, level, level <= accepted) for level in levels)
+        updates.extend((proposer, level, level <= accepted, chooser.level_curve(curve, level - 1)) for level in levels)
         update(self, proposer, drafted, accepted, confidences, curve, known)
 
     monkeypatch.setattr(chooser.Chooser, "choose", lambda self, *args, **kwargs: chooser.Plan(None, 0, 1.0, 1.0))
@@ -387,15 +388,17 @@ def test_guesses_not_taken_learn_how_far_the_tokens_after_them_went(monkeypatch)
     prompt = lm.encode(PROMPTS[2]) * 3
     out = decoders.generate(lm, prompt, max_new_tokens=n).tokens
     assert decoders.generate(lm, prompt, strategy="auto", max_new_tokens=n).tokens == out
-    want = []  # (proposer, level, accepted) of each level judged
+    want = []  # (proposer, level, accepted, curve) of each level judged
     for i in range(len(out)):  # step i, after i tokens: the chain lookup offered, and what came after it
-        chain = auto.lookup(prompt + out[:i], min(auto.LOOKUP.k, n - i - 1), auto.LOOKUP.max_ngram,
-                            auto.LOOKUP.min_ngram)
+        chain, matched = auto.lookup_with_match(prompt + out[:i], min(auto.LOOKUP.k, n - i - 1),
+                                                auto.LOOKUP.max_ngram, auto.LOOKUP.min_ngram)
         after = out[i:]
         took = next((j for j, (a, b) in enumerate(zip(chain, after)) if a != b), min(len(chain), len(after)))
         judged = min(len(chain), took + 1) if took < len(after) else took  # (the run may end before a level)
-        want.extend(("lookup", level, level <= took) for level in range(1, judged + 1))
-    assert any(took for *_, took in want) and not all(took for *_, took in want)
+        want.extend(("lookup", level, level <= took, auto.match_curve(matched + level - 1, "lookup"))
+                    for level in range(1, judged + 1))
+    assert any(took for *_, took, _ in want) and not all(took for *_, took, _ in want)
+    assert len({curve for *_, curve in want}) > 1  # (matches of several lengths)
     assert sorted(u for u in updates if u[0] == "lookup") == sorted(want)
     assert "suffix" in {proposer for proposer, *_ in updates}
 
@@ -465,7 +468,7 @@ def test_in_sampling_mode_a_chain_checked_with_guesses_still_samples_from_the_ta
     guess = int(target.argmax())
     monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
-    monkeypatch.setattr(auto, "lookup", lambda tokens, k, *sizes: [guess])
+    monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([guess], 1))
     firsts, sources = [], []
     for seed in range(1000):
         result = decoders.generate(lm, prompt, strategy="auto", draft=draft, draft_int8=False, max_new_tokens=2,

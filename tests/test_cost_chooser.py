@@ -227,7 +227,8 @@ def test_a_curve_whose_ceiling_is_known_starts_from_it_and_learns_on():
     for _ in range(10):
         chooser.update("suffix", drafted=1, accepted=1, confidences=[1.0], curve="suffix:1")
     assert chooser.calibrated("suffix:1", 1.0) > 0.8
-    assert set(auto.MATCH_CEILINGS) == {match_curve(m) for m in range(1, 100)}  # one per curve auto teaches
+    taught = {match_curve(m, proposer) for m in range(1, 100) for proposer in ("suffix", "lookup")}
+    assert set(auto.MATCH_CEILINGS) == taught  # one per curve auto teaches
 
 
 def test_a_tree_of_several_paths_is_as_likely_as_its_likeliest_path_to_each_depth():

@@ -73,6 +73,20 @@ def test_prompt_lookup_copies_from_the_prompt():
     assert result.tokens == decoders.generate(lm, prompt, max_new_tokens=30).tokens
 
 
+def test_prompt_lookup_tells_how_long_its_match_is():
+    """`lookup_with_match`: lookup's chain, and how many tokens before it agree with the context's last ones - from the
+    n-gram it found back as far as they agree, at most `longest` (what `auto` judges its chains by)."""
+    from decoders.strategies.prompt_lookup import lookup, lookup_with_match
+
+    tokens = [7, 5, 1, 2, 3, 4, 6, 7, 5, 1, 2, 3]  # [1, 2, 3] seen before, and the 2 tokens before it as well
+    assert lookup_with_match(tokens, 3, 3, 1) == ([4, 6, 7], 5)  # (its 7 is the context's first token: no more)
+    assert lookup_with_match(tokens, 3, 3, 1, longest=4) == ([4, 6, 7], 4)
+    assert lookup_with_match(tokens, 3, 2, 1) == ([4, 6, 7], 5)  # a 2-gram found, the same occurrence
+    assert lookup_with_match([9, 1, 2, 8, 2], 4, 3, 1) == ([8, 2], 1)  # only the last token seen before
+    assert lookup_with_match([1, 2, 3], 4, 3, 1) == ([], 0)
+    assert lookup(tokens, 3, 3, 1) == [4, 6, 7]
+
+
 @pytest.mark.parametrize("strategy", DRAFTING)
 def test_target_cache_always_holds_the_accepted_tokens(strategy):
     """After every step the target cache holds exactly the accepted tokens but the last (which is fed next)."""

@@ -51,7 +51,7 @@ from decoders.models.lm import LM
 from decoders.options import check_whole
 from decoders.registry import register
 from decoders.strategies.lookahead import LookaheadDrafter, LookaheadOptions
-from decoders.strategies.prompt_lookup import PromptLookupOptions, lookup
+from decoders.strategies.prompt_lookup import PromptLookupOptions, lookup_with_match
 from decoders.strategies.speculative import SELF_ACCEPTANCE
 from decoders.strategies.staged import StagedOptions, TreeDrafter, frontier_width
 
@@ -132,7 +132,7 @@ class AutoDrafter:
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = Chooser(self.cost)
         self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
-        self.chooser.priors["lookup"] = LOOKUP_PRIOR  # first guesses were measured to be worth
+        # guesses were measured to be worth, per length of the match they continue
         self.chooser.watched.update(FREE)  # (their estimates learn from every step, `learn_unverified`: never probed)
         self.unverified: list[Guess] = []  # draft-free drafts not verified in their step, until the tokens after them
         # tell how far each would have been accepted (`learn_unverified`)
@@ -165,6 +165,7 @@ class AutoDrafter:
         self.parts: dict[str, Draft] = {}  # this step's drafts of the suffix index, lookahead and prompt lookup
         self.levels: list[float] = []  # the suffix index's probability per level of its tree, given the levels above
         self.suffix_curves: list[str] = []  # [levels] the calibration curves those probabilities teach (`match_curve`)
+        self.lookup_curves: list[str] = []  # [levels] and those prompt lookup's chain is judged on
         self.start = 0  # where this step's draft begins in the run's tokens
         self.plan = Plan(None, 0, 1.0, 1.0)  # the last proposal's plan: what it came from, the levels it counted on
         self.curve: Curves = None  # the calibration curves its confidences teach, when not the proposer's own
@@ -201,9 +202,10 @@ class AutoDrafter:
             nodes = tuple(window + n for n in per_level(guesses.parents))
             candidates.append(self.chooser.candidate("lookahead", len(nodes), nodes=nodes, tree=True))
             self.parts["lookahead"] = replace(guesses, window=None)
-        chain = lookup(state.tokens, min(o.max_lookup, limit), LOOKUP.max_ngram, LOOKUP.min_ngram)
-        if chain:
-            candidates.append(self.chooser.candidate("lookup", len(chain)))
+        chain, matched = lookup_with_match(state.tokens, min(o.max_lookup, limit), LOOKUP.max_ngram, LOOKUP.min_ngram)
+        if chain:  # judged as the suffix index's sure guesses are: level d continues a (matched + d)-token match
+            self.lookup_curves = [match_curve(matched + d, "lookup") for d in range(len(chain))]
+            candidates.append(self.chooser.candidate("lookup", len(chain), [1.0] * len(chain), self.lookup_curves))
             self.parts["lookup"] = Draft(chain, source="lookup")
         if self.trees and len(self.parts) > 1:
             merged = merge(list(self.parts.values()))
@@ -236,7 +238,8 @@ class AutoDrafter:
         elif plan.proposer == "merged":  # its parts learn from it (`update`)
             draft, self.confidences = levels_above(merged, plan.k), None
         elif plan.proposer == "lookup":
-            draft, self.confidences = Draft(chain[: plan.k], source="lookup"), None
+            draft, self.confidences = Draft(chain[: plan.k], source="lookup"), [1.0] * plan.k
+            curve = self.lookup_curves[: plan.k]
         elif plan.proposer == "draft":  # a probe drafts its tokens, then on while the next one pays, as any chain:
             # stopped at its 2 tokens, the run's first draft (a probe, see __init__) and each later probe of a draft
             # model that draft calls had come to pay gave up the tokens a chain would have run on to. Mixed (one
@@ -547,7 +550,9 @@ class AutoDrafter:
 
     def judged(self, name: str) -> tuple[list[float] | None, Curves]:
         """The probabilities this step's draft-free draft `name` gave its levels and the curves they teach (the suffix
-        index's; the others give none)."""
+        index's, and prompt lookup's, sure of each; lookahead gives none)."""
+        if name == "lookup":
+            return [1.0] * len(self.lookup_curves), self.lookup_curves
         return (self.levels, self.suffix_curves) if name == "suffix" else (None, None)
 
     def learn_unverified(self, state: DecodeState, verified: set[str]) -> None:
@@ -648,9 +653,9 @@ def _takes_trees(lm: LM) -> bool:
     return True
 
 
-def match_curve(match: int) -> str:
-    """The calibration curve of a suffix-index draft that continues a `match`-token suffix: one per match length 1,
-    2-3, 4-7, 8+. The index's probabilities are counts of what followed the match, blind to its length, and the
+def match_curve(match: int, proposer: str = "suffix") -> str:
+    """The calibration curve of a suffix-index draft (or `proposer`'s) that continues a `match`-token suffix: one per
+    match length 1, 2-3, 4-7, 8+. The index's probabilities are counts of what followed the match, blind to its length, and the
     length tells most: replaying bench's greedy outputs of the 1.5B, first choices of probability 1 were accepted
     0.39 of the time after a 1-token match, 0.4-0.7 after 2-3, 0.7-1.0 after 4-7, and 0.96-1.0 after 8 or more.
 
@@ -661,8 +666,17 @@ def match_curve(match: int) -> str:
     levels after a 2-3 token match were accepted 0.61 / 0.37 / 0.62; after a 2-3 token match, third levels 0.86 /
     0.67 / 0.74, first levels after 4-7 0.86 / 0.81 / 0.67. One curve per draft had judged its second level as
     likely as its first, and cut the index's drafts short: SmolLM2's seven prompts (float32, Intel Xeon without AMX,
-    two interleaved repeats) took 49.9 s in 455 target calls against 51.6 s in 461 (`suffix`: 46.5 s, 448)."""
-    return f"suffix:{min(8, 1 << (max(match, 1).bit_length() - 1))}"
+    two interleaved repeats) took 49.9 s in 455 target calls against 51.6 s in 461 (`suffix`: 46.5 s, 448).
+
+    Prompt lookup's chains are judged so too, their match the tokens before the chain that agree with the context's
+    last ones (`lookup_with_match`, up to 8). Replaying the greedy outputs of SmolLM2-135M (bfloat16) and the 1.5B
+    (bfloat16) on the 11 prompts of bench, mixed and four held-out ones, and the 1.5B's on four of mixed, lookup's
+    tokens were accepted 0.19 / 0.19 / 0.24 of the time after a 1-token match, 0.48-0.61 after 2-3, 0.58-0.72 after
+    4-7 and 0.92-0.99 after 8 or more, first levels and deeper ones alike. Pooled per level instead (from a prior of
+    0.3), its estimates were the average of all its chains, and it was taken where the suffix index had nothing
+    better, after short matches: on the summarization prompts (SmolLM2-135M, bfloat16, AMD EPYC) its 27 steps a
+    prompt expected 50 tokens and gave 37, at 64 ms a token where plain steps took 54."""
+    return f"{proposer}:{min(8, 1 << (max(match, 1).bit_length() - 1))}"
 
 
 MATCH_CEILINGS = {"suffix:1": 0.4, "suffix:2": 0.75, "suffix:4": 0.85, "suffix:8": 0.92}  # the prior ceiling of
@@ -670,8 +684,8 @@ MATCH_CEILINGS = {"suffix:1": 0.4, "suffix:2": 0.75, "suffix:4": 0.85, "suffix:8
 # replaying greedy outputs (bench and mixed of the 1.5B in bfloat16, seven prompts of SmolLM2-135M in float32):
 # 0.34-0.37 of the first levels and 0.4-0.45 of all after a 1-token match, 0.66-0.89 after 2-3, 0.82-0.92 after 4-7,
 # 0.86-1.0 after 8 or more (the default prior judged them all 0.83 likely until the run taught otherwise)
-LOOKUP_PRIOR = 0.3  # prompt lookup's prior acceptance of its first guess: `prompt_lookup` runs' first drafted tokens
-# were accepted 150 times in 462 over fourteen prompts of those suites and models (0.1-0.4 on most, 0.6-0.9 on copying)
+MATCH_CEILINGS |= {"lookup:1": 0.2, "lookup:2": 0.55, "lookup:4": 0.65, "lookup:8": 0.95}  # and of prompt lookup's
+# tokens, from the replays in `match_curve`
 
 
 def summarize(tree: SuffixDraft) -> list[float]:
