@@ -16,7 +16,7 @@ import torch
 import decoders
 from decoders.drafting import cost as cost_module
 from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, at_least, expected_tokens, union
-from decoders.drafting.cost import (DRAFT_SIZES, ROUNDS, TARGET_SIZES, TREE_PRIOR, WINDOW, CallCost, CostModel,
+from decoders.drafting.cost import (DRAFT_SIZES, HISTORY, ROUNDS, TARGET_SIZES, TREE_PRIOR, WINDOW, CallCost, CostModel,
                                     calibrate, fit)
 from decoders.strategies import auto
 from decoders.strategies.auto import match_curve
@@ -388,6 +388,31 @@ def test_observe_moves_the_prediction_toward_observations():
     assert model.observed == {"target": 1 + WINDOW, "draft": 2 + WINDOW + 3}
     with pytest.raises(ValueError, match="kinds"):
         CostModel(linear(1.0, 0.1)).observe("draft", 1, 0, 1.0)
+
+
+def test_each_size_of_call_corrects_how_far_the_fit_errs_for_it():
+    """A fit whose 3-token calls run 1.2x what it says, the 1-token ones as it says: the plain steps set the common
+    scale, the 3-token calls among the last HISTORY correct their own size (m of them weigh m / (m + 1)), sizes not
+    seen keep the common scale; calls that are all of one size need no offset; a slower machine moves every size."""
+    cost = linear(1.0, 0.1)
+    one, three = cost.fitted(1, 0), cost.fitted(3, 0)
+    for i in range(20):
+        cost.observe(1, 0, one)
+        if i % 5 == 0:
+            cost.observe(3, 0, 1.2 * three)
+    assert cost.predict(1, 0) == pytest.approx(one) and cost.predict(2, 0) == pytest.approx(cost.fitted(2, 0))
+    assert cost.predict(3, 0) == pytest.approx(1.2 ** (4 / 5) * three)  # 4 calls of 3 tokens
+    for _ in range(HISTORY - 24):
+        cost.observe(1, 0, 1.5 * one)  # the machine slows down: the scale follows at once, the offset stays
+    assert cost.predict(1, 0) == pytest.approx(1.5 * one)
+    assert cost.predict(3, 0) == pytest.approx(1.5 * 1.2 ** (4 / 5) * three)
+    for _ in range(HISTORY):
+        cost.observe(1, 0, 1.5 * one)
+    assert cost.predict(3, 0) == pytest.approx(1.5 * three)  # no call of 3 tokens left among the last HISTORY
+    alone = linear(1.0, 0.1)
+    for seconds in (2.0, 0.5, 1.0):
+        alone.observe(4, 0, seconds * alone.fitted(4, 0))
+    assert alone.offset(4) == 1.0 and alone.predict(4, 0) == pytest.approx(alone.fitted(4, 0))
 
 
 def test_tree_calls_learn_what_they_cost_beyond_a_causal_call():

@@ -5,7 +5,8 @@ One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) 
 a one-token call, on a GPU almost the same, on a CPU computing bfloat16 in float about 9x; a few knots fit all), and
 the context costing more the more tokens attend to it. `calibrate` measures a handful of calls at start-up and caches
 the fit per model, dtype, device, thread count and torch version under `cache_dir()/calibration/`; `observe` then keeps
-a correction factor, the median over the last calls a run makes.
+a correction factor, the median over the last calls a run makes, and one per number of tokens scored
+(`CallCost.offset`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ TREE_PRIOR = 4  # calls' weight of the prior that a tree call costs what a causa
 # steps (0.3 s each) before a probe found them cheap; its next 14 tree calls brought the extra to -30 ms. Measured
 # alone there, a tree mask adds 1-5 ms to a call of SmolLM2-135M (float32) and moving the accepted path 3 ms. Two
 # interleaved repeats of that suite (one prompt per category): 142.0 s against 141.0 believing the first call
+HISTORY = 32  # the calls whose sizes teach each size its own correction (`CallCost.offset`)
 Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
 
 
@@ -95,8 +97,10 @@ class CallCost:
     per_position_per_token: float = 0.0  # and more per position for each further token scored, >= 0 (`fit`)
     scale: float = 1.0  # online correction: observed / fitted seconds, the median of the last WINDOW calls' ratios
     samples: tuple[Sample, ...] = ()  # the measurements it was fitted to, kept for reports and plots
-    log_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW), compare=False)  # of the last
-    # calls observed since loaded (not saved: each run corrects from its own first call)
+    history: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY), compare=False)  # (n,
+    # log of observed / fitted seconds) of the last calls observed since loaded (not saved: each run corrects from its
+    # own first call)
+    offsets: dict[int, float] = field(default_factory=dict, compare=False)  # n -> `offset`, from the history
 
     def fitted(self, n: int, context: int) -> float:
         """Seconds of the calibrated fit, before the online correction."""
@@ -106,13 +110,38 @@ class CallCost:
 
     def predict(self, n: int, context: int) -> float:
         """Expected seconds of a call scoring `n` tokens after `context` cached ones."""
-        return self.scale * self.fitted(n, context)
+        return self.scale * self.offset(n) * self.fitted(n, context)
 
     def observe(self, n: int, context: int, seconds: float) -> None:
         """Correct the fit by a measured call: the scale becomes the median ratio of observed to fitted seconds over the
-        last WINDOW calls (each ratio within 1/4 and 4; the median of two is their geometric mean)."""
-        self.log_ratios.append(math.log(min(max(seconds / self.fitted(n, context), 0.25), 4.0)))
-        self.scale = math.exp(statistics.median(self.log_ratios))
+        last WINDOW calls (each ratio within 1/4 and 4; the median of two is their geometric mean), and each size's
+        `offset` is taken again from the last HISTORY calls."""
+        self.history.append((n, math.log(min(max(seconds / self.fitted(n, context), 0.25), 4.0))))
+        ratios = [ratio for _, ratio in self.history]
+        self.scale = math.exp(statistics.median(ratios[-WINDOW:]))
+        everyone = statistics.median(ratios)
+        self.offsets = {}
+        for size in {size for size, _ in self.history}:
+            own = [ratio for m, ratio in self.history if m == size]
+            if len(own) < len(ratios):
+                self.offsets[size] = math.exp((statistics.median(own) - everyone) * len(own) / (len(own) + 1))
+
+    def offset(self, n: int) -> float:
+        """How much dearer than the fit says, relative to the other calls, this run's last calls of `n` tokens were (1:
+        none among the last HISTORY, or no other size): the ratio of their median ratio to the fit to the median of all
+        those calls', shrunk toward 1 as one call of them weighs against one that ran as the others (m calls of n
+        tokens: the log ratio x m / (m + 1)).
+
+        The calibrated curve's knots are each the fastest of a few calls, and one call's time varies by 10-20% on a busy
+        CPU, so the curve's shape errs by as much; one scale, taken from the last WINDOW calls, most of them plain
+        steps, corrected the plain steps and left the drafts' calls as wrong. SmolLM2-135M in bfloat16 on the AVX2-only
+        AMD EPYC, 12 interleaved calls of each size after 150 cached tokens: 1-5 tokens took 33 / 47 / 64 / 78 / 92 ms,
+        0.88 / 0.83 / 1.04 / 0.99 / 0.96 of the calibrated curve's times, and in `auto`'s runs the suffix index's
+        3-5-token steps took 3-19% more than their plans on the prompts with few of them (code, QA, math), whose scale
+        the plain steps set. Corrected so, its 11 prompts of bench, mixed and four held-out ones (two interleaved
+        repeats) took 124.7 s against 134.2 without edit's (where a bfloat16 tie changed the text); the 1.5B in
+        bfloat16 without a draft on four of them 301.3 against 303.9 (the same steps)."""
+        return self.offsets.get(n, 1.0)
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,

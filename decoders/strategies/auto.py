@@ -21,10 +21,11 @@ plain greedy step).
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
 draft model and the suffix index, as a calibration curve of their own probabilities, the index's one per length of
-the suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a draft model it has
-turned down for a while and weighs its plans by what their steps gave against them; the draft-free guesses learn from
-every step, taken or not, judged by the tokens that follow them. So the same code drafts long where draft calls are
-cheap (a GPU, an int8 draft), short or not at all where they are not, and copies wherever the context repeats itself.
+the suffix it matched, as prompt lookup's chains are, one per length of their match) by the
+`decoders.drafting.chooser.Chooser`, which also keeps probing a draft model it has turned down for a while and weighs
+its plans by what their steps gave against them; the draft-free guesses learn from every step, taken or not, judged by
+the tokens that follow them. So the same code drafts long where draft calls are cheap (a GPU, an int8 draft), short or
+not at all where they are not, and copies wherever the context repeats itself.
 
 Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode.
 """
@@ -655,9 +656,10 @@ def _takes_trees(lm: LM) -> bool:
 
 def match_curve(match: int, proposer: str = "suffix") -> str:
     """The calibration curve of a suffix-index draft (or `proposer`'s) that continues a `match`-token suffix: one per
-    match length 1, 2-3, 4-7, 8+. The index's probabilities are counts of what followed the match, blind to its length, and the
-    length tells most: replaying bench's greedy outputs of the 1.5B, first choices of probability 1 were accepted
-    0.39 of the time after a 1-token match, 0.4-0.7 after 2-3, 0.7-1.0 after 4-7, and 0.96-1.0 after 8 or more.
+    match length 1, 2-3, 4-7, 8+. The index's probabilities are counts of what followed the match, blind to its
+    length, and the length tells most: replaying bench's greedy outputs of the 1.5B, first choices of probability 1 were
+    accepted 0.39 of the time after a 1-token match, 0.4-0.7 after 2-3, 0.7-1.0 after 4-7, and 0.96-1.0 after 8 or
+    more.
 
     A draft's level d (from 0) continues a (match + d)-token suffix once the levels above it are right, and is judged
     on that curve (`auto` passes one curve per level). Replaying the greedy outputs of SmolLM2-135M's seven prompts and
