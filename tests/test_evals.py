@@ -452,6 +452,49 @@ def test_chain_replay_reproduces_the_target_calls_of_real_runs():
         assert tally.calls < tally.tokens  # drafts were accepted: the replay had something to get right
 
 
+def test_the_auto_replays_target_predicts_greedys_next_token_on_greedys_path_only():
+    """evals.replay_auto's `ReplayLM`: a scored token whose path (the cache, then the tokens it attends to) is greedy's
+    output predicts greedy's next token, any other a token that is not it; its cache keeps the ids it has seen through
+    crops; each call costs the calibrated seconds of its size."""
+    from decoders.drafting.cost import CallCost
+    from evals.replay_auto import ReplayLM
+
+    target = ReplayLM(tiny_lm("llama"), CallCost((1, 2), (1.0, 1.5)))
+    target.truth = [5, 6, 7, 8, 9, 10]
+    cache = target.new_cache()
+    assert target.forward([5, 6], cache, keep=1).argmax(-1).tolist() == [7]  # the prompt
+    # a tree after [5, 6]: node 0 = 7 (right), node 1 = 3 (wrong sibling), node 2 = 8 under node 0, node 3 = 8 under 1
+    mask = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
+    rows = target.forward([7, 3, 8, 8], cache, positions=[2, 2, 3, 3], tree_mask=mask).argmax(-1).tolist()
+    assert rows[0] == 8 and rows[2] == 9 and rows[1] != 8 and rows[3] != 9
+    cache.keep([0, 1, 2, 4])  # the accepted path 7, 8
+    assert target.forward([9], cache, keep=1).argmax(-1).tolist() == [10]
+    cache.crop(2)
+    assert target.forward([3], cache, keep=1).argmax(-1).tolist() != [8]  # off greedy's path
+    assert target.now() == pytest.approx(1.5 + 2.5 + 1.0 + 1.0)  # 2, 4, 1 and 1 tokens (linear past the last knot)
+
+
+def test_the_auto_replay_runs_auto_on_its_clock_and_gives_greedys_tokens():
+    """evals.replay_auto replays `auto` on greedy outputs (it raises if the replay leaves them): drafts accepted, its
+    seconds the calibrated ones, `auto`'s own clock given back after."""
+    import time
+
+    from decoders.strategies import auto
+    from evals.replay_auto import replay
+    from test_auto import echo_lm
+
+    lm = echo_lm()  # repeats its last token: the suffix index and prompt lookup soon guess it
+    prompts = []
+    for i, text in enumerate(PROMPTS[:3]):
+        ids = lm.encode(text)
+        prompts.append((f"p{i}", "c", ids, decoders.generate(lm, ids, max_new_tokens=40).tokens))
+    rows = replay(lm, prompts)
+    assert [row["prompt_id"] for row in rows] == ["p0", "p1", "p2"]
+    assert all(0 < row["seconds"] and 0 < row["greedy"] for row in rows)
+    assert sum(row["calls"] for row in rows) < sum(row["tokens"] for row in rows)
+    assert auto.now is time.perf_counter
+
+
 def test_the_chain_replays_auto_expects_the_targets_own_int8_copy_to_agree_as_auto_does():
     """`auto`'s rule in evals.replay_chains starts a draft that shares the target's cache (its own int8 copy) from
     the prior `auto` gives it: from the default prior it replayed SmolLM2-135M's drafts as 521 target calls where

@@ -1,0 +1,131 @@
+"""Replay `auto` without a draft model on a `compare` result's greedy outputs, timed by the target's calibrated cost
+curve instead of a clock: its target calls and estimated seconds per prompt, the same on every run - to tune `auto`'s
+draft-free choices (suffix index, prompt lookup, lookahead, their merged trees) free of the timing noise of a 2-core
+machine, whose one-run figures move by 5-10% a prompt.
+
+    python -m evals.replay_auto RESULT.json [RESULT.json ...]
+
+The target is a `ReplayLM`: each token it scores predicts greedy's next token where the token's path (the cached
+tokens, then the scored tokens it attends to) is greedy's output so far, and a token greedy's output does not hold
+there where it is not. So every draft is accepted exactly as far as a run's greedy verification would accept it (but
+where the run itself took another branch at a bfloat16 tie), and lookahead's Jacobi window, whose tokens are off
+greedy's path, never sees the future: its guesses come out worse than a run's. Each call advances `auto`'s clock
+(`decoders.strategies.auto.now`) by its calibrated seconds, the curve `auto` plans with, so `auto` sees exactly the
+costs it predicts: the replay isolates its acceptance estimates and choices from the cost model's errors, and leaves
+out its own Python work (about a millisecond a step). Greedy's estimate beside it is the prompt's call and one
+one-token call per further token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import decoders  # noqa: E402
+from decoders.drafting.cost import CallCost, call_cost  # noqa: E402
+from decoders.models.cache import KVCache  # noqa: E402
+from decoders.strategies import auto  # noqa: E402
+from evals.replay_drafts import load_prompts  # noqa: E402
+
+
+class ReplayLM(decoders.LM):
+    """An LM whose calls replay `truth` (prompt + greedy output) and cost `cost`'s predicted seconds on `clock`. Its
+    cache holds the token ids it has seen as keys, so it crops and keeps paths as a model's does."""
+
+    def __init__(self, lm: decoders.LM, cost: CallCost) -> None:
+        super().__init__(lm.model, lm.tokenizer, lm.name)
+        self.cost, self.truth, self.seconds = cost, [], 0.0
+        self._tree_mask_ok = True  # (probed on the model itself: `replay`)
+
+    def now(self) -> float:
+        """The replay's clock: the calibrated seconds of the calls made so far."""
+        return self.seconds
+
+    def forward(self, tokens, cache: KVCache, positions=None, tree_mask=None, keep: int = 0) -> torch.Tensor:
+        tokens = [int(t) for t in tokens]
+        past, length = len(cache), len(tokens)
+        layer = cache.hf.layers[0] if cache.hf.layers else None
+        cached = [] if layer is None or layer.keys is None else layer.keys[0, 0, :, 0].long().tolist()  # [past]
+        ids = torch.tensor(tokens, dtype=torch.float32).reshape(1, 1, length, 1)
+        cache.hf.update(ids, ids.clone(), 0)
+        if tree_mask is None:
+            seen = torch.ones(length, length, dtype=torch.bool).tril()  # [T, T]
+        else:
+            seen = tree_mask[:, -length:].bool()  # (every token scored here sees the whole cache)
+        on_path = cached == self.truth[:past]
+        rows = range(length - keep, length) if keep else range(length)
+        logits = torch.zeros(len(rows), self.vocab_size)
+        for row, i in enumerate(rows):
+            path = [tokens[j] for j in range(length) if seen[i, j]]
+            at = past + len(path)  # the position this token predicts
+            right = self.truth[at] if at < len(self.truth) else 0
+            agrees = on_path and path == self.truth[past: at]
+            logits[row, right if agrees else (right + 1) % self.vocab_size] = 1.0
+        self.seconds += self.cost.predict(length, past)
+        return logits
+
+
+@contextlib.contextmanager
+def replay_clock(lm: ReplayLM):
+    """`auto` timed by the replay's clock while inside."""
+    real, auto.now = auto.now, lm.now
+    try:
+        yield
+    finally:
+        auto.now = real
+
+
+def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]], options: dict | None = None
+           ) -> list[dict]:
+    """Per prompt of [(id, category, prompt ids, greedy output)]: auto's target calls, estimated seconds, steps per
+    proposer, and greedy's estimated seconds. `options`: auto's (without the target's own int8 copy, whose calls
+    would be the model's own)."""
+    options = {"self_int8": False, **(options or {})}
+    lm.check_tree_mask()
+    cost = call_cost(lm, "target")
+    target = ReplayLM(lm, cost)
+    rows = []
+    with replay_clock(target):
+        for prompt_id, category, ids, truth in prompts:
+            target.truth, start = list(ids) + list(truth), target.seconds
+            result = decoders.generate(target, list(ids), strategy="auto", max_new_tokens=len(truth), **options)
+            if result.tokens != list(truth):
+                raise AssertionError(f"{prompt_id}: the replay left greedy's output (a bug in the replay or in auto)")
+            greedy = cost.predict(len(ids), 0) + sum(cost.predict(1, len(ids) + i) for i in range(1, len(truth)))
+            rows.append({"prompt_id": prompt_id, "category": category, "tokens": len(truth),
+                         "calls": result.stats.target_calls, "seconds": target.seconds - start, "greedy": greedy,
+                         "steps": result.stats.details["steps"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, nargs="+", help="`decodekit compare --out` JSON files with a greedy run")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    total = {"seconds": 0.0, "greedy": 0.0, "calls": 0}
+    print("| prompt | category | tokens | calls | seconds | greedy's | speed-up | steps |")
+    print("|:---|:---|---:|---:|---:|---:|---:|:---|")
+    for path in args.results:
+        result = json.loads(path.read_text())
+        lm = decoders.load(result["model"]["name"], dtype=result["environment"]["dtype"])
+        for row in replay(lm, load_prompts(result, lm)):
+            for key in total:
+                total[key] += row[key]
+            steps = ", ".join(f"{name} {count}" for name, count in row["steps"].items())
+            print(f"| {row['prompt_id']} | {row['category']} | {row['tokens']} | {row['calls']} | "
+                  f"{row['seconds']:.2f} | {row['greedy']:.2f} | {row['greedy'] / row['seconds']:.2f} | {steps} |")
+    print(f"| all | | | {total['calls']} | {total['seconds']:.2f} | {total['greedy']:.2f} | "
+          f"{total['greedy'] / total['seconds']:.3f} | |")
+
+
+if __name__ == "__main__":
+    main()
