@@ -37,8 +37,8 @@ from evals.replay_drafts import load_prompts  # noqa: E402
 
 
 class ReplayLM(decoders.LM):
-    """An LM whose calls replay `truth` (prompt + greedy output) and cost `cost`'s predicted seconds on `clock`. Its
-    cache holds the token ids it has seen as keys, so it crops and keeps paths as a model's does."""
+    """An LM whose calls replay `truth` (prompt + greedy output) and cost `cost`'s predicted seconds on its clock
+    (`now`). Its cache holds the token ids it has seen as keys, so it crops and keeps paths as a model's does."""
 
     def __init__(self, lm: decoders.LM, cost: CallCost) -> None:
         super().__init__(lm.model, lm.tokenizer, lm.name)
@@ -59,7 +59,7 @@ class ReplayLM(decoders.LM):
         if tree_mask is None:
             seen = torch.ones(length, length, dtype=torch.bool).tril()  # [T, T]
         else:
-            seen = tree_mask[:, -length:].bool()  # (every token scored here sees the whole cache)
+            seen = tree_mask[:, -length:].bool()  # (the cache is seen whole: a mask over it too is a draft model's)
         on_path = cached == self.truth[:past]
         rows = range(length - keep, length) if keep else range(length)
         logits = torch.zeros(len(rows), self.vocab_size)
