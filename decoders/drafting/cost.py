@@ -120,11 +120,11 @@ class CallCost:
         ratios = [ratio for _, ratio in self.history]
         self.scale = math.exp(statistics.median(ratios[-WINDOW:]))
         everyone = statistics.median(ratios)
-        self.offsets = {}
-        for size in {size for size, _ in self.history}:
-            own = [ratio for m, ratio in self.history if m == size]
-            if len(own) < len(ratios):
-                self.offsets[size] = math.exp((statistics.median(own) - everyone) * len(own) / (len(own) + 1))
+        by_size: dict[int, list[float]] = {}
+        for size, ratio in self.history:
+            by_size.setdefault(size, []).append(ratio)
+        self.offsets = {size: math.exp((statistics.median(own) - everyone) * len(own) / (len(own) + 1))
+                        for size, own in by_size.items() if len(own) < len(ratios)}
 
     def offset(self, n: int) -> float:
         """How much dearer than the fit says, relative to the other calls, this run's last calls of `n` tokens were (1:
