@@ -44,7 +44,15 @@ counts on, while a draft model's chain runs on while its confidences say the nex
 step shows. With the int8 0.5B draft of the 1.5B (AMD EPYC), trees' steps gave 96 tokens where their plans expected
 59, in 4.71 s for 3.72; the plans' rates alone took trees in 11 of math's 22 steps, corrected in 12 of 16. Mixed (one
 prompt per category), two interleaved repeats: 23.5 s against 25.0 (`staged` 23.5); bench 16.9 against 17.1; without
-a draft and with SmolLM2-135M equal within 1%. (`auto` corrects only those two: see `decoders.strategies.auto.GROWN`.)
+a draft and with SmolLM2-135M equal within 1%. (`auto` corrects those two so: see `decoders.strategies.auto.GROWN`.)
+
+A drafter whose guesses the tokens that follow judge for free (`watched`) is corrected by its plans that would have been
+taken on their estimates alone, uncorrected, against the other plans corrected (`contenders`), taken or not: the plan
+of highest estimated rate is the likeliest to have been judged too well, most of all where several proposers guess the
+same tokens and the one judged best wins, and a correction learned from the steps taken alone stops learning once it
+has corrected its proposer out of them. Replaying `auto` on greedy outputs of SmolLM2-135M (bfloat16,
+`evals.replay_auto`), its steps on prompt lookup's chains and merged trees had given 0.71-0.77 of the tokens their plans
+expected beyond the target's own, 0.87-0.93 so corrected (see `decoders.strategies.auto.AutoDrafter.judge_contenders`).
 """
 
 from __future__ import annotations
@@ -189,6 +197,8 @@ class Chooser:
         self.ceilings: dict[str, float] = {}  # curve -> its prior ceiling a where known better than PRIOR's
         self.realized: dict[str | None, list[float]] = {}  # proposer -> [predicted tokens, tokens, predicted seconds,
         # seconds] of the steps it was taken, decayed (`correction`)
+        self.contenders: list[Plan] = []  # the last choice's plans of watched proposers that would have been taken
+        # uncorrected (`correction`), the others corrected (none where the call fed the prompt)
 
     def acceptance(self, proposer: str, depth: int, confidence: float | None = None, curve: str | None = None
                    ) -> float:
@@ -319,6 +329,9 @@ class Chooser:
         later = context + fed - 1  # the context of the steps after this one, which feed one token each
         steady = [self.evaluate(None, 0, later), *(self.best(c, later) for c in offered)]
         plan = max(steady, key=lambda p: p.rate * self.correction(p.proposer))
+        rates = [p.rate * self.correction(p.proposer) for p in steady]
+        self.contenders = [p for i, p in enumerate(steady) if p.proposer in self.watched and fed <= 1
+                           and p.rate > max(r for j, r in enumerate(rates) if j != i)]
         rate = plan.rate * self.correction(plan.proposer)  # what a later step is expected to make
         if fed > 1:
             plan = max([self.evaluate(None, 0, context, fed), *(self.best(c, context, fed, rate) for c in offered)],
