@@ -61,6 +61,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from decoders.drafting.cost import CostModel
 from decoders.options import probability, whole
 
@@ -74,6 +76,7 @@ CEILINGS = tuple(1 - miss for miss in (0.0, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0
 PRIOR = tuple(math.log(0.5 if a == 1 else 0.5 / (len(CEILINGS) - 1)) for a in CEILINGS)  # log prior of each ceiling:
 # even odds that the drafter is never wrong when sure (a draft model; one miss at probability 1 rules that out), the
 # other half spread evenly; every gamma equally likely
+GRID = np.array(GAMMAS), np.array(CEILINGS)[:, None]  # the same as arrays: [GAMMAS], [CEILINGS, 1]
 SPREAD = 0.2  # the standard deviation of a known ceiling's prior (`Chooser.ceilings`): the curve's prior at
 # probability 1 is then 0.43 / 0.81 / 0.89 for ceilings of 0.4 / 0.75 / 0.92, and 5 tokens all taken lift a ceiling of
 # 0.4 to 0.76, 10 to 0.88 (with 0.1: 0.50 and 0.57, a run's evidence barely moving it)
@@ -190,8 +193,9 @@ class Chooser:
         self.cost, self.options = cost, options or ChooserOptions()
         self.counts: dict[tuple[str, int], list[float]] = {}  # (proposer, depth) -> [accepted, rejected]
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
-        self.fits: dict[str, list[list[float]]] = {}  # curve -> [CEILINGS][GAMMAS] log-likelihoods, decayed
-        self.curves: dict[str, list[float]] = {}  # curve -> [GAMMAS] posterior weight x mean ceiling (cached)
+        self.fits: dict[str, np.ndarray] = {}  # curve -> [CEILINGS, GAMMAS] log-likelihoods, decayed
+        self.curves: dict[str, tuple[list[float], dict[float, float]]] = {}  # curve -> ([GAMMAS] posterior weight x
+        # mean ceiling, the calibrated probability of each confidence asked so far): cached until the curve learns
         self.watched: set[str] = set()  # proposers whose estimates learn from every step, taken or not: never probed
         self.priors: dict[str, float] = {}  # proposer -> its prior acceptance where known better than prior_mean
         self.ceilings: dict[str, float] = {}  # curve -> its prior ceiling a where known better than PRIOR's
@@ -224,16 +228,15 @@ class Chooser:
         target's int8 copy) gets a near 1 and a small gamma, one as sure as it is right a near 1 and gamma near 1, the
         suffix index's once-seen continuations (probability 1) a well below 1. Before any evidence a token of
         probability 1 is judged 0.83 likely and one of 0.5 0.57, so a drafter is tried and learns."""
-        weights = self.curves.get(curve)
-        if weights is None:
-            fits = self.fits.get(curve) or self.no_fit()
-            fit = [[prior + f for f in row] for prior, row in zip(self.prior(curve), fits)]
-            top = max(map(max, fit))
-            posterior = [[math.exp(f - top) for f in row] for row in fit]
-            total = sum(map(sum, posterior))
-            weights = self.curves[curve] = [sum(a * row[g] for a, row in zip(CEILINGS, posterior)) / total
-                                            for g in range(len(GAMMAS))]
-        return sum(w * confidence ** gamma for w, gamma in zip(weights, GAMMAS))
+        if curve not in self.curves:
+            fit = np.asarray(self.prior(curve))[:, None] + self.fits.get(curve, 0.0)  # [CEILINGS, GAMMAS]
+            posterior = np.exp(fit - fit.max())
+            weights = (GRID[1] * posterior).sum(axis=0) / posterior.sum()  # [GAMMAS]
+            self.curves[curve] = (weights.tolist(), {})
+        weights, known = self.curves[curve]
+        if confidence not in known:
+            known[confidence] = sum(w * confidence ** gamma for w, gamma in zip(weights, GAMMAS))
+        return known[confidence]
 
     def chain(self, proposer: str, k: int, confidences: Sequence[float] | None = None, curve: Curves = None
               ) -> tuple[float, ...]:
@@ -269,22 +272,12 @@ class Chooser:
         mean = self.ceilings.get(curve)
         return PRIOR if mean is None else [-0.5 * ((a - mean) / SPREAD) ** 2 for a in CEILINGS]
 
-    @staticmethod
-    def no_fit() -> list[list[float]]:
-        """[CEILINGS][GAMMAS] log-likelihoods before any evidence."""
-        return [[0.0] * len(GAMMAS) for _ in CEILINGS]
-
     def learn_curve(self, curve: str, confidence: float, took: bool) -> None:
         """Weigh every (a, gamma) of the calibration curve `curve` by the likelihood of one verified token."""
-        decay, fit = self.options.decay, self.fits.setdefault(curve, self.no_fit())
-        c = min(max(confidence, 1e-6), 1 - 1e-6)
-        powers = [c ** gamma for gamma in GAMMAS]
-        for a, row in zip(CEILINGS, fit):
-            if took:
-                log_a, log_c = math.log(a), math.log(c)
-                row[:] = [decay * f + log_a + gamma * log_c for f, gamma in zip(row, GAMMAS)]
-            else:
-                row[:] = [decay * f + math.log1p(-a * power) for f, power in zip(row, powers)]
+        gammas, ceilings = GRID
+        accepted = ceilings * min(max(confidence, 1e-6), 1 - 1e-6) ** gammas  # [CEILINGS, GAMMAS] a * c ** gamma
+        likelihood = np.log(accepted) if took else np.log1p(-accepted)
+        self.fits[curve] = self.options.decay * self.fits.get(curve, 0.0) + likelihood
         self.curves.pop(curve, None)
 
     def evaluate(self, candidate: Candidate | None, k: int, context: int, fed: int = 1) -> Plan:

@@ -23,14 +23,19 @@ if TYPE_CHECKING:
 def ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
     """(mask [k, k] bool: node i sees node j iff j is i or one of its ancestors, depth of each node: 0 at the root's
     children). Nodes must come after their parents."""
-    k = len(parents)
-    mask = torch.eye(k, dtype=torch.bool)  # [k, k]
-    depths: list[int] = []
+    mask = torch.eye(len(parents), dtype=torch.bool)  # [k, k]
     for node, parent in enumerate(parents):
         if parent >= 0:
             mask[node] |= mask[parent]
-        depths.append(depths[parent] + 1 if parent >= 0 else 0)
-    return mask, depths
+    return mask, depths(parents)
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """The depth of each node: 0 at the root's children (`ancestry`'s, without the mask)."""
+    found: list[int] = []
+    for parent in parents:
+        found.append(found[parent] + 1 if parent >= 0 else 0)
+    return found
 
 
 def visibility(rows: Sequence[Sequence[int]], prefix: int, width: int) -> torch.Tensor:
@@ -48,14 +53,14 @@ def score_tree(state: DecodeState, draft: Draft) -> torch.Tensor:
     tail = state.uncached()
     window = draft.window or Window([], [], torch.zeros(0, 0, dtype=torch.bool))
     t, k, w = len(tail), len(draft.tokens), len(window.tokens)
-    tree, depths = ancestry(draft.links)
+    tree, levels = ancestry(draft.links)
     mask = torch.zeros(t + k + w, t + k + w, dtype=torch.bool)  # [T, T]
     mask[:t, :t] = torch.ones(t, t, dtype=torch.bool).tril()  # the tail is a causal chain
     mask[t:, :t] = True  # every node and window token sees the whole tail
     mask[t: t + k, t: t + k] = tree
     mask[t + k:, t + k:] = window.mask
     base = len(state.tokens)  # the position right after the last accepted token
-    positions = list(range(len(state.cache), base)) + [base + d for d in depths] + [base + o for o in window.offsets]
+    positions = list(range(len(state.cache), base)) + [base + d for d in levels] + [base + o for o in window.offsets]
     state.stats.target_calls += 1
     logits = state.lm.forward(tail + draft.tokens + window.tokens, state.cache, positions, mask, keep=k + w + 1)
     if draft.window is not None:
@@ -75,7 +80,7 @@ def keep_path(cache: KVCache, start: int, slots: Sequence[int]) -> None:
 
 def depth(draft: Draft) -> int:
     """How many levels the draft has: its length for a chain, the longest root-to-leaf path for a tree."""
-    return len(draft.tokens) if draft.parents is None else max(ancestry(draft.links)[1], default=-1) + 1
+    return len(draft.tokens) if draft.parents is None else max(depths(draft.parents), default=-1) + 1
 
 
 def first_branch(parents: Sequence[int]) -> list[int]:
@@ -125,11 +130,10 @@ def common(part: Draft, whole: Draft) -> list[int]:
 
 def per_level(parents: Sequence[int]) -> tuple[int, ...]:
     """[levels] the nodes of a tree in levels 1..d, for each d."""
-    _, depths = ancestry(parents)
-    return tuple(itertools.accumulate(depths.count(level) for level in range(max(depths, default=-1) + 1)))
+    found = depths(parents)
+    return tuple(itertools.accumulate(found.count(level) for level in range(max(found, default=-1) + 1)))
 
 
 def levels_above(draft: Draft, levels: int) -> Draft:
     """The draft's first `levels` levels."""
-    _, depths = ancestry(draft.links)
-    return draft.subset([n for n, d in enumerate(depths) if d < levels])
+    return draft.subset([n for n, d in enumerate(depths(draft.links)) if d < levels])

@@ -47,7 +47,7 @@ from decoders.drafting.copies import drafting_model
 from decoders.drafting.cost import RunningMean, calibrate
 from decoders.drafting.draft_model import SharedCacheDraft
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import ancestry, common, depth, first_branch, levels_above, merge, per_level
+from decoders.drafting.tree import common, depth, depths, first_branch, levels_above, merge, per_level
 from decoders.models.lm import LM
 from decoders.options import check_whole
 from decoders.registry import register
@@ -733,8 +733,8 @@ MATCH_CEILINGS |= {"lookup:1": 0.2, "lookup:2": 0.55, "lookup:4": 0.65, "lookup:
 
 def summarize(tree: SuffixDraft) -> list[float]:
     """Per level of a suffix tree: the index's probability of its best node given the best node above."""
-    _, depths = ancestry(tree.parents)
-    best = [max(p for p, d in zip(tree.probs, depths) if d == level) for level in range(max(depths, default=-1) + 1)]
+    found = depths(tree.parents)
+    best = [max(p for p, d in zip(tree.probs, found) if d == level) for level in range(max(found, default=-1) + 1)]
     return [min(1.0, p) for p in given_above(best)]
 
 

@@ -86,14 +86,12 @@ def prefix_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]
 
 def window_mask(levels: int, width: int) -> torch.Tensor:
     """[levels * width, levels * width] bool: token (l, j) sees (0, j') for j' <= j and (l', j) for 1 <= l' <= l."""
-    size = levels * width
-    mask = torch.zeros(size, size, dtype=torch.bool)
+    rows = []
     for level in range(levels):
         for column in range(width):
-            row = level * width + column
-            mask[row, : column + 1] = True
-            mask[row, [other * width + column for other in range(1, level + 1)]] = True
-    return mask
+            seen = {*range(column + 1), *(other * width + column for other in range(1, level + 1))}
+            rows.append([j in seen for j in range(levels * width)])
+    return torch.tensor(rows, dtype=torch.bool).reshape(levels * width, levels * width)
 
 
 class LookaheadDrafter:
