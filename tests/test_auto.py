@@ -68,16 +68,17 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
 def test_only_the_draft_models_plans_learn_a_correction_from_their_own_steps(monkeypatch, random_plans):
     """The draft model's chains and trees draft other than their plans counted on, and their plans are corrected by
     what their steps gave (`auto.GROWN`); the draft-free proposers draft their plans' levels, and are corrected only
-    by the plans their estimates alone would have taken (`Chooser.contenders`, none here: the plans are random)."""
+    by the plans their estimates alone would have taken (`Chooser.contenders`, none here: the plans are random). A
+    probe's plan was not chosen for its rate, and teaches no correction."""
     learned = []
-    monkeypatch.setattr(chooser.Chooser, "learn_rate", lambda self, plan, *given: learned.append(plan.proposer))
+    monkeypatch.setattr(chooser.Chooser, "learn_rate", lambda self, plan, *given: learned.append(plan))
     lm = tiny_lm("llama")
     steps = {}
     for prompt in PROMPTS:
         for name, count in decoders.generate(lm, prompt * 2, strategy="auto", draft=lm, max_new_tokens=40
                                              ).stats.details["steps"].items():
             steps[name] = steps.get(name, 0) + count
-    assert set(learned) == set(auto.GROWN)
+    assert {plan.proposer for plan in learned} == set(auto.GROWN) and not any(plan.probe for plan in learned)
     assert {"suffix", "merged", "none"} <= set(steps)  # (taken, and not learned from)
 
 
