@@ -411,6 +411,17 @@ def test_observe_moves_the_prediction_toward_observations():
         CostModel(linear(1.0, 0.1)).observe("draft", 1, 0, 1.0)
 
 
+def test_a_draft_not_yet_observed_is_scaled_as_the_target_is():
+    """A machine slower than when calibrated is so for both models: the draft's costs follow the target's correction
+    until the run has observed a draft call of its own."""
+    model = CostModel(linear(1.0, 0.1), linear(0.25, 0.01))
+    model.observe("target", 1, 0, 1.5)
+    assert model.target_seconds(1, 0) == pytest.approx(1.5)
+    assert model.draft_seconds(2, 0) == pytest.approx(1.5 * 0.5)
+    model.observe("draft", 1, 0, 0.2)
+    assert model.draft_seconds(2, 0) == pytest.approx(0.8 * 0.5)
+
+
 def test_each_size_of_call_corrects_how_far_the_fit_errs_for_it():
     """A fit whose 3-token calls run 1.2x what it says, the 1-token ones as it says: the plain steps set the common
     scale, the 3-token calls among the last HISTORY correct their own size (m of them weigh m / (m + 1)), sizes not

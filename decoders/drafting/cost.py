@@ -101,6 +101,8 @@ class CallCost:
     # log of observed / fitted seconds) of the last calls observed since loaded (not saved: each run corrects from its
     # own first call)
     offsets: dict[int, float] = field(default_factory=dict, compare=False)  # n -> `offset`, from the history
+    follows: CallCost | None = field(default=None, compare=False, repr=False)  # until this run has observed a call of
+    # this cost's, it is scaled as this other one is (`predict`)
 
     def fitted(self, n: int, context: int) -> float:
         """Seconds of the calibrated fit, before the online correction."""
@@ -109,8 +111,17 @@ class CallCost:
         return f + (self.per_position + self.per_position_per_token * (n - 1)) * context
 
     def predict(self, n: int, context: int) -> float:
-        """Expected seconds of a call scoring `n` tokens after `context` cached ones."""
-        return self.scale * self.offset(n) * self.fitted(n, context)
+        """Expected seconds of a call scoring `n` tokens after `context` cached ones: the fit, corrected by this run's
+        calls (`observe`), or before any, scaled as the cost it `follows` is (a draft's, as the target's: a machine
+        slower or faster than when calibrated is so for both models).
+
+        Scaled by its own calls only, a draft that had not drafted yet was costed as calibrated while the target's
+        calls had come to take 1.3x their calibrated seconds (the int8 0.5B draft of the 1.5B in bfloat16, the AMD
+        EPYC on a slow day), so the draft looked a third cheaper against them than it was: its probes, which only
+        a draft that could pay gets (`Chooser.could_pay`), went on, 2-3 s each on a 30 s run (the draft's catching up
+        on the prompt, then a chain)."""
+        scale = self.scale if self.history or self.follows is None else self.follows.scale
+        return scale * self.offset(n) * self.fitted(n, context)
 
     def observe(self, n: int, context: int, seconds: float) -> None:
         """Correct the fit by a measured call: the scale becomes the median ratio of observed to fitted seconds over the
@@ -365,6 +376,10 @@ class CostModel:
     observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
     tree_extras: RunningMean = field(default_factory=lambda: RunningMean(0.0, TREE_PRIOR))  # seconds tree calls cost
     # beyond causal calls of as many tokens
+
+    def __post_init__(self):
+        if self.draft is not None:
+            self.draft.follows = self.target  # (the draft scaled as the target until its own calls are observed)
 
     @property
     def tree_extra(self) -> float:
