@@ -117,7 +117,7 @@ class CallCost:
 
         Scaled by its own calls only, a draft that had not drafted yet was costed as calibrated while the target's
         calls had come to take 1.3x their calibrated seconds (the int8 0.5B draft of the 1.5B in bfloat16, the AMD
-        EPYC on a slow day), so the draft looked a third cheaper against them than it was: its probes, which only
+        EPYC on a slow day), so the draft looked a quarter cheaper against them than it was: its probes, which only
         a draft that could pay gets (`Chooser.could_pay`), went on, 2-3 s each on a 30 s run (the draft's catching up
         on the prompt, then a chain)."""
         scale = self.scale if self.history or self.follows is None else self.follows.scale
