@@ -321,11 +321,11 @@ class Chooser:
         offered = [c for c in candidates if c.accept]
         later = context + fed - 1  # the context of the steps after this one, which feed one token each
         steady = [self.evaluate(None, 0, later), *(self.best(c, later) for c in offered)]
-        plan = max(steady, key=lambda p: p.rate * self.correction(p.proposer))
         rates = [p.rate * self.correction(p.proposer) for p in steady]
+        best = max(range(len(steady)), key=rates.__getitem__)  # (the first of the highest: a plain step wins ties)
+        plan, rate = steady[best], rates[best]  # (rate: what a later step is expected to make)
         self.contenders = [p for i, p in enumerate(steady) if p.proposer in self.watched and fed <= 1
                            and p.rate > max(r for j, r in enumerate(rates) if j != i)]
-        rate = plan.rate * self.correction(plan.proposer)  # what a later step is expected to make
         if fed > 1:
             plan = max([self.evaluate(None, 0, context, fed), *(self.best(c, context, fed, rate) for c in offered)],
                        key=lambda p: self.value(p, rate))

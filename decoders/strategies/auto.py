@@ -596,10 +596,8 @@ class AutoDrafter:
                 self.unverified.append(Guess(name, self.start, part, *self.judged(name)))
         waiting = []
         for guess in self.unverified:
-            after = state.tokens[guess.start:]
-            levels, took = depth(guess.draft), len(guess.draft.follow(after))
-            done = took == levels or took < len(after)  # all its levels right, or a token after them known wrong
-            known = min(levels, took + 1) if done else took
+            took, done = followed(guess.draft, state.tokens[guess.start:])
+            known = min(depth(guess.draft), took + 1) if done else took
             self.chooser.update(guess.proposer, known, took, guess.confidences, guess.curve, guess.known)
             guess.known = known
             if not done:
@@ -627,9 +625,8 @@ class AutoDrafter:
         """
         waiting = []
         for plan, start, guess in self.contenders:
-            after = state.tokens[start:]
-            took = len(guess.follow(after))
-            if took == depth(guess) or took < len(after):  # all its levels right, or a token after them known wrong
+            took, done = followed(guess, state.tokens[start:])
+            if done:
                 self.chooser.learn_rate(plan, took + 1, plan.seconds)  # (its seconds: the cost model's to correct)
             else:
                 waiting.append((plan, start, guess))
@@ -686,6 +683,13 @@ def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float
     110.1 (the same target calls in cheaper steps), mixed (one prompt per category) 162.9 against 167.1, and its
     translation alone, three repeats, 74.2 against 76.0 (equal: its target calls ran 41-58 either way)."""
     return (min(SURE, max(TREE.min_prob, rate * node)), min(SURE, max(TREE.expand_prob, rate * (call + node))))
+
+
+def followed(draft: Draft, after: Sequence[int]) -> tuple[int, bool]:
+    """(how many levels of `draft` the tokens `after` its start follow, whether that is settled: all its levels right,
+    or a token after them known wrong)."""
+    took = len(draft.follow(after))
+    return took, took == depth(draft) or took < len(after)
 
 
 def _takes_trees(lm: LM) -> bool:
