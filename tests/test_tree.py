@@ -429,6 +429,26 @@ def test_grammar_drops_forbidden_tree_nodes_with_their_subtrees():
         restrict_to_grammar(matcher, Draft(draft.tokens, torch.zeros(4, lm.vocab_size), draft.parents), "test")
 
 
+def test_guesses_merged_into_a_sampled_chain_are_dropped_where_the_grammar_forbids_them():
+    """`auto` in sampling mode checks a draft model's sampled chain with the context's guesses beside it, their rows
+    the point mass on their tokens: a guess the grammar forbids is rejected for certain, so it is dropped, not an
+    error; a drawn node the grammar forbids still is one."""
+    lm = tiny_lm("llama")
+    matcher = grammars.choice(["red", "green"]).matcher(lm)
+    r, g, b, e = (lm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "rgbe")
+    drawn = torch.full((lm.vocab_size,), 1.0 / lm.vocab_size)
+    probs = torch.stack([drawn, *torch.nn.functional.one_hot(torch.tensor([b, g, e]), lm.vocab_size).float()])
+    draft = Draft([r, b, g, e], probs, [-1, -1, -1, 0], source="merged")  # the chain [r], then guesses b, g, r -> e
+    pruned, masks = restrict_to_grammar(matcher, draft, "test")
+    assert pruned.tokens == [r, g, e] and pruned.parents == [-1, -1, 0] and masks.shape[0] == 4
+    assert torch.equal(pruned.probs, probs[[0, 2, 3]])
+    chain = Draft([b, g], torch.stack([drawn, probs[2]]), source="draft")  # a drawn first token the grammar forbids
+    with pytest.raises(RuntimeError, match="does not allow"):
+        restrict_to_grammar(matcher, chain, "test")
+    guessed = Draft([r, b], torch.stack([drawn, probs[1]]), source="draft")  # a guess after it: cut there
+    assert restrict_to_grammar(matcher, guessed, "test")[0].tokens == [r]
+
+
 @pytest.mark.parametrize("strategy", TREE_STRATEGIES)
 def test_a_model_without_tree_masks_fails_fast(strategy, monkeypatch):
     from decoders.models import lm as lm_module

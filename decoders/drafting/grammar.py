@@ -12,14 +12,17 @@ def restrict_to_grammar(grammar, draft: Draft, drafter: str, eos: frozenset[int]
     """Cut a chain at its first token the grammar forbids, drop tree nodes it forbids on their path (with their
     subtrees); returns the draft and the allowed masks [k + 1, vocab] at each position the target scores.
 
-    Dropping is exact only for drafters without a distribution (the target would reject the token outright and
-    sample from q itself); sampled drafts are drawn under the grammar's mask and never lose a node here. After an `eos`
-    node the grammar allows nothing, but that row is never emitted (the run ends at the EOS): it is left unmasked
-    rather than handing the verifier an empty distribution to draw the bonus token from.
+    Dropping is exact only for a node without a distribution of its own: a guess (prompt lookup's, the suffix index's,
+    lookahead's: every node of a draft without `probs`, or a row that is the point mass on its token, as `auto` merges
+    guesses into a draft model's sampled chain). The target, under the mask, gives its token no probability, so the
+    guess is rejected for certain and leaves the target's distribution as it was; the nodes below it are never
+    reached. Sampled nodes are drawn under the grammar's mask and never lose a node here: one that does is an error.
+    After an `eos` node the grammar allows nothing, but that row is never emitted (the run ends at the EOS): it is left
+    unmasked rather than handing the verifier an empty distribution to draw the bonus token from.
     """
     if draft.is_chain:
         valid, masks = grammar.masks_along(draft.tokens)  # [valid + 1, vocab]
-        if valid < len(draft.tokens) and draft.probs is not None:
+        if valid < len(draft.tokens) and _drawn(draft, valid):
             raise RuntimeError(f"{drafter} drafted a token the grammar does not allow")
         draft = draft.subset(list(range(valid)))
         return draft, _open_after_eos(masks, draft, eos)
@@ -30,15 +33,20 @@ def restrict_to_grammar(grammar, draft: Draft, drafter: str, eos: frozenset[int]
             continue  # under a dropped node
         valid, after = above.masks_along([token])  # [valid + 1, vocab]
         if not valid:
+            if _drawn(draft, node):
+                raise RuntimeError(f"{drafter} drafted a tree node the grammar does not allow")
             continue
         matchers[node] = above.fork()
         matchers[node].advance([token])
         masks.append(after[-1])
         kept.append(node)
-    if len(kept) < len(draft.tokens) and draft.probs is not None:
-        raise RuntimeError(f"{drafter} drafted a tree node the grammar does not allow")
     draft = draft.subset(kept)
     return draft, _open_after_eos(torch.stack(masks), draft, eos)
+
+
+def _drawn(draft: Draft, node: int) -> bool:
+    """Whether `node` was drawn from a distribution, not guessed (its row the point mass on its token)."""
+    return draft.probs is not None and float(draft.probs[node, draft.tokens[node]]) < 1.0
 
 
 def _open_after_eos(masks: torch.Tensor, draft: Draft, eos: frozenset[int]) -> torch.Tensor:
