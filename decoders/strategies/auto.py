@@ -27,7 +27,9 @@ its plans by what their steps gave against them; the draft-free guesses learn fr
 the tokens that follow them. So the same code drafts long where draft calls are cheap (a GPU, an int8 draft), short or
 not at all where they are not, and copies wherever the context repeats itself.
 
-Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode.
+Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode. In sampling
+mode a seed fixes the distribution but not the sample: what is drafted, chosen by measured call times, decides how the
+verifier spends the seeded random numbers.
 """
 
 from __future__ import annotations
