@@ -3,6 +3,7 @@ greedy's (the chooser's own picks depend on measured times, so the registry-wide
 
 import copy
 import random
+import re
 import types
 import weakref
 
@@ -63,6 +64,28 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
         result = decoders.generate(lm, prompt, strategy="auto", draft=lm, grammar=constraint, temperature=1.0,
                                    seed=seed, max_new_tokens=12)
         assert result.text in (" red", " green")
+
+
+def test_in_sampling_mode_guesses_the_grammar_forbids_are_dropped_from_a_chain_checked_with_them(monkeypatch):
+    """A draft model's sampled chain is checked with the context's guesses beside it (`with_guesses`), drawn under no
+    grammar: a guess the grammar forbids is rejected for certain, so it is dropped from the step, where it had ended
+    the run with "drafted a tree node the grammar does not allow"."""
+    from decoders.drafting import cost
+
+    def choose(self, candidates, context, fed=1, remaining=None):
+        chain = next((c for c in candidates if c.proposer == "draft"), None)
+        return chooser.Plan("draft", len(chain.accept), 1.0, 1.0) if chain else chooser.Plan(None, 0, 1.0, 1.0)
+
+    lm = tiny_lm("llama")
+    digit = lm.tokenizer.encode("7", add_special_tokens=False)[0]
+    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
+    monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([digit], 1))
+    for seed in range(5):
+        result = decoders.generate(lm, PROMPTS[1], strategy="auto", draft=tiny_lm("llama", 1), draft_int8=False,
+                                   grammar=grammars.regex(r" [a-z]+"), temperature=1.0, seed=seed, max_new_tokens=12)
+        assert re.fullmatch(r" [a-z]+", result.text)
+        assert result.stats.details["steps"].get("draft")
 
 
 def test_only_the_draft_models_plans_learn_a_correction_from_their_own_steps(monkeypatch, random_plans):
