@@ -127,7 +127,9 @@ def _prepare(
         decoder = strategy
     else:
         decoder = registry.get(strategy)(**options)
-    whole("max_new_tokens", max_new_tokens)
+    max_new_tokens = whole("max_new_tokens", max_new_tokens)
+    if seed is not None:
+        seed = whole("seed", seed, 0, 2**64)  # (what a torch.Generator takes)
     tokens = _prompt_tokens(lm, prompt)
     if lm.context_length is not None and len(tokens) + max_new_tokens > lm.context_length:
         raise ValueError(

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 
-def whole(name: str, value, least: int = 1) -> int:
-    """`value` if it is a whole number >= `least` (bools are not numbers here), else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
-    return value
+def whole(name: str, value, least: int = 1, below: int | None = None) -> int:
+    """`value` as an int if it is a whole number >= `least` (and < `below`, when given; numpy's integers count, bools
+    are not numbers here), else a ValueError naming `name`."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least
+            or (below is not None and value >= below)):
+        bound = f">= {least}" if below is None else f"in [{least}, {below})"
+        raise ValueError(f"{name} must be a whole number {bound}, got {value!r}")
+    return int(value)
 
 
 def probability(name: str, value, high_open: bool = False) -> float:

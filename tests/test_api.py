@@ -81,12 +81,21 @@ def test_stop_string_ends_at_the_token_that_completes_it():
         (dict(prompt=[5] * 250, max_new_tokens=10), "exceeds the model's context of 256"),
         (dict(temperature=-0.5), "temperature"),
         (dict(stop=[""]), "stop strings"),
+        (dict(temperature=1.0, seed="x"), "seed must be a whole number"),
+        (dict(temperature=1.0, seed=2**70), "seed must be a whole number"),
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, message):
     kwargs = {"prompt": PROMPTS[0], **kwargs}
     with pytest.raises(ValueError, match=message):
         decoders.generate(tiny_lm("llama"), kwargs.pop("prompt"), **kwargs)
+
+
+def test_numpy_integers_count_as_whole_numbers():
+    lm, numpy = tiny_lm("llama"), pytest.importorskip("numpy")
+    want = decoders.generate(lm, PROMPTS[0], max_new_tokens=3, temperature=1.0, seed=5).tokens
+    assert decoders.generate(lm, PROMPTS[0], max_new_tokens=numpy.int64(3), temperature=1.0,
+                             seed=numpy.int32(5)).tokens == want
 
 
 def test_load_rejects_bad_names_clearly(tmp_path):
