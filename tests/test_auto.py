@@ -88,6 +88,28 @@ def test_in_sampling_mode_guesses_the_grammar_forbids_are_dropped_from_a_chain_c
         assert result.stats.details["steps"].get("draft")
 
 
+def test_in_sampling_mode_a_guess_the_chain_holds_already_adds_nothing_to_check(monkeypatch):
+    """Where the context's guess is the chain's own token, merging adds no node: the chain is checked alone (its
+    empty list of guesses had made a float tensor that `one_hot` refused)."""
+    from decoders.drafting import cost
+
+    def choose(self, candidates, context, fed=1, remaining=None):
+        chain = any(c.proposer == "draft" for c in candidates)
+        return chooser.Plan("draft", 1, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
+
+    lm = tiny_lm("llama")
+    want = decoders.generate(lm, PROMPTS[0], max_new_tokens=12).tokens
+    guesses = {len(lm.encode(PROMPTS[0])) + i: token for i, token in enumerate(want)}  # greedy's next token
+    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
+    monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([guesses[len(tokens)]], 1))
+    union = auto.union  # (a chain checked alone is believed half as likely to be accepted: the guess is taken)
+    monkeypatch.setattr(auto, "union", lambda paths: tuple(p if len(paths) > 1 else p / 2 for p in union(paths)))
+    result = decoders.generate(lm, PROMPTS[0], strategy="auto", draft=lm, draft_int8=False, temperature=1.0, top_k=1,
+                               seed=0, max_new_tokens=12)  # (top_k=1: the chain drafts the target's own token)
+    assert result.tokens == want and result.stats.details["steps"].get("draft")
+
+
 def test_only_the_draft_models_plans_learn_a_correction_from_their_own_steps(monkeypatch, random_plans):
     """The draft model's chains and trees draft other than their plans counted on, and their plans are corrected by
     what their steps gave (`auto.GROWN`); the draft-free proposers draft their plans' levels, and are corrected only

@@ -299,9 +299,9 @@ class AutoDrafter:
             return expected_tokens(union([paths[name] for name in ("draft", *names)])) / seconds
 
         names = max(trees, key=rate)
-        if not names:
-            return chain
         merged = trees[names]
+        if len(merged.tokens) == len(chain.tokens):  # no guesses, or only guesses the chain holds already
+            return chain
         if chain.probs is None:
             return merged
         guesses = torch.tensor(merged.tokens[len(chain.tokens):], device=chain.probs.device)  # (the chain's nodes
