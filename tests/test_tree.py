@@ -438,7 +438,7 @@ def test_guesses_merged_into_a_sampled_chain_are_dropped_where_the_grammar_forbi
     r, g, b, e = (lm.tokenizer.encode(c, add_special_tokens=False)[0] for c in "rgbe")
     drawn = torch.full((lm.vocab_size,), 1.0 / lm.vocab_size)
     probs = torch.stack([drawn, *torch.nn.functional.one_hot(torch.tensor([b, g, e]), lm.vocab_size).float()])
-    draft = Draft([r, b, g, e], probs, [-1, -1, -1, 0], source="merged")  # the chain [r], then guesses b, g, r -> e
+    draft = Draft([r, b, g, e], probs, [-1, -1, -1, 0], source="merged")  # the chain [r]; guesses b, g and e after r
     pruned, masks = restrict_to_grammar(matcher, draft, "test")
     assert pruned.tokens == [r, g, e] and pruned.parents == [-1, -1, 0] and masks.shape[0] == 4
     assert torch.equal(pruned.probs, probs[[0, 2, 3]])
