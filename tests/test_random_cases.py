@@ -21,7 +21,7 @@ CASES = int(os.environ.get("DECODEKIT_RANDOM_CASES", 48))
 CONTEXT = 256  # the tiny models' max_position_embeddings
 GRAMMARS = {  # name -> (constraint, a pattern every complete or cut output matches)
     "word": (lambda: grammars.regex(r" [a-z]+"), r" [a-z]*"),
-    "choice": (lambda: grammars.choice([" red", " green", " blue"]), r" ?(r|re|red|g|gr|gre|gree|green|b|bl|blu|blue)?"),
+    "choice": (lambda: grammars.choice([" red", " green", " blue"]), r" ?(r(ed?)?|g(r(e(en?)?)?)?|b(l(ue?)?)?)?"),
 }
 AUTO_OPTIONS = {"max_draft": [1, 2, 40], "max_tree": [1, 2, 64], "max_lookup": [1, 30], "draft_trees": [True, False]}
 
