@@ -1,5 +1,5 @@
-"""Random cases across strategies, architectures, prompts, drafts, grammars and options, each reproducible by its
-number: greedy mode gives greedy's tokens, sampling mode runs to a valid end, and nothing crashes.
+"""Random cases across strategies, architectures, prompts, drafts, grammars, stop strings and options, each
+reproducible by its number: greedy mode gives greedy's tokens, sampling mode runs to a valid end, and nothing crashes.
 
 A session's fuzzing pass (4,539 such cases) found `auto` sampling under a grammar with a draft model crashing; this is
 its seeded sample, kept small enough for CI (about half a second a case); `DECODEKIT_RANDOM_CASES=2000 pytest
@@ -61,6 +61,8 @@ def case(number: int) -> dict:
         kwargs.update(temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(1000))
         if rng.random() < 0.3:
             kwargs["top_k"] = rng.choice([1, 5, 50])
+    if rng.random() < 0.15:
+        kwargs["stop"] = rng.choice(["e", " ", "the", "\n"])
     return dict(arch=arch, ids=ids, **kwargs)
 
 
@@ -75,7 +77,10 @@ def test_a_random_case(number):
     assert 0 not in result.tokens[:-1]  # nothing after an EOS
     if name is not None:
         assert re.fullmatch(GRAMMARS[name][1], result.text), result.text
+    if "stop" in args:  # the output ends at the token that completes the stop string
+        assert args["stop"] not in lm.tokenizer.decode(result.tokens[:-1])
     if not args.get("temperature"):
         reference = dict(strategy="guided", grammar=args["grammar"]) if name else {}
-        want = decoders.generate(lm, ids, max_new_tokens=args["max_new_tokens"], **reference).tokens
+        want = decoders.generate(lm, ids, max_new_tokens=args["max_new_tokens"], stop=args.get("stop"),
+                                 **reference).tokens
         assert result.tokens == want
