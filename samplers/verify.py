@@ -97,6 +97,12 @@ def tree_children(parents: Sequence[int]) -> list[list[int]]:
     return children
 
 
+def guessed(draft_probs: torch.Tensor | None, node: int, token: int) -> bool:
+    """Whether draft node `node` (its token `token`) is one-hot, a guess rather than a draw: a draft without
+    distributions, or its row the point mass on its token."""
+    return draft_probs is None or float(draft_probs[node, token]) >= 1.0
+
+
 def verify_tree_greedy(
     drafted: Sequence[int],  # [k] drafted token ids, in topological order
     parents: Sequence[int],  # [k] index of each node's parent, -1 for the root's children
@@ -129,7 +135,7 @@ def verify_tree_sampling(
         tried: list[int] = []  # tokens of the rejected siblings drawn (not one-hot) before the current one
         for node in children[row]:
             token = int(drafted[node])
-            if draft_probs is None or float(draft_probs[node, token]) >= 1.0:
+            if guessed(draft_probs, node, token):
                 p = None  # one-hot: its own point mass
             else:
                 p = draft_probs[node].clone()  # [vocab] p_j: p without the tokens drawn before

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from decoders.drafting.draft import Draft
+from samplers.verify import guessed
 
 
 def restrict_to_grammar(grammar, draft: Draft, drafter: str, eos: frozenset[int] = frozenset()
@@ -22,7 +23,7 @@ def restrict_to_grammar(grammar, draft: Draft, drafter: str, eos: frozenset[int]
     """
     if draft.is_chain:
         valid, masks = grammar.masks_along(draft.tokens)  # [valid + 1, vocab]
-        if valid < len(draft.tokens) and _drawn(draft, valid):
+        if valid < len(draft.tokens) and not guessed(draft.probs, valid, draft.tokens[valid]):
             raise RuntimeError(f"{drafter} drafted a token the grammar does not allow")
         draft = draft.subset(list(range(valid)))
         return draft, _open_after_eos(masks, draft, eos)
@@ -33,7 +34,7 @@ def restrict_to_grammar(grammar, draft: Draft, drafter: str, eos: frozenset[int]
             continue  # under a dropped node
         valid, after = above.masks_along([token])  # [valid + 1, vocab]
         if not valid:
-            if _drawn(draft, node):
+            if not guessed(draft.probs, node, token):
                 raise RuntimeError(f"{drafter} drafted a tree node the grammar does not allow")
             continue
         matchers[node] = above.fork()
@@ -42,11 +43,6 @@ def restrict_to_grammar(grammar, draft: Draft, drafter: str, eos: frozenset[int]
         kept.append(node)
     draft = draft.subset(kept)
     return draft, _open_after_eos(torch.stack(masks), draft, eos)
-
-
-def _drawn(draft: Draft, node: int) -> bool:
-    """Whether `node` was drawn from a distribution, not guessed (its row the point mass on its token)."""
-    return draft.probs is not None and float(draft.probs[node, draft.tokens[node]]) < 1.0
 
 
 def _open_after_eos(masks: torch.Tensor, draft: Draft, eos: frozenset[int]) -> torch.Tensor:
