@@ -16,7 +16,7 @@ import torch
 import decoders
 from decoders.drafting import cost as cost_module
 from decoders.drafting.chooser import Candidate, Chooser, ChooserOptions, at_least, expected_tokens, union
-from decoders.drafting.cost import (DRAFT_SIZES, HISTORY, ROUNDS, TARGET_SIZES, TREE_PRIOR, WINDOW, CallCost, CostModel,
+from decoders.drafting.cost import (DRAFT_SIZES, EVIDENCE, ROUNDS, TARGET_SIZES, TREE_PRIOR, WINDOW, CallCost, CostModel,
                                     calibrate, fit)
 from decoders.strategies import auto
 from decoders.strategies.auto import match_curve
@@ -422,29 +422,40 @@ def test_a_draft_not_yet_observed_is_scaled_as_the_target_is():
     assert model.draft_seconds(2, 0) == pytest.approx(0.8 * 0.5)
 
 
-def test_each_size_of_call_corrects_how_far_the_fit_errs_for_it():
-    """A fit whose 3-token calls run 1.2x what it says, the 1-token ones as it says: the plain steps set the common
-    scale, the 3-token calls among the last HISTORY correct their own size (m of them weigh m / (m + 1)), sizes not
-    seen keep the common scale; calls that are all of one size need no offset; a slower machine moves every size."""
-    cost = linear(1.0, 0.1)
-    one, three = cost.fitted(1, 0), cost.fitted(3, 0)
+def test_each_knot_corrects_how_far_the_fit_errs_near_it():
+    """A fit whose 4-token calls run 1.2x what it says, the 1-token ones as it says: the plain steps set the level,
+    the 4-token calls correct their knot (calls of weight w in all weigh w / (w + 1)), and sizes between knots with
+    evidence are interpolated, sizes beyond them take the nearest one's; a slower machine moves every size; a knot
+    keeps its evidence however many calls of other sizes follow; a call between two knots teaches both, by its
+    distance from each."""
+    cost = CallCost((1, 2, 4, 8), (1.0, 1.1, 1.3, 1.7))
+    one, four = cost.fitted(1, 0), cost.fitted(4, 0)
     for i in range(20):
         cost.observe(1, 0, one)
         if i % 5 == 0:
-            cost.observe(3, 0, 1.2 * three)
-    assert cost.predict(1, 0) == pytest.approx(one) and cost.predict(2, 0) == pytest.approx(cost.fitted(2, 0))
-    assert cost.predict(3, 0) == pytest.approx(1.2 ** (4 / 5) * three)  # 4 calls of 3 tokens
-    for _ in range(HISTORY - 24):
-        cost.observe(1, 0, 1.5 * one)  # the machine slows down: the scale follows at once, the offset stays
+            cost.observe(4, 0, 1.2 * four)
+    assert cost.predict(1, 0) == pytest.approx(one)
+    corrected = 1.2 ** (4 / 5)  # 4 calls of 4 tokens
+    assert cost.predict(4, 0) == pytest.approx(corrected * four)
+    assert cost.predict(2, 0) == pytest.approx(corrected ** (1 / 3) * cost.fitted(2, 0))  # a third of the way
+    assert cost.predict(8, 0) == pytest.approx(corrected * cost.fitted(8, 0))  # beyond: the nearest knot's
+    for _ in range(WINDOW // 2 + 1):
+        cost.observe(1, 0, 1.5 * one)  # the machine slows down: the level follows, each knot keeps its correction
     assert cost.predict(1, 0) == pytest.approx(1.5 * one)
-    assert cost.predict(3, 0) == pytest.approx(1.5 * 1.2 ** (4 / 5) * three)
-    for _ in range(HISTORY):
+    assert cost.predict(4, 0) == pytest.approx(1.5 * corrected * four)
+    for _ in range(5 * EVIDENCE):
         cost.observe(1, 0, 1.5 * one)
-    assert cost.predict(3, 0) == pytest.approx(1.5 * three)  # no call of 3 tokens left among the last HISTORY
+    assert cost.predict(4, 0) == pytest.approx(1.5 * corrected * four)  # not forgotten for the plain steps
+    between = CallCost((1, 2, 4, 8), (1.0, 1.1, 1.3, 1.7))
+    for _ in range(3):
+        between.observe(1, 0, between.fitted(1, 0))
+    between.observe(3, 0, 2.0 * between.fitted(3, 0))  # half way from knot 2 to knot 4: weight 1/2 on each
+    assert between.offset(2) == pytest.approx(2.0 ** (1 / 3)) and between.offset(4) == pytest.approx(2.0 ** (1 / 3))
+    assert between.offset(1) == 1.0 and between.predict(1, 0) == pytest.approx(between.fitted(1, 0))
     alone = linear(1.0, 0.1)
     for seconds in (2.0, 0.5, 1.0):
         alone.observe(4, 0, seconds * alone.fitted(4, 0))
-    assert alone.offset(4) == 1.0 and alone.predict(4, 0) == pytest.approx(alone.fitted(4, 0))
+    assert alone.predict(4, 0) == pytest.approx(alone.fitted(4, 0))  # calls all of one size: as the median says
 
 
 def test_tree_calls_learn_what_they_cost_beyond_a_causal_call():

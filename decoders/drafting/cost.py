@@ -5,8 +5,8 @@ One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) 
 a one-token call, on a GPU almost the same, on a CPU computing bfloat16 in float about 9x; a few knots fit all), and
 the context costing more the more tokens attend to it. `calibrate` measures a handful of calls at start-up and caches
 the fit per model, dtype, device, thread count and torch version under `cache_dir()/calibration/`; `observe` then keeps
-a correction factor, the median over the last calls a run makes, and one per number of tokens scored
-(`CallCost.offset`).
+a correction factor, the median over the last calls a run makes, and one per knot of the fit, interpolated between
+them (`CallCost.offset`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ TREE_PRIOR = 4  # calls' weight of the prior that a tree call costs what a causa
 # steps (0.3 s each) before a probe found them cheap; its next 14 tree calls brought the extra to -30 ms. Measured
 # alone there, a tree mask adds 1-5 ms to a call of SmolLM2-135M (float32) and moving the accepted path 3 ms. Two
 # interleaved repeats of that suite (one prompt per category): 142.0 s against 141.0 believing the first call
-HISTORY = 32  # the calls whose sizes teach each size its own correction (`CallCost.offset`)
+EVIDENCE = 9  # the calls each knot's correction is the median of (`CallCost.offset`): more than twice the WINDOW // 2
+# calls by which the level lags a machine that slowed down or sped up, whose ratios to the old level a knot's median
+# thereby leaves out
 Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
 
 
@@ -95,12 +97,16 @@ class CallCost:
     seconds: tuple[float, ...]  # f at the knots: seconds at L = 0, nondecreasing
     per_position: float = 0.0  # seconds per cached position (attention over the context) of a one-token call, >= 0
     per_position_per_token: float = 0.0  # and more per position for each further token scored, >= 0 (`fit`)
-    scale: float = 1.0  # online correction: observed / fitted seconds, the median of the last WINDOW calls' ratios
+    scale: float = 1.0  # online correction, the level: observed / fitted seconds over the last WINDOW calls, each
+    # divided by its size's `offset` (a median)
     samples: tuple[Sample, ...] = ()  # the measurements it was fitted to, kept for reports and plots
-    history: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=HISTORY), compare=False)  # (n,
-    # log of observed / fitted seconds) of the last calls observed since loaded (not saved: each run corrects from its
-    # own first call)
-    offsets: dict[int, float] = field(default_factory=dict, compare=False)  # n -> `offset`, from the history
+    history: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW), compare=False)  # (n, log
+    # of observed / fitted seconds) of the last calls observed since loaded (not saved: each run corrects from its own
+    # first call)
+    evidence: dict[int, deque[tuple[float, float]]] = field(default_factory=dict, compare=False)  # knot index ->
+    # (weight, log ratio beyond the level) of the last EVIDENCE calls whose size weighs on that knot
+    corrections: tuple[tuple[int, ...], tuple[float, ...]] = field(default=((), ()), compare=False)  # (knot sizes
+    # with evidence, their log corrections): `offset` interpolates between them
     follows: CallCost | None = field(default=None, compare=False, repr=False)  # until this run has observed a call of
     # this cost's, it is scaled as this other one is (`predict`)
 
@@ -124,24 +130,30 @@ class CallCost:
         return scale * self.offset(n) * self.fitted(n, context)
 
     def observe(self, n: int, context: int, seconds: float) -> None:
-        """Correct the fit by a measured call: the scale becomes the median ratio of observed to fitted seconds over the
-        last WINDOW calls (each ratio within 1/4 and 4; the median of two is their geometric mean), and each size's
-        `offset` is taken again from the last HISTORY calls."""
-        self.history.append((n, math.log(min(max(seconds / self.fitted(n, context), 0.25), 4.0))))
-        ratios = [ratio for _, ratio in self.history]
-        self.scale = math.exp(statistics.median(ratios[-WINDOW:]))
-        everyone = statistics.median(ratios)
-        by_size: dict[int, list[float]] = {}
-        for size, ratio in self.history:
-            by_size.setdefault(size, []).append(ratio)
-        self.offsets = {size: math.exp((statistics.median(own) - everyone) * len(own) / (len(own) + 1))
-                        for size, own in by_size.items() if len(own) < len(ratios)}
+        """Correct the fit by a measured call: its log ratio to the fit (within 1/4 and 4) beyond the level teaches the
+        knots its size lies between (`offset`), then the level (`scale`) becomes the median over the last WINDOW calls
+        of their ratios to the fit divided by their sizes' offsets (the median of two is their geometric mean)."""
+        ratio = math.log(min(max(seconds / self.fitted(n, context), 0.25), 4.0))
+        self.history.append((n, ratio))
+        level = self._level()
+        for knot, weight in _weights(self.sizes, n):
+            pairs = self.evidence.setdefault(knot, deque(maxlen=EVIDENCE))
+            pairs.append((weight, ratio - level))
+            total = sum(w for w, _ in pairs)
+            corrections = dict(zip(*self.corrections))
+            corrections[self.sizes[knot]] = _weighted_median(pairs) * total / (total + 1)
+            self.corrections = (tuple(sorted(corrections)), tuple(corrections[k] for k in sorted(corrections)))
+        self.scale = math.exp(self._level())
+
+    def _level(self) -> float:
+        return statistics.median(ratio - math.log(self.offset(n)) for n, ratio in self.history)
 
     def offset(self, n: int) -> float:
-        """How much dearer than the fit says, relative to the other calls, this run's last calls of `n` tokens were (1:
-        none among the last HISTORY, or no other size): the ratio of their median ratio to the fit to the median of all
-        those calls', shrunk toward 1 as one call of them weighs against one that ran as the others (m calls of n
-        tokens: the log ratio x m / (m + 1)).
+        """How much dearer than the fit says, beyond the level, calls of `n` tokens have been this run. Each knot of the
+        fit learns from the calls whose size lies on its segments, weighted as the fit weighs the knot at that size:
+        the weighted median of the last EVIDENCE calls' log ratios beyond the level, shrunk toward none as one call's
+        weight against a call that ran as fitted (weight w in all: x w / (w + 1)). Between knots with evidence the
+        correction is interpolated, beyond them it is the nearest one's; without any, 1.
 
         The calibrated curve's knots are each the fastest of a few calls, and one call's time varies by 10-20% on a busy
         CPU, so the curve's shape errs by as much; one scale, taken from the last WINDOW calls, most of them plain
@@ -149,10 +161,31 @@ class CallCost:
         AMD EPYC, 12 interleaved calls of each size after 150 cached tokens: 1-5 tokens took 33 / 47 / 64 / 78 / 92 ms,
         0.88 / 0.83 / 1.04 / 0.99 / 0.96 of the calibrated curve's times, and in `auto`'s runs the suffix index's
         3-5-token steps took 3-19% more than their plans on the prompts with few of them (code, QA, math), whose scale
-        the plain steps set. Corrected so, its 11 prompts of bench, mixed and four held-out ones (two interleaved
-        repeats) took 124.7 s against 134.2 without edit's (where a bfloat16 tie changed the text); the 1.5B in
-        bfloat16 without a draft on four of them 301.3 against 303.9 (the same steps)."""
-        return self.offsets.get(n, 1.0)
+        the plain steps set. Corrected per size of call, its 11 prompts of bench, mixed and four held-out ones (two
+        interleaved repeats) took 124.7 s against 134.2 without edit's (where a bfloat16 tie changed the text); the 1.5B
+        in bfloat16 without a draft on four of them 301.3 against 303.9 (the same steps).
+
+        That correction was one per exact size, from the last 32 calls of any size, relative to their median: a size not
+        among them was costed as fitted (so where the fit was too cheap, auto drafted the sizes it had not tried yet,
+        each too cheap in turn, and forgot a size's lesson after 32 plain steps), and where most of the last calls
+        scored several tokens, their ratio became the scale of one-token calls too. Replayed on greedy's outputs
+        (`evals.replay_auto`'s replay, draft-free, each call costing a true curve that is the calibrated one times a
+        ratio per size, with per-call noise of 15% and one call in 50 stalled 3x; the mean of three noise seeds),
+        estimated seconds against those of the correction per size: SmolLM2-135M's 11 prompts (bfloat16) 89.5 against
+        93.1 where calls of 2 / 4 / 8+ tokens cost 1.3 / 1.8 / 2x their calibrated seconds, 63.2 against 64.8 where
+        calls of 1-2 / 3-4 / 8+ tokens cost 0.8 / 1.1 / 1.3x, 76.7 against 77.4 at the 1.28x (1 token) to 1.10x (16)
+        measured on the AMD EPYC after six sessions, 62.0 against 61.9 where the calibration is right; the 1.5B's
+        (bfloat16) 615.5 against 643.3, 491.2 against 506.8, 588.6 against 592.2 and 380.6 against 381.1 in those four,
+        463.6 against 468.7 at 1.1 / 1.25 / 1.3x and 564.8 against 569.0 where the one-token calls are the ones 2x
+        dearer."""
+        sizes, values = self.corrections
+        if not sizes:
+            return 1.0
+        if n <= sizes[0] or n >= sizes[-1]:
+            return math.exp(values[0] if n <= sizes[0] else values[-1])
+        j = bisect.bisect_right(sizes, n) - 1
+        r = (n - sizes[j]) / (sizes[j + 1] - sizes[j])
+        return math.exp(values[j] + r * (values[j + 1] - values[j]))
 
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,
@@ -172,6 +205,26 @@ def _segment(sizes: tuple[int, ...], n: int) -> tuple[int, float]:
         return 0, 0.0
     i = min(bisect.bisect_right(sizes, n), len(sizes) - 1) - 1
     return i, (n - sizes[i]) / (sizes[i + 1] - sizes[i])
+
+
+def _weights(sizes: tuple[int, ...], n: int) -> list[tuple[int, float]]:
+    """(knot index, weight) of the knots a call of `n` tokens teaches (`CallCost.offset`): the two around it, each as
+    the fit weighs it at n (the nearer, the more); below the first knot or past the last, that knot alone."""
+    if n <= sizes[0] or n >= sizes[-1]:
+        return [(0 if n <= sizes[0] else len(sizes) - 1, 1.0)]
+    i, r = _segment(sizes, n)
+    return [(i, 1.0 - r), (i + 1, r)] if r else [(i, 1.0)]
+
+
+def _weighted_median(pairs) -> float:
+    """The value past which lies less than half the weight of (weight, value) pairs on either side."""
+    ordered = sorted(pairs, key=lambda pair: pair[1])
+    half, running = sum(w for w, _ in ordered) / 2, 0.0
+    for weight, value in ordered:
+        running += weight
+        if running > half:
+            return value
+    return ordered[-1][1]
 
 
 def _hat(sizes: tuple[int, ...], n: int) -> list[float]:
