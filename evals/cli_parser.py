@@ -62,8 +62,9 @@ CALIBRATE_EPILOG = """examples:
   decodekit calibrate --model zoo:smollm2-135m --refresh
 
 Times a few forward calls of the target and of the draft, scoring a few numbers of new tokens at a short and a long
-context, and fits seconds = f(tokens) + per-position cost x context (decoders.drafting.cost.calibrate). The fit is cached per model, dtype, device, thread count and torch version, and
-strategies that weigh draft length against cost read the same cache; --refresh measures again.
+context, and fits seconds = f(tokens) + per-position cost x context (decoders.drafting.cost.calibrate). The fit is
+cached per model, dtype, device (a CPU by its model), thread count and torch version, and strategies that weigh draft
+length against cost read the same cache; --refresh measures again.
 """
 
 EXPORT_HUB_EPILOG = """examples:

@@ -607,10 +607,17 @@ def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypat
     calibrate(bf16, budget=0.0)
     assert bf16.calls == one and len(list((tmp_path / "calibration").iterdir())) == 4
 
+    with monkeypatch.context() as other:  # the cache folder seen from a machine of another CPU
+        other.setattr(cost_module, "processor", lambda: "Another CPU (AVX512)")
+        calibrate(target, budget=0.0)
+    assert target.calls == 3 * one and len(list((tmp_path / "calibration").iterdir())) == 5  # measured, kept beside
+    calibrate(target)
+    assert target.calls == 3 * one  # back on this machine: its own file
+
     monkeypatch.setattr(cost_module, "VERSION", cost_module.VERSION + 1)
     calibrate(target, budget=0.0)
-    assert target.calls == 3 * one  # another file format: measured again, and the file rewritten
+    assert target.calls == 4 * one  # another file format: measured again, and the file rewritten
     written = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("target-tiny-llama-0-*.json")]
     assert cost_module.VERSION in [data["version"] for data in written]
     calibrate(target)
-    assert target.calls == 3 * one
+    assert target.calls == 4 * one

@@ -4,18 +4,20 @@ One call scoring n new tokens after L cached ones costs t(n, L) = scale * (f(n) 
 * (n - 1)) * L) seconds: f piecewise linear in n through a few measured sizes (on a CPU a 16-token call costs 1.2-1.5x
 a one-token call, on a GPU almost the same, on a CPU computing bfloat16 in float about 9x; a few knots fit all), and
 the context costing more the more tokens attend to it. `calibrate` measures a handful of calls at start-up and caches
-the fit per model, dtype, device, thread count and torch version under `cache_dir()/calibration/`; `observe` then keeps
-a correction factor, the median over the last calls a run makes, and one per knot of the fit, interpolated between
-them (`CallCost.offset`).
+the fit per model, dtype, device (a CPU by its model), thread count and torch version under `cache_dir()/calibration/`;
+`observe` then keeps a correction factor, the median over the last calls a run makes, and one per knot of the fit,
+interpolated between them (`CallCost.offset`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import math
 import os
+import platform
 import re
 import statistics
 import time
@@ -355,9 +357,27 @@ def proportional(timed: list[tuple[int, float]], n: int) -> bool:
     return compute_bound and tc + (tc - tb) * (n - c) / (c - b) > BUDGET
 
 
+@functools.cache
+def processor() -> str:
+    """This machine's CPU as calibrations tell machines apart: its model name (Linux's /proc/cpuinfo, else
+    `platform.processor()`) and the instruction set torch's CPU kernels use (AVX2, AVX512, ...)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
-    """What a calibration depends on: the model (name, config, parameter shapes and dtypes), dtype, device, threads,
-    torch version, role and measured sizes. Another key means another cache file."""
+    """What a calibration depends on: the model (name, config, parameter shapes and dtypes), dtype, device (a GPU by
+    its name, a CPU by `processor`), threads, torch version, role and measured sizes. Another key means another cache
+    file: a cache folder shared by machines of different CPUs (a home directory on a cluster's network drive, a
+    container volume) holds one calibration per CPU, where a key without the CPU had each machine plan with the costs
+    of whichever measured first (the developers' machines so far: an AMD EPYC with AVX2 alone, where a 16-token call
+    of SmolLM2-135M in bfloat16 costs about 8x a one-token one, bfloat16 computed in float, and an Intel Xeon with
+    AMX, whose matrix units compute it)."""
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)
@@ -368,6 +388,8 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
     device = str(lm.device)
     if lm.device.type == "cuda":
         device += f" {torch.cuda.get_device_name(lm.device)}"
+    elif lm.device.type == "cpu":
+        device += f" {processor()}"
     return {"role": role, "name": lm.name, "model": fingerprint, "dtype": str(lm.dtype), "device": device,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "sizes": list(sizes)}
 
