@@ -14,6 +14,13 @@ greedy's path, never sees the future: its guesses come out worse than a run's. E
 costs it predicts: the replay isolates its acceptance estimates and choices from the cost model's errors, and leaves
 out its own Python work (about a millisecond a step). Greedy's estimate beside it is the prompt's call and one
 one-token call per further token.
+
+To see how `auto` fares where its calibration has gone stale, `--ratios` makes the calls cost the calibrated curve
+times a ratio per knot of it (1, 2, 3, 4, 8, 16, 32 tokens: a 5-token call between those of 4 and 8) while `auto` still
+plans with the cached curve and corrects it from the calls it times, and `--noise` adds a machine's noise to every call
+that is not a prompt's: a log-normal factor of that spread, and one call in 50 stalled 3x (`--seed` draws it):
+
+    python -m evals.replay_auto RESULT.json --ratios 1,1.3,1.6,1.8,2,2,2 --noise 0.15 --seed 1
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -30,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decoders  # noqa: E402
-from decoders.drafting.cost import CallCost, call_cost  # noqa: E402
+from decoders.drafting.cost import TARGET_SIZES, CallCost, call_cost  # noqa: E402
 from decoders.models.cache import KVCache  # noqa: E402
 from decoders.strategies import auto  # noqa: E402
 from evals.replay_drafts import load_prompts  # noqa: E402
@@ -40,10 +49,21 @@ class ReplayLM(decoders.LM):
     """An LM whose calls replay `truth` (prompt + greedy output) and cost `cost`'s predicted seconds on its clock
     (`now`). Its cache holds the token ids it has seen as keys, so it crops and keeps paths as a model's does."""
 
-    def __init__(self, lm: decoders.LM, cost: CallCost) -> None:
+    STALLS, STALL = 0.02, 3.0  # with noise (`noisy`), the share of calls stalled and how much longer they take
+
+    def __init__(self, lm: decoders.LM, cost: CallCost, noise: float = 0.0, seed: int = 0) -> None:
         super().__init__(lm.model, lm.tokenizer, lm.name)
         self.cost, self.truth, self.seconds = cost, [], 0.0
+        self.noise, self.random = noise, random.Random(seed)
         self._tree_mask_ok = True  # (probed on the model itself: `replay`)
+
+    def noisy(self, length: int) -> float:
+        """A call's factor of noise: a log-normal one of spread `noise`, STALL in a share STALLS of the calls, none for
+        a prompt's call (longer than calibration measures: one such call's luck would outweigh the steps')."""
+        if not self.noise or length > TARGET_SIZES[-1]:
+            return 1.0
+        stalled = self.random.random() < self.STALLS
+        return math.exp(self.random.gauss(0.0, self.noise)) * (self.STALL if stalled else 1.0)
 
     def now(self) -> float:
         """The replay's clock: the calibrated seconds of the calls made so far."""
@@ -69,7 +89,7 @@ class ReplayLM(decoders.LM):
             right = self.truth[at] if at < len(self.truth) else 0
             agrees = on_path and path == self.truth[past: at]
             logits[row, right if agrees else (right + 1) % self.vocab_size] = 1.0
-        self.seconds += self.cost.predict(length, past)
+        self.seconds += self.cost.predict(length, past) * self.noisy(length)
         return logits
 
 
@@ -83,15 +103,26 @@ def replay_clock(lm: ReplayLM):
         auto.now = real
 
 
-def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]], options: dict | None = None
-           ) -> list[dict]:
+def stale(cost: CallCost, ratios: list[float]) -> CallCost:
+    """`cost`'s curve with each knot's seconds times its ratio (one a knot), the context terms times the first's."""
+    if len(ratios) != len(cost.sizes) or not all(r > 0 for r in ratios):
+        raise ValueError(f"give one positive ratio per knot of the calibration ({len(cost.sizes)}: sizes "
+                         f"{list(cost.sizes)}), got {ratios}")
+    return CallCost(cost.sizes, tuple(s * r for s, r in zip(cost.seconds, ratios)), cost.per_position * ratios[0],
+                    cost.per_position_per_token * ratios[0])
+
+
+def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]], options: dict | None = None,
+           ratios: list[float] | None = None, noise: float = 0.0, seed: int = 0) -> list[dict]:
     """Per prompt of [(id, category, prompt ids, greedy output)]: auto's target calls, estimated seconds, steps per
     proposer, and greedy's estimated seconds. `options`: auto's (without the target's own int8 copy, whose calls
-    would be the model's own)."""
+    would be the model's own); `ratios`, `noise`, `seed`: the calls' true costs (the module's docstring)."""
     options = {"self_int8": False, **(options or {})}
     lm.check_tree_mask()
     cost = call_cost(lm, "target")
-    target = ReplayLM(lm, cost)
+    if ratios is not None:
+        cost = stale(cost, ratios)
+    target = ReplayLM(lm, cost, noise, seed)
     rows = []
     with replay_clock(target):
         for prompt_id, category, ids, truth in prompts:
@@ -109,6 +140,10 @@ def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]]
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, nargs="+", help="`decodekit compare --out` JSON files with a greedy run")
+    parser.add_argument("--ratios", type=lambda text: [float(r) for r in text.split(",")],
+                        help="calls cost the calibrated curve times these, one a knot (comma-separated)")
+    parser.add_argument("--noise", type=float, default=0.0, help="log-normal spread of each call's cost (e.g. 0.15)")
+    parser.add_argument("--seed", type=int, default=0, help="of the noise")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     total = {"seconds": 0.0, "greedy": 0.0, "calls": 0}
@@ -117,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.results:
         result = json.loads(path.read_text())
         lm = decoders.load(result["model"]["name"], dtype=result["environment"]["dtype"])
-        for row in replay(lm, load_prompts(result, lm)):
+        for row in replay(lm, load_prompts(result, lm), ratios=args.ratios, noise=args.noise, seed=args.seed):
             for key in total:
                 total[key] += row[key]
             steps = ", ".join(f"{name} {count}" for name, count in row["steps"].items())

@@ -474,6 +474,37 @@ def test_the_auto_replays_target_predicts_greedys_next_token_on_greedys_path_onl
     assert target.now() == pytest.approx(1.5 + 2.5 + 1.0 + 1.0)  # 2, 4, 1 and 1 tokens (linear past the last knot)
 
 
+def test_the_auto_replay_can_cost_calls_by_a_stale_calibration_with_noise():
+    """`--ratios` scales each knot of the calibrated curve (the context terms as the first), one positive ratio a knot;
+    `--noise` makes each call's cost vary by its seed, a prompt's call excepted."""
+    from decoders.drafting.cost import CallCost
+    from evals.replay_auto import ReplayLM, stale
+
+    cost = CallCost((1, 2, 4), (1.0, 1.5, 2.0), 0.01, 0.001)
+    scaled = stale(cost, [1.0, 2.0, 3.0])
+    assert scaled.seconds == (1.0, 3.0, 6.0) and scaled.predict(3, 0) == pytest.approx(4.5)
+    assert (scaled.per_position, scaled.per_position_per_token) == (0.01, 0.001)
+    for bad in ([1.0, 2.0], [1.0, 0.0, 2.0]):
+        with pytest.raises(ValueError, match="one positive ratio per knot"):
+            stale(cost, bad)
+    lm = tiny_lm("llama")
+
+    def costs(noise: float, seed: int, length: int) -> list[float]:
+        target = ReplayLM(lm, cost, noise, seed)
+        target.truth = list(range(100))
+        seconds = []
+        for _ in range(5):
+            before = target.now()
+            target.forward(list(range(length)), target.new_cache(), keep=1)
+            seconds.append(target.now() - before)
+        return seconds
+
+    assert costs(0.0, 0, 2) == [1.5] * 5
+    noisy = costs(0.15, 1, 2)
+    assert len(set(noisy)) == 5 and noisy == costs(0.15, 1, 2) and noisy != costs(0.15, 2, 2)
+    assert costs(0.15, 1, 40) == [cost.predict(40, 0)] * 5  # a prompt's call: longer than calibration measures
+
+
 def test_the_auto_replay_runs_auto_on_its_clock_and_gives_greedys_tokens():
     """evals.replay_auto replays `auto` on greedy outputs (it raises if the replay leaves them): drafts accepted, its
     seconds the calibrated ones, `auto`'s own clock given back after."""

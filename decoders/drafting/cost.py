@@ -170,16 +170,16 @@ class CallCost:
         That correction was one per exact size, from the last 32 calls of any size, relative to their median: a size not
         among them was costed as fitted (so where the fit was too cheap, auto drafted the sizes it had not tried yet,
         each too cheap in turn, and forgot a size's lesson after 32 plain steps), and where most of the last calls
-        scored several tokens, their ratio became the scale of one-token calls too. Replayed on greedy's outputs
-        (`evals.replay_auto`'s replay, draft-free, each call costing a true curve that is the calibrated one times a
-        ratio per size, with per-call noise of 15% and one call in 50 stalled 3x; the mean of three noise seeds),
-        estimated seconds against those of the correction per size: SmolLM2-135M's 11 prompts (bfloat16) 89.5 against
-        93.1 where calls of 2 / 4 / 8+ tokens cost 1.3 / 1.8 / 2x their calibrated seconds, 63.2 against 64.8 where
-        calls of 1-2 / 3-4 / 8+ tokens cost 0.8 / 1.1 / 1.3x, 76.7 against 77.4 at the 1.28x (1 token) to 1.10x (16)
-        measured on the AMD EPYC after six sessions, 62.0 against 61.9 where the calibration is right; the 1.5B's
-        (bfloat16) 615.5 against 643.3, 491.2 against 506.8, 588.6 against 592.2 and 380.6 against 381.1 in those four,
-        463.6 against 468.7 at 1.1 / 1.25 / 1.3x and 564.8 against 569.0 where the one-token calls are the ones 2x
-        dearer."""
+        scored several tokens, their ratio became the scale of one-token calls too. Replayed on greedy's outputs,
+        draft-free, each call costing the calibrated curve times a ratio per knot, with noise (`python -m
+        evals.replay_auto RESULT.json --ratios ... --noise 0.15 --seed S`, the mean of seeds 1-3; the calibrations
+        cached before the CPU joined their key), estimated seconds against those of the correction per size:
+        SmolLM2-135M's 11 prompts (bfloat16) 89.5 against 93.1 where calls of 2 / 4 / 8+ tokens cost 1.3 / 1.8 / 2x
+        their calibrated seconds, 63.2 against 64.8 where calls of 1-2 / 3-4 / 8+ tokens cost 0.8 / 1.1 / 1.3x, 76.7
+        against 77.4 at the 1.28x (1 token) to 1.10x (16) measured on the AMD EPYC after six sessions, 62.0 against 61.9
+        where the calibration is right; the 1.5B's (bfloat16) 615.5 against 643.3, 491.2 against 506.8, 588.6 against
+        592.2 and 380.6 against 381.1 in those four, 463.6 against 468.7 at 1.1 / 1.25 / 1.3x and 564.8 against 569.0
+        where the one-token calls are the ones 2x dearer."""
         sizes, values = self.corrections
         if not sizes:
             return 1.0
