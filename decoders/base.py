@@ -125,6 +125,7 @@ class DecodeState:
     sampling: SamplingConfig
     generator: torch.Generator | None  # seeded; None in greedy mode
     draft: LM | None = None
+    seeded: bool = False  # sampling from a seed the caller gave (`auto` then plans by no clock: `AutoDrafter.timed`)
     stop: tuple[str, ...] = ()
     grammar: GrammarMatcher | None = None  # advanced with accepted tokens only
     cache: KVCache = field(init=False)  # target cache; holds tokens[:len(cache)]

@@ -159,6 +159,7 @@ def _prepare(
         sampling=sampling,
         generator=None if sampling.greedy else make_generator(seed, lm.device),
         draft=draft,
+        seeded=seed is not None and not sampling.greedy,
         stop=stops,
         grammar=matcher,
     )

@@ -12,8 +12,8 @@ the prepared pieces to `custom_generate`, which runs `strategy` on them. What ca
 - sampling: `do_sample=False` is greedy; with `do_sample=True` the temperature / top-k / top-p / min-p warpers
   transformers built (the model's generation_config defaults included, e.g. top_k=50) set decodekit's sampling.
   `seed=` seeds it; without one the seed is drawn from torch's global RNG, so `torch.manual_seed` before the call
-  makes a run reproducible as with transformers (not with `strategy="auto"`, which drafts by the call times it
-  measures: there a seed fixes the distribution, not the sample).
+  makes a run reproducible as with transformers (with `strategy="auto"`, wherever its calibration is cached: seeded,
+  it plans by the calibrated costs, not by the call times it measures).
 - `stopping_criteria` (and max_time): evaluated token by token on the growing sequence (scores=None, as transformers'
   own loop passes them without output_scores); the output ends at the first token where one fires.
 - `streamer`: the prompt first (transformers puts it), then one `put` of shape [1, n] per accepted step, then `end()`.

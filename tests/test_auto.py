@@ -66,6 +66,37 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
         assert result.text in (" red", " green")
 
 
+def test_a_seed_repeats_the_sample_however_the_calls_are_timed(monkeypatch):
+    """Where the caller seeds the sampling, auto plans by its calibrated costs, not by the clock: runs whose calls the
+    clock times wildly apart draw the same sample (and the clock still drives the choices of an unseeded run, which
+    are free to follow it). Calibrated here so that the draft (the target itself: always right) pays, so its chains
+    and trees are drafted as well as the context's guesses and plain steps."""
+    from decoders.drafting.cost import CallCost, CostModel
+
+    lm = tiny_lm("llama")
+    monkeypatch.setattr(auto, "calibrate", lambda target, draft=None: CostModel(
+        CallCost((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.2)), CallCost((1, 2, 4, 8), (0.05, 0.06, 0.07, 0.09))))
+
+    def clocked(run: int, **kwargs) -> decoders.Result:
+        rng, time = random.Random(run), [0.0]
+
+        def clock() -> float:
+            time[0] += rng.choice([1e-4, 1e-2, 1.0])
+            return time[0]
+
+        monkeypatch.setattr(auto, "now", clock)
+        return decoders.generate(lm, PROMPTS[0] * 2, strategy="auto", draft=lm, max_new_tokens=32, temperature=1.0,
+                                 **kwargs)
+
+    seeded = [clocked(run, seed=11) for run in range(4)]
+    assert all(result.tokens == seeded[0].tokens for result in seeded)
+    assert all(result.stats.details["steps"] == seeded[0].stats.details["steps"] for result in seeded)
+    assert {"draft", "tree"} & set(seeded[0].stats.details["steps"])
+    assert clocked(0, seed=12).tokens != seeded[0].tokens
+    plans = {tuple(sorted(clocked(run).stats.details["steps"].items())) for run in range(4)}
+    assert len(plans) > 1  # unseeded, the clock moved the choices
+
+
 def test_in_sampling_mode_guesses_the_grammar_forbids_are_dropped_from_a_chain_checked_with_them(monkeypatch):
     """A draft model's sampled chain is checked with the context's guesses beside it (`with_guesses`), drawn under no
     grammar: a guess the grammar forbids is rejected for certain, so it is dropped from the step, where it had ended

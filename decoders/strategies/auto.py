@@ -27,9 +27,10 @@ its plans by what their steps gave against them; the draft-free guesses learn fr
 the tokens that follow them. So the same code drafts long where draft calls are cheap (a GPU, an int8 draft), short or
 not at all where they are not, and copies wherever the context repeats itself.
 
-Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode. In sampling
-mode a seed fixes the distribution but not the sample: what is drafted, chosen by measured call times, decides how the
-verifier spends the seeded random numbers.
+Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode. What is
+drafted decides how the verifier spends a sampling run's random numbers, so where the caller gives a seed, auto plans
+by no clock: its costs stay the calibrated ones, uncorrected by the run's call times (`AutoDrafter.timed`), and the
+seed repeats the sample wherever the calibration is cached (the first run on a machine measures it).
 """
 
 from __future__ import annotations
@@ -136,6 +137,12 @@ class AutoDrafter:
         self.trees = _takes_trees(state.lm)
         self.ahead = LookaheadDrafter(state, LOOKAHEAD) if self.trees else None  # (its window needs tree masks)
         self.cost = calibrate(state.lm, state.draft)
+        self.timed = not state.seeded  # refine the costs by the calls' times, and judge steps by them: not where the
+        # caller seeded the sampling, whose sample the seed repeats only where what is drafted hangs on no clock.
+        # Replayed on greedy's outputs of SmolLM2-135M (`evals.replay_auto --noise 0.15`, 11 prompts, three seeds),
+        # planning by the calibrated costs alone took 61.3 estimated seconds where the calibration was right, 76.6
+        # where it was 1.10-1.36x stale, 93.2 where 2-16-token calls cost 1.3-2x their calibrated seconds; corrected
+        # by the calls' times (`CallCost.offset`), 62.0, 76.7 and 89.5
         self.chooser = Chooser(self.cost)
         self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
         # guesses were measured to be worth, per length of the match they continue
@@ -182,6 +189,7 @@ class AutoDrafter:
         self.scored = self.context = 0  # the target call about to verify the last proposal: tokens, cached before
         self.fed = 0  # and the tokens it feeds before the draft (the prompt, in the first step)
         self.clock = self.began = 0.0  # when that call and the step began
+        self.drafted = 0.0  # the predicted seconds of the draft model's chain this step (`draft_with_model`)
         self.rides = self.window_gain = 0.0  # the seconds lookahead's window added to the calls it rode along in
         # (`ride`), and the seconds its guesses saved (`credit_window`)
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
@@ -289,7 +297,7 @@ class AutoDrafter:
         accept["draft"] = self.chooser.chain("draft", len(chain.tokens), self.confidences)
         drafts = {"draft": replace(chain, probs=None), **self.parts}
         paths = {name: ([d.tokens[n] for n in first_branch(d.links)], accept[name]) for name, d in drafts.items()}
-        spent = now() - self.began  # the step's seconds so far: the chain's drafting
+        spent = self.elapsed(self.began, self.drafted)  # the step's seconds so far: the chain's drafting
 
         trees = {names: merge([drafts[name] for name in ("draft", *names)])  # each subset of the guesses
                  for size in range(len(self.parts) + 1) for names in itertools.combinations(self.parts, size)}
@@ -308,6 +316,11 @@ class AutoDrafter:
         # come first: merged first, each a new node)
         one_hot = torch.nn.functional.one_hot(guesses, chain.probs.shape[-1]).to(chain.probs.dtype)
         return replace(merged, probs=torch.cat([chain.probs, one_hot]))
+
+    def elapsed(self, since: float, planned: float, until: float | None = None) -> float:
+        """The seconds from `since` to `until` (default: now) by auto's clock, or where the run plans by no clock
+        (`timed`), `planned`: what the cost model predicted for them."""
+        return ((now() if until is None else until) - since) if self.timed else planned
 
     def ride(self, draft: Draft, window: Window, uncached: int, context: int) -> None:
         """Let lookahead's Jacobi window ride along in this step's target call when it costs at most RIDE of the
@@ -464,10 +477,11 @@ class AutoDrafter:
                                     self.model.draft_chain(limit, keep_going, guess))  # (it drafts through text)
         state.lm.synchronize()
         end, calls = now(), state.stats.draft_calls - calls
+        self.drafted = self.cost.draft_seconds(calls, context, fed) + guessed[0]  # (predicted: `elapsed`)
         first = stamps[0] if stamps else end  # (no stamp: the first token ended the chain)
-        if tokens:  # (none: the grammar was complete, no call made)
+        if tokens and self.timed:  # (no tokens: the grammar was complete, no call made)
             self.cost.observe("draft", fed, context, first - start)
-        if calls > 1:
+        if calls > 1 and self.timed:
             self.cost.observe("draft", 1, context, max(0.0, end - first - guessed[0]) / (calls - 1))
         self.confidences = list(given_above(cumulative))
         return Draft(tokens, stack_probs(rows))
@@ -489,20 +503,22 @@ class AutoDrafter:
 
     def draft_tree(self, state: DecodeState, limit: int) -> Draft:
         """A draft-model tree of at most `limit` levels; learns what it cost per level (catching up aside)."""
-        context, start = len(state.cache), now()
+        context, start, calls = len(state.cache), now(), state.stats.draft_calls
         _, catch_up = self.draft_call(context)
         self.tree.options = self.tree_options(context)
         draft = self.tree.propose(state, limit)
         state.lm.synchronize()
         if levels := depth(draft):
-            self.tree_level.add(max(0.0, now() - start - catch_up) / levels)
+            planned = (state.stats.draft_calls - calls) * self.cost.draft.predict(self.tree.options.width, context)
+            self.tree_level.add(max(0.0, self.elapsed(start, planned + catch_up) - catch_up) / levels)
             self.tree_nodes.add(len(draft.tokens) / levels)
         return draft
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         state.lm.synchronize()
         ended = now()
-        self.cost.observe("target", self.scored, self.context, ended - self.clock, not draft.is_chain)
+        if self.timed:
+            self.cost.observe("target", self.scored, self.context, ended - self.clock, not draft.is_chain)
         whole = accepted  # (the step's accepted tokens, whoever drafted them)
         self.credit_window(state, draft, accepted)
         verified: set[str] = set()  # the draft-free drafts this step verified (some of their levels)
@@ -519,7 +535,7 @@ class AutoDrafter:
             # plans to 1.65 at once: with the int8 0.5B draft of the 1.5B in bfloat16 (AMD EPYC), whose plans' rates
             # stay below a plain step's, the draft then drafted 14 steps of translation-de at 0.35 s a token, where
             # plain steps took 0.22)
-            self.chooser.learn_rate(self.plan, accepted + 1, ended - self.began)
+            self.chooser.learn_rate(self.plan, accepted + 1, self.elapsed(self.began, self.plan.seconds, ended))
         if self.plan.proposer == "merged":  # each part learns how far its own guesses went
             verified = self.teach_parts(state, draft, accepted)
         elif self.plan.proposer is not None and draft.tokens:
