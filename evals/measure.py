@@ -14,7 +14,7 @@ from importlib import metadata
 
 import torch
 
-from decoders.models.lm import synchronize
+from decoders.models.lm import cpu_model, synchronize
 
 
 class ForwardMeter:
@@ -142,13 +142,7 @@ def device_name(device: torch.device) -> str:
     """A human name for the device: the GPU's name, or the CPU model and core count."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return f"{cpu_model()} ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict:

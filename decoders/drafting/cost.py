@@ -12,12 +12,10 @@ interpolated between them (`CallCost.offset`).
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import time
@@ -26,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from decoders.models.lm import cpu_model
 
 VERSION = 6  # of the cache file format, the measuring plan and what it measures (2: int8 copies run long calls in
 # float, which changed their costs; 3: drafts measured at DRAFT_SIZES with every row's logits; 4: the context term
@@ -357,17 +357,10 @@ def proportional(timed: list[tuple[int, float]], n: int) -> bool:
     return compute_bound and tc + (tc - tb) * (n - c) / (c - b) > BUDGET
 
 
-@functools.cache
 def processor() -> str:
-    """This machine's CPU as calibrations tell machines apart: its model name (Linux's /proc/cpuinfo, else
-    `platform.processor()`) and the instruction set torch's CPU kernels use (AVX2, AVX512, ...)."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
-    except OSError:
-        pass
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+    """This machine's CPU as calibrations tell machines apart: its model (`cpu_model`) and the instruction set torch's
+    CPU kernels use (AVX2, AVX512, ...)."""
+    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:

@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import os
+import platform
 import socket
 import weakref
 from collections.abc import Sequence
@@ -46,6 +47,17 @@ def free_memory(device: torch.device) -> int | None:
 
         return psutil.virtual_memory().available
     return None
+
+
+@functools.cache
+def cpu_model() -> str:
+    """This machine's CPU model: Linux's /proc/cpuinfo name, else `platform.processor()` or the architecture."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
+    except OSError:
+        return name
 
 
 COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> {scheme: its quantized module}
