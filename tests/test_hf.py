@@ -140,11 +140,23 @@ def test_return_dict_in_generate(llama):
     assert {"target_calls", "drafted", "accepted", "acceptance_rate", "mean_accepted"} <= set(stats)
 
 
-def test_sampling_is_reproducible_by_seed_and_by_torch_manual_seed(llama):
-    ids = prompt_ids()
+@pytest.mark.parametrize("strategy", ["speculative", "auto"])
+def test_sampling_is_reproducible_by_seed_and_by_torch_manual_seed(llama, strategy, monkeypatch):
+    """As with transformers, `auto` included: its calls timed wildly apart (a seeded run plans by no clock)."""
+    import random
+
+    from decoders.strategies import auto
+
+    ids, time, jitter = prompt_ids(), [0.0], random.Random()
+
+    def clock() -> float:
+        time[0] += jitter.choice([1e-4, 1e-2, 1.0])
+        return time[0]
+
+    monkeypatch.setattr(auto, "now", clock)
 
     def sample(**kwargs):
-        return llama.generate(ids, custom_generate=custom_generate, strategy="speculative", assistant_model=llama,
+        return llama.generate(ids, custom_generate=custom_generate, strategy=strategy, assistant_model=llama,
                               do_sample=True, temperature=1.5, top_k=0, max_new_tokens=NEW, **kwargs)
 
     first = sample(seed=3)
