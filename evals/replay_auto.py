@@ -118,6 +118,8 @@ def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]]
     proposer, and greedy's estimated seconds. `options`: auto's (without the target's own int8 copy, whose calls
     would be the model's own); `ratios`, `noise`, `seed`: the calls' true costs (the module's docstring)."""
     options = {"self_int8": False, **(options or {})}
+    if not noise >= 0:
+        raise ValueError(f"noise is a spread: 0 or more, got {noise}")
     lm.check_tree_mask()
     cost = call_cost(lm, "target")
     if ratios is not None:

@@ -478,7 +478,7 @@ def test_the_auto_replay_can_cost_calls_by_a_stale_calibration_with_noise():
     """`--ratios` scales each knot of the calibrated curve (the context terms as the first), one positive ratio a knot;
     `--noise` makes each call's cost vary by its seed, a prompt's call excepted."""
     from decoders.drafting.cost import CallCost
-    from evals.replay_auto import ReplayLM, stale
+    from evals.replay_auto import ReplayLM, replay, stale
 
     cost = CallCost((1, 2, 4), (1.0, 1.5, 2.0), 0.01, 0.001)
     scaled = stale(cost, [1.0, 2.0, 3.0])
@@ -488,6 +488,8 @@ def test_the_auto_replay_can_cost_calls_by_a_stale_calibration_with_noise():
         with pytest.raises(ValueError, match="one positive ratio per knot"):
             stale(cost, bad)
     lm = tiny_lm("llama")
+    with pytest.raises(ValueError, match="spread"):
+        replay(lm, [], noise=-0.1)
 
     def costs(noise: float, seed: int, length: int) -> list[float]:
         target = ReplayLM(lm, cost, noise, seed)
