@@ -68,9 +68,9 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
 
 def test_a_seed_repeats_the_sample_however_the_calls_are_timed(monkeypatch):
     """Where the caller seeds the sampling, auto plans by its calibrated costs, not by the clock: runs whose calls the
-    clock times wildly apart draw the same sample (and the clock still drives the choices of an unseeded run, which
-    are free to follow it). Calibrated here so that the draft (the target itself: always right) pays, so its chains
-    and trees are drafted as well as the context's guesses and plain steps."""
+    clock times wildly apart draw the same sample and make the same steps. Calibrated here so that the draft (the
+    target itself: always right) pays, so its chains and trees are drafted as well as the context's guesses and plain
+    steps."""
     from decoders.drafting.cost import CallCost, CostModel
 
     lm = tiny_lm("llama")
@@ -93,8 +93,6 @@ def test_a_seed_repeats_the_sample_however_the_calls_are_timed(monkeypatch):
     assert all(result.stats.details["steps"] == seeded[0].stats.details["steps"] for result in seeded)
     assert {"draft", "tree"} & set(seeded[0].stats.details["steps"])
     assert clocked(0, seed=12).tokens != seeded[0].tokens
-    plans = {tuple(sorted(clocked(run).stats.details["steps"].items())) for run in range(4)}
-    assert len(plans) > 1  # unseeded, the clock moved the choices
 
 
 def test_in_sampling_mode_guesses_the_grammar_forbids_are_dropped_from_a_chain_checked_with_them(monkeypatch):

@@ -147,7 +147,7 @@ def test_sampling_is_reproducible_by_seed_and_by_torch_manual_seed(llama, strate
 
     from decoders.strategies import auto
 
-    ids, time, jitter = prompt_ids(), [0.0], random.Random()
+    ids, time, jitter = prompt_ids(), [0.0], random.Random(0)
 
     def clock() -> float:
         time[0] += jitter.choice([1e-4, 1e-2, 1.0])
