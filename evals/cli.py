@@ -228,8 +228,8 @@ def cmd_calibrate(args) -> int:
     drafting = drafting_model(lm, draft, CONTEXT)  # what auto drafts with: an int8 copy where it pays
     if drafting is not None and drafting is not draft:
         curves.append(("auto's draft", drafting.name, cost.call_cost(drafting, "draft")))
-    print(f"device: {lm.device} · dtype: {str(lm.dtype).removeprefix('torch.')} · threads: {torch.get_num_threads()}"
-          f" · torch {torch.__version__}\n")
+    print(f"device: {cost.machine(lm.device)} · dtype: {str(lm.dtype).removeprefix('torch.')}"
+          f" · threads: {torch.get_num_threads()} · torch {torch.__version__}\n")
     rows = [[role, name, str(n), str(context), f"{seconds * 1e3:.2f}", f"{curve.fitted(n, context) * 1e3:.2f}",
              f"{curve.fitted(n, context) / curve.fitted(1, context):.2f}"]
             for role, name, curve in curves for n, context, seconds in curve.samples]

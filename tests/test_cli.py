@@ -14,6 +14,7 @@ import pytest
 
 import decoders
 from conftest import tiny_model, tiny_tokenizer
+from decoders.drafting import cost as cost_module
 from decoders.strategies.greedy import Greedy
 from evals import cli, suites
 
@@ -333,6 +334,7 @@ def test_calibrate_prints_measured_call_costs_and_plots_them(model_dir, tmp_path
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "| role | model | tokens | context | measured ms ↓ | fit ms ↓" in out
+    assert f"device: cpu {cost_module.processor()} · dtype: float32" in out  # the machine its costs are cached for
     assert f"| target | {model_dir} | 1 |" in out and "| draft | self:int8 | 1 |" in out
     assert "µs per cached position" in out and plot.stat().st_size > 1000
     assert list((tmp_path / "cache" / "calibration").glob("*.json"))

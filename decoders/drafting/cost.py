@@ -357,6 +357,13 @@ def proportional(timed: list[tuple[int, float]], n: int) -> bool:
     return compute_bound and tc + (tc - tb) * (n - c) / (c - b) > BUDGET
 
 
+def machine(device: torch.device) -> str:
+    """The device as calibrations tell them apart: "cuda:0 <the GPU's name>", "cpu <`processor`>"."""
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return f"{device} {processor()}" if device.type == "cpu" else str(device)
+
+
 def processor() -> str:
     """This machine's CPU as calibrations tell machines apart: its model (`cpu_model`) and the instruction set torch's
     CPU kernels use (AVX2, AVX512, ...)."""
@@ -364,13 +371,13 @@ def processor() -> str:
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
-    """What a calibration depends on: the model (name, config, parameter shapes and dtypes), dtype, device (a GPU by
-    its name, a CPU by `processor`), threads, torch version, role and measured sizes. Another key means another cache
-    file: a cache folder shared by machines of different CPUs (a home directory on a cluster's network drive, a
-    container volume) holds one calibration per CPU, where a key without the CPU had each machine plan with the costs
-    of whichever measured first (the developers' machines so far: an AMD EPYC with AVX2 alone, where a 16-token call
-    of SmolLM2-135M in bfloat16 costs about 8x a one-token one, bfloat16 computed in float, and an Intel Xeon with
-    AMX, whose matrix units compute it)."""
+    """What a calibration depends on: the model (name, config, parameter shapes and dtypes), dtype, device (`machine`: a
+    GPU by its name, a CPU by `processor`), threads, torch version, role and measured sizes. Another key means another
+    cache file: a cache folder shared by machines of different CPUs (a home directory on a cluster's network drive, a
+    container volume) holds one calibration per CPU, where a key without the CPU had each machine plan with the costs of
+    whichever measured first (the developers' machines so far: an AMD EPYC with AVX2 alone, where a 16-token call of
+    SmolLM2-135M in bfloat16 costs about 8x a one-token one, bfloat16 computed in float, and an Intel Xeon with AMX,
+    whose matrix units compute it)."""
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)
@@ -378,12 +385,7 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
         config = repr(model.config)
     tensors = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in (*model.named_parameters(), *model.named_buffers())]
     fingerprint = hashlib.sha256("\n".join([type(model).__name__, config, *tensors]).encode()).hexdigest()[:16]
-    device = str(lm.device)
-    if lm.device.type == "cuda":
-        device += f" {torch.cuda.get_device_name(lm.device)}"
-    elif lm.device.type == "cpu":
-        device += f" {processor()}"
-    return {"role": role, "name": lm.name, "model": fingerprint, "dtype": str(lm.dtype), "device": device,
+    return {"role": role, "name": lm.name, "model": fingerprint, "dtype": str(lm.dtype), "device": machine(lm.device),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "sizes": list(sizes)}
 
 
