@@ -139,12 +139,9 @@ class CallCost:
         self.history.append((n, ratio))
         level = self._level()
         for knot, weight in _weights(self.sizes, n):
-            pairs = self.evidence.setdefault(knot, deque(maxlen=EVIDENCE))
-            pairs.append((weight, ratio - level))
-            total = sum(w for w, _ in pairs)
-            corrections = dict(zip(*self.corrections))
-            corrections[self.sizes[knot]] = _weighted_median(pairs) * total / (total + 1)
-            self.corrections = (tuple(sorted(corrections)), tuple(corrections[k] for k in sorted(corrections)))
+            self.evidence.setdefault(knot, deque(maxlen=EVIDENCE)).append((weight, ratio - level))
+        knots = sorted(self.evidence)
+        self.corrections = (tuple(self.sizes[k] for k in knots), tuple(_correction(self.evidence[k]) for k in knots))
         self.scale = math.exp(self._level())
 
     def _level(self) -> float:
@@ -218,15 +215,18 @@ def _weights(sizes: tuple[int, ...], n: int) -> list[tuple[int, float]]:
     return [(i, 1.0 - r), (i + 1, r)] if r else [(i, 1.0)]
 
 
-def _weighted_median(pairs) -> float:
-    """The value past which lies less than half the weight of (weight, value) pairs on either side."""
+def _correction(pairs) -> float:
+    """A knot's log correction from its (weight, log ratio) pairs: their weighted median (the value past which lies
+    less than half the weight on either side), shrunk toward none by w / (w + 1), w their weight in all."""
     ordered = sorted(pairs, key=lambda pair: pair[1])
-    half, running = sum(w for w, _ in ordered) / 2, 0.0
+    total, running = sum(w for w, _ in ordered), 0.0
+    median = ordered[-1][1]
     for weight, value in ordered:
         running += weight
-        if running > half:
-            return value
-    return ordered[-1][1]
+        if running > total / 2:
+            median = value
+            break
+    return median * total / (total + 1)
 
 
 def _hat(sizes: tuple[int, ...], n: int) -> list[float]:
