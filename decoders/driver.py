@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from numbers import Integral
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -148,9 +148,10 @@ def _prepare(
     check_request(decoder, has_draft=draft is not None, has_grammar=grammar is not None)
     draft = resolve_draft(lm, draft)
     check_models(decoder, lm, draft)  # before the clock: probes are cached on the LMs
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    many = isinstance(stop, Iterable) and not isinstance(stop, str)
+    stops = () if stop is None else tuple(stop) if many else (stop,)
     if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        raise ValueError(f"stop= takes stop strings: a non-empty string or a list of them, got {stop!r}")
     state = DecodeState(
         lm=lm,
         tokens=tokens,
@@ -185,6 +186,8 @@ def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
         if not prompt:
             raise ValueError("the prompt is empty; give some text or token ids to continue")
         tokens = lm.encode(prompt)
+    elif not isinstance(prompt, Iterable):
+        raise TypeError(f"prompt must be a string or a list of token ids, got {prompt!r}")
     else:
         shape = tuple(getattr(prompt, "shape", ()))
         if len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):

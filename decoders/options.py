@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -29,3 +30,11 @@ def check_whole(options, **least: int) -> None:
     """Check several whole-number fields of `options` at once: `check_whole(self, k=1, ngram=0)`."""
     for name, bound in least.items():
         whole(name, getattr(options, name), bound)
+
+
+def check_flags(options) -> None:
+    """Check that every field of `options` declared `bool` holds True or False (a 'yes' or 0 is a mistake: refused)."""
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        if f.type in (bool, "bool") and not isinstance(value, bool):
+            raise ValueError(f"{f.name} must be True or False, got {value!r}")

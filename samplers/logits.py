@@ -7,6 +7,7 @@ from exactly one well-defined target distribution.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -22,15 +23,14 @@ class SamplingConfig:
     min_p: float | None = None  # keep tokens whose probability is at least min_p times the most probable one
 
     def __post_init__(self):
-        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
-                or not math.isfinite(self.temperature) or self.temperature < 0):
+        if not _real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
         if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
             raise ValueError(f"top_k must be a whole number >= 1 or None, got {self.top_k!r}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p!r}")
+        if self.top_p is not None and not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a number in (0, 1] or None, got {self.top_p!r}")
+        if self.min_p is not None and not (_real(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be a number in [0, 1] or None, got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -41,7 +41,11 @@ class SamplingConfig:
         """The filtered, renormalized distribution for sampling mode.  logits: [..., vocab] -> probs: [..., vocab]."""
         if self.greedy:
             raise ValueError("probs() is for sampling mode; greedy mode takes the argmax of the logits")
-        logits = logits.float() / self.temperature
+        if self.temperature >= TINY:
+            logits = logits.float() / self.temperature
+        else:  # dividing would overflow float32: divide each logit's distance to its row's max, in float64 (which
+            # holds any temperature), so the max goes to 0 and the rest to -inf: the same softmax, without inf - inf
+            logits = ((logits.double() - logits.amax(dim=-1, keepdim=True)) / self.temperature).float()
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]  # [..., 1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -55,6 +59,14 @@ class SamplingConfig:
             floor = self.min_p * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs / probs.sum(dim=-1, keepdim=True)
+
+
+TINY = 1e-30  # below this temperature, logits / temperature may overflow float32 (its max is 3.4e38)
+
+
+def _real(value) -> bool:
+    """A finite real number (numpy's count; bools do not)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def sample(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> int:

@@ -33,7 +33,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from decoders.drafting.tree import first_branch
-from decoders.options import check_whole, probability
+from decoders.options import check_whole, probability, whole
 
 SHIFT = 32  # a position packs (sequence number << SHIFT) | index, so later positions pack to larger ints
 INDEX = (1 << SHIFT) - 1
@@ -265,20 +265,21 @@ class SuffixIndex:
 
     def draft(self, context: Sequence[int], max_tokens: int, min_prob: float = 0.0, *,
               depth_factor: float | None = None, max_depth: int | None = None, max_match: int | None = None,
-              min_match: int = 1) -> SuffixDraft:
+              min_match: int = 1, vocab: int | None = None) -> SuffixDraft:
         """A best-first tree continuing the longest matched suffix of `context`: at most `max_tokens` nodes (and
         `depth_factor` x match length), `max_depth` levels (and depth - match length), path probabilities at least
-        `min_prob`, none when the match is shorter than `min_match`."""
+        `min_prob`, none when the match is shorter than `min_match`; no token >= `vocab` (nor what follows it)."""
         at, length = self.match(context, max_match)
         out = SuffixDraft(match=length)
         if length < max(min_match, 1):
             return out
+        vocab = math.inf if vocab is None else vocab
         if depth_factor is not None:
             max_tokens = min(max_tokens, int(depth_factor * length + 1e-9))
         levels = self.depth - length if max_depth is None else min(max_depth, self.depth - length)
         order = itertools.count()  # ties: first come, first served (siblings are pushed most frequent first)
         heap: list = []  # candidates: (-path probability, tiebreak, token, place, parent's index, level)
-        self._offer(heap, order, at, 1.0, -1, 1, max_tokens, min_prob)
+        self._offer(heap, order, at, 1.0, -1, 1, max_tokens, min_prob, vocab)
         while heap and len(out.tokens) < max_tokens:
             minus_p, _, token, at, parent, level = heapq.heappop(heap)
             while True:  # a leaf's chain has the same probability, the highest there is: take it whole
@@ -289,21 +290,25 @@ class SuffixIndex:
                 if type(at) is not int or level >= levels or len(out.tokens) >= max_tokens:
                     break
                 seq, end = self._tokens[at >> SHIFT], at & INDEX
-                if end + 1 >= len(seq):
+                if end + 1 >= len(seq) or seq[end + 1] >= vocab:
                     break
                 token, at, level = seq[end + 1], at + 1, level + 1
             if level < levels and type(at) is not int:
-                self._offer(heap, order, at, -minus_p, parent, level + 1, max_tokens - len(out.tokens), min_prob)
+                self._offer(heap, order, at, -minus_p, parent, level + 1, max_tokens - len(out.tokens), min_prob,
+                            vocab)
         return out
 
     def _offer(self, heap: list, order, at: _Node | int, p: float, parent: int, level: int, room: int,
-               min_prob: float) -> None:
-        """Push up to `room` continuations of `at` (reached with path probability p) that keep p >= min_prob."""
+               min_prob: float, vocab: float) -> None:
+        """Push up to `room` continuations of `at` (reached with path probability p) that keep p >= min_prob and
+        are below `vocab`."""
         total = 1 if type(at) is int else at.cont
         for count, token, child in self._ranked(at)[:room]:
             q = p * count / total
             if q < min_prob:
                 break  # ranked: the rest are rarer
+            if token >= vocab:
+                continue
             heapq.heappush(heap, (-q, next(order), token, child, parent, level))
 
 
@@ -341,10 +346,12 @@ class SuffixStore:
         return f"SuffixStore({len(self)} of {self.max_tokens} tokens in {len(self._kinds)} sequences)"
 
     def add(self, tokens: Iterable[int], kind: str = "output") -> None:
-        """Remember a finished sequence (its last `max_tokens` tokens), evicting the oldest ones to make room."""
+        """Remember a finished sequence of token ids (its last `max_tokens` tokens), evicting the oldest ones to make
+        room. Ids of any vocabulary: a run drafts none past its target's."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        tokens = [int(t) for t in tokens][-self.max_tokens:]
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens  # a numpy array or tensor: Python ints
+        tokens = [whole(f"SuffixStore.add's tokens[{i}]", t, 0) for i, t in enumerate(tokens)][-self.max_tokens:]
         if not tokens:
             return
         with self._lock:
@@ -372,16 +379,18 @@ class SuffixStore:
 
 
 def propose(local: SuffixIndex | None, store: SuffixStore | None, context: Sequence[int], limit: int,
-            options: SuffixOptions) -> SuffixDraft:
+            options: SuffixOptions, vocab: int | None = None) -> SuffixDraft:
     """The higher-scoring of the trees drafted from the run's own index and from the store (the run's own on a tie),
-    at most `limit` levels deep. Empty when neither matches at least `options.min_match` tokens."""
+    at most `limit` levels deep, of tokens below `vocab` (a store may hold a bigger vocabulary's). Empty when neither
+    matches at least `options.min_match` tokens."""
     best = SuffixDraft()
     if limit <= 0:
         return best
     for source in (local, store):
         if source is not None:
             tree = source.draft(context, options.max_tree, options.min_prob, depth_factor=options.depth_factor,
-                                max_depth=limit, max_match=options.max_match, min_match=options.min_match)
+                                max_depth=limit, max_match=options.max_match, min_match=options.min_match,
+                                vocab=vocab)
             if tree.score > best.score:
                 best = tree
     return best

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftVerify
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, SuffixStore, propose
+from decoders.options import check_flags
 from decoders.registry import register
 
 
@@ -32,6 +33,7 @@ class SuffixDecodingOptions(SuffixOptions):
 
     def __post_init__(self):
         super().__post_init__()
+        check_flags(self)
         if self.store is not None and not isinstance(self.store, SuffixStore):
             raise TypeError(f"store= takes a decoders.SuffixStore, got {type(self.store).__name__}")
 
@@ -45,7 +47,7 @@ class SuffixDrafter:
         self.index.follow("run", state.tokens)
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
-        tree = propose(self.index, self.options.store, state.tokens, limit, self.options)
+        tree = propose(self.index, self.options.store, state.tokens, limit, self.options, state.lm.vocab_size)
         return Draft(tree.tokens, None, tree.parents, source="suffix")
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
