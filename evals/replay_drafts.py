@@ -27,6 +27,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,6 +46,8 @@ class Tokens:
 
     tokens: list[int]
     prompt_len: int
+    lm: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(vocab_size=None))  # no vocabulary bound:
+    # the replayed ids are the target's own
 
     @property
     def new_tokens(self) -> list[int]:
