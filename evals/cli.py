@@ -210,6 +210,8 @@ def _write_compare(args, result: dict) -> int:
 
 # ------------------------------------------------------------------------------------------------------ calibrate
 def cmd_calibrate(args) -> int:
+    import time
+
     import torch
 
     from decoders.drafting import cost
@@ -234,10 +236,21 @@ def cmd_calibrate(args) -> int:
              f"{curve.fitted(n, context) / curve.fitted(1, context):.2f}"]
             for role, name, curve in curves for n, context, seconds in curve.samples]
     print(report.make_table(["role", "model", "tokens", "context", "measured ms ↓", "fit ms ↓", "× 1 token ↓"], rows))
+
+    def measured(curve) -> str:  # how old and how noisy a curve is: one measured on a busy machine misleads auto
+        if curve.measured is None:
+            return "measured before calibrations recorded when and how noisily (--refresh measures it again)"
+        hours = (time.time() - curve.measured) / 3600
+        age = f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.0f} days"
+        noise = "not recorded" if curve.noise is None else f"{curve.noise:.0%}"
+        return (f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(curve.measured))} ({age} ago), noise "
+                f"{noise} (how much slower than its fastest a size's typical call ran; --refresh measures it again)")
+
     for role, _, curve in curves:
         knots = ", ".join(f"{n}: {seconds * 1e3:.2f}" for n, seconds in zip(curve.sizes, curve.seconds))
         print(f"\n{role}: ms by tokens scored ({knots}) + {curve.per_position * 1e6:.2f} µs per cached position, "
               f"{curve.per_position_per_token * 1e6:.2f} µs more for each token scored past the first")
+        print(f"{role}: {measured(curve)}")
     print(f"\nauto drafts with: {drafting.name if drafting is not None else 'no model (guesses from the context)'}, "
           f"as measured here after {CONTEXT} tokens (the int8 copy of the draft, or without one of the target, where "
           "its calls are cheap enough)")

@@ -12,6 +12,7 @@ interpolated between them (`CallCost.offset`).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import math
@@ -19,6 +20,7 @@ import os
 import re
 import statistics
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +75,13 @@ TREE_PRIOR = 4  # calls' weight of the prior that a tree call costs what a causa
 EVIDENCE = 9  # the calls each knot's correction is the median of (`CallCost.offset`): more than twice the WINDOW // 2
 # calls by which the level lags a machine that slowed down or sped up, whose ratios to the old level a knot's median
 # thereby leaves out
+STALE, STALE_CALLS = 2.0, 8  # a cached curve is marked stale where the median of a run's last calls (at least
+# STALE_CALLS of them) takes less than 1 / STALE of what it fitted: it was measured on a busy machine. (Slower calls
+# mean a busy machine now, or a run's own bookkeeping: the online correction follows those, and a new measurement
+# would be no better.)
 Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
+UNSAVED: dict[Path, dict] = {}  # cache file -> the curve (`CallCost.to_dict`) measured for it that could not be
+# written there (a read-only folder, a folder in the file's place): this process measures each such curve once
 
 
 @dataclass
@@ -111,6 +119,11 @@ class CallCost:
     # with evidence, their log corrections): `offset` interpolates between them
     follows: CallCost | None = field(default=None, compare=False, repr=False)  # until this run has observed a call of
     # this cost's, it is scaled as this other one is (`predict`)
+    measured: float | None = field(default=None, compare=False)  # when calibration measured it (`time.time()`)
+    noise: float | None = field(default=None, compare=False)  # how much slower than the fastest its repeated calls
+    # typically ran (`measure_with_noise`)
+    source: Path | None = field(default=None, compare=False, repr=False)  # the cache file it is read from or written
+    # to, removed where this run's calls find it far off (`observe`); None once removed, or where not cached
 
     def fitted(self, n: int, context: int) -> float:
         """Seconds of the calibrated fit, before the online correction."""
@@ -143,6 +156,22 @@ class CallCost:
         knots = sorted(self.evidence)
         self.corrections = (tuple(self.sizes[k] for k in knots), tuple(_correction(self.evidence[k]) for k in knots))
         self.scale = math.exp(self._level())
+        if self.source is not None and len(self.history) >= STALE_CALLS:
+            off = math.exp(statistics.median(ratio for _, ratio in self.history))
+            if off * STALE < 1:
+                self._mark_stale(off)
+
+    def _mark_stale(self, off: float) -> None:
+        """Remove the cache file that holds this curve, which this run's calls take `off` times, so that the next run
+        measures again (not this one: measuring mid-run would disturb its timing); warn once."""
+        path, self.source = self.source, None
+        try:
+            path.unlink(missing_ok=True)
+            outcome = "removed: the next run measures it again"
+        except OSError as error:
+            outcome = f"could not be removed ({error})"
+        warnings.warn(f"calibration {path} is stale: this run's calls take {off:.2g}x its curve; {outcome}",
+                      stacklevel=3)
 
     def _level(self) -> float:
         return statistics.median(ratio - math.log(self.offset(n)) for n, ratio in self.history)
@@ -189,13 +218,41 @@ class CallCost:
     def to_dict(self) -> dict:
         return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,
                 "per_position_per_token": self.per_position_per_token, "scale": self.scale,
-                "samples": [list(s) for s in self.samples]}
+                "samples": [list(s) for s in self.samples], "measured": self.measured, "noise": self.noise}
 
     @classmethod
     def from_dict(cls, data: dict) -> CallCost:
-        return cls(tuple(data["sizes"]), tuple(data["seconds"]), data["per_position"],
-                   data.get("per_position_per_token", 0.0), data.get("scale", 1.0),
-                   tuple((int(n), int(L), float(s)) for n, L, s in data.get("samples", ())))
+        """The cost `to_dict` wrote; ValueError saying what is wrong where `data` is not one (a damaged cache file)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"the cost is {json.dumps(data, default=repr)[:40]}, not an object")
+        sizes, seconds, samples = data.get("sizes"), data.get("seconds"), data.get("samples", [])
+        if (not isinstance(sizes, list | tuple) or not sizes or not all(_whole(n) and n > 0 for n in sizes)
+                or any(b <= a for a, b in zip(sizes, sizes[1:]))):
+            raise ValueError(f"sizes are {sizes!r}, not increasing whole numbers > 0")
+        if not isinstance(seconds, list | tuple) or len(seconds) != len(sizes):
+            raise ValueError(f"seconds are {seconds!r}, not one for each of the {len(sizes)} sizes")
+        if not isinstance(samples, list | tuple) or not all(
+                isinstance(s, list | tuple) and len(s) == 3 and _whole(s[0]) and _whole(s[1]) for s in samples):
+            raise ValueError("samples are not [tokens, context, seconds] each")
+        optional = {name: None if data.get(name) is None else _number(data[name], name)
+                    for name in ("measured", "noise")}
+        return cls(tuple(sizes), tuple(_number(s, "seconds", positive=True) for s in seconds),
+                   _number(data.get("per_position"), "per_position"),
+                   _number(data.get("per_position_per_token", 0.0), "per_position_per_token"),
+                   _number(data.get("scale", 1.0), "scale", positive=True),
+                   tuple((n, L, _number(s, "a sample's seconds")) for n, L, s in samples), **optional)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value, name: str, positive: bool = False) -> float:
+    """`value` as a float where it is a finite number >= 0 (> 0 where `positive`), else ValueError naming it."""
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
+            or (positive and value == 0)):
+        raise ValueError(f"{name} holds {value!r}, not a finite number {'> 0' if positive else '>= 0'}")
+    return float(value)
 
 
 def _segment(sizes: tuple[int, ...], n: int) -> tuple[int, float]:
@@ -294,6 +351,11 @@ def _resize(cache, length: int) -> None:
 
 
 def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> list[Sample]:
+    """The samples of `measure_with_noise`."""
+    return measure_with_noise(lm, sizes, budget)[0]
+
+
+def measure_with_noise(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
     """Time a few calls of `lm` scoring `sizes` tokens, with the logits of every position (a target scores a draft,
     a draft checks guesses).
 
@@ -301,7 +363,8 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
     that `proportional` says need not be measured, then the smallest and largest measured at LONG (9 calls for the
     target's sizes or a draft's where all are measured); then rounds of those calls again, ROUNDS in all and more until
     `budget` seconds have passed, each point keeping its fastest time, since a busy machine only ever adds time. A 1.5B
-    model on a CPU gets two rounds.
+    model on a CPU gets two rounds. With the samples, their noise: the median over the points of how much slower than
+    its fastest a point's median round ran (0.1: 10%).
     """
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
@@ -326,12 +389,12 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
             timed.append((n, call(n, SHORT)))
         plan = [(n, SHORT) for n, _ in timed] + [(n, long) for n in sorted({timed[0][0], timed[-1][0]})
                                                  if long > SHORT]
-        best = [seconds for _, seconds in timed] + [call(n, context) for n, context in plan[len(timed):]]
-        rounds = 1
-        while rounds < ROUNDS or time.perf_counter() - begin < budget:
-            best = [min(b, call(n, context)) for b, (n, context) in zip(best, plan)]
-            rounds += 1
-    return [(n, context, seconds) for (n, context), seconds in zip(plan, best)]
+        rounds = [[seconds for _, seconds in timed] + [call(n, context) for n, context in plan[len(timed):]]]
+        while len(rounds) < ROUNDS or time.perf_counter() - begin < budget:
+            rounds.append([call(n, context) for n, context in plan])
+    points = list(zip(*rounds))  # [points][rounds] seconds
+    noise = statistics.median(statistics.median(times) / min(times) - 1 for times in points)
+    return [(n, context, min(times)) for (n, context), times in zip(plan, points)], noise
 
 
 def proportional(timed: list[tuple[int, float]], n: int) -> bool:
@@ -404,27 +467,58 @@ def cache_file(key: dict, folder: Path | None = None) -> Path:
 def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = False, folder: Path | None = None,
               budget: float = BUDGET) -> CallCost:
     """The cost of `lm`'s calls in `role` ("target" or "draft"): from the cache file when it matches, else measured
-    (and written unless `cache=False`; `refresh=True` measures again)."""
+    (and written unless `cache=False`; `refresh=True` measures again). A file that holds no valid curve is warned of
+    and replaced; a curve that cannot be written is warned of and kept in memory (`UNSAVED`): a cache never fails a
+    run."""
     if role not in ("target", "draft"):
         raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
     room = (lm.context_length or math.inf) - SHORT  # (a tiny draft may hold fewer positions than SHORT + 16)
     sizes = tuple(n for n in (TARGET_SIZES if role == "target" else DRAFT_SIZES) if n == 1 or n <= room)
     key = calibration_key(lm, role, sizes)
     path = cache_file(key, folder)
-    if cache and not refresh and path.is_file():
+    if cache and not refresh:
+        if path in UNSAVED:
+            return CallCost.from_dict(UNSAVED[path])
         try:
-            data = json.loads(path.read_text())
-            if data.get("version") == VERSION and data.get("key") == key:
-                return CallCost.from_dict(data["cost"])
-        except (ValueError, KeyError, TypeError):  # a damaged file is measured again and overwritten
-            pass
-    samples = measure(lm, sizes, budget)
+            cost = _read(path, key)
+            if cost is not None:
+                return cost
+        except ValueError as error:
+            warnings.warn(f"calibration {path}: {error}; measuring it again", stacklevel=2)
+    samples, noise = measure_with_noise(lm, sizes, budget)
     cost = fit(samples, tuple(sorted({n for n, _, _ in samples})))  # (the sizes measured: see `proportional`)
+    cost.measured, cost.noise = time.time(), noise
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one `accelerate launch` may race here
-        partial.write_text(json.dumps({"version": VERSION, "key": key, "cost": cost.to_dict()}, indent=1))
-        partial.replace(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"version": VERSION, "key": key, "cost": cost.to_dict()}, indent=1))
+            partial.replace(path)
+            cost.source = path
+            UNSAVED.pop(path, None)
+        except OSError as error:  # read-only, full, a file or folder in the way: measured, but not saved
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            warnings.warn(f"calibration {path} could not be saved ({error}); this process keeps it", stacklevel=2)
+            UNSAVED[path] = cost.to_dict()
+    return cost
+
+
+def _read(path: Path, key: dict) -> CallCost | None:
+    """The curve cached at `path` for `key`; None where there is none, or one of another version or key (measured
+    again without a word); ValueError saying what is wrong where the file holds no valid curve."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # unreadable, truncated, empty, binary
+        raise ValueError(f"not readable as JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"holds {json.dumps(data)[:40]}, not a calibration")
+    if data.get("version") != VERSION or data.get("key") != key:
+        return None
+    cost = CallCost.from_dict(data.get("cost"))
+    cost.source = path
     return cost
 
 
