@@ -29,6 +29,7 @@ import decoders
 import grammars
 from decoders.capabilities import check_request
 from evals import lossless, peers, report, suites
+from evals.cli_parser import names
 from evals.methods import Method, build, check_loaded
 from evals.timing import Run, run_decodekit
 
@@ -198,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="examples:\n  python -m evals.bench_grammars\n"
                                             "  python -m evals.bench_grammars --models smollm2-135m --schemas "
                                             "character --repeats 3\n")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated zoo names")
-    parser.add_argument("--schemas", default=",".join(SCHEMAS), help=f"comma-separated, from {', '.join(SCHEMAS)}")
-    parser.add_argument("--strategies", default="guided,greedy", help="decodekit strategies to time with the grammar")
+    parser.add_argument("--models", type=names, default=",".join(MODELS), help="comma-separated zoo names")
+    parser.add_argument("--schemas", type=names, default=",".join(SCHEMAS),
+                        help=f"comma-separated, from {', '.join(SCHEMAS)}")
+    parser.add_argument("--strategies", type=names, default="guided,greedy",
+                        help="decodekit strategies to time with the grammar")
     parser.add_argument("--draft", help="zoo name of a draft model, for strategies that need one")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    schemas = args.schemas.split(",")
+    schemas = args.schemas
     unknown = [s for s in schemas if s not in SCHEMAS]
     if unknown:
         parser.error(f"unknown schema {unknown[0]!r}; choose from {', '.join(SCHEMAS)}")
@@ -220,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads, max_new_tokens={args.max_new_tokens}, repeats={args.repeats}\n")
     rows = []
     try:
-        chosen = methods(args.strategies.split(","), has_draft=args.draft is not None)
-        for model in args.models.split(","):
+        chosen = methods(args.strategies, has_draft=args.draft is not None)
+        for model in args.models:
             mine = bench_model(model, schemas, args.max_new_tokens, args.repeats, args.dtype, chosen, args.draft)
             rows += mine
             if args.show:

@@ -19,6 +19,7 @@ import torch
 
 import decoders
 from evals import report
+from evals.cli_parser import names
 from evals.metrics import BASELINE
 from evals.runner import CompareConfig, compare
 
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="examples:\n  python -m evals.bench_greedy\n"
                                             "  python -m evals.bench_greedy --models zoo:smollm2-135m --repeats 1 "
                                             "--max-new-tokens 64\n")
-    parser.add_argument("--models", default="zoo:smollm2-135m,zoo:qwen2.5-coder-1.5b", help="comma-separated")
+    parser.add_argument("--models", type=names, default="zoo:smollm2-135m,zoo:qwen2.5-coder-1.5b",
+                        help="comma-separated")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                            repeats=args.repeats, progress=not args.no_progress)
     results = []
     try:
-        for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        for model in args.models:
             print(f"benchmarking {model} ...", file=sys.stderr)
             results.append(bench(model, args.dtype, config, args.device))
     except (ValueError, OSError, RuntimeError) as error:

@@ -3,13 +3,16 @@
 Bad input (an unknown strategy or suite, a malformed suite file, a strategy that needs a missing draft, a draft of
 another vocabulary ...) prints one `decodekit: error: ...` line to stderr and exits with status 2, before any run;
 set DECODEKIT_DEBUG=1 to see the traceback instead. A compare whose timed runs raised writes its results, says how
-many failed and exits with status 1. A closed pipe (`decodekit list | head -2`) ends the command quietly.
+many failed and exits with status 1; its output paths are checked before the first run, and Ctrl-C during its timed
+runs writes the rounds measured so far, marked partial, and exits with status 130. A closed pipe (`decodekit list |
+head -2`) ends the command quietly.
 
 Commands import torch and the models only when they run: `decodekit leaderboard` and `--help` stay quick.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -42,9 +45,23 @@ def _check_draft_arguments(args) -> None:
         raise UsageError(f"--draft {args.draft} is already the target's quantized copy; drop --draft-quantize")
 
 
+def _check_device(device) -> None:
+    """Refuse a --device this machine lacks in the command line's words (the library's say device='cpu')."""
+    import torch
+
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device}: not a device; use cpu, cuda, cuda:1 ...") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: this machine has no CUDA device; use --device cpu")
+
+
 def _load(name: str, args, device: str | None, quantize: str | None = None):
     import decoders
 
+    if device is not None:
+        _check_device(device)
     if args.no_progress:  # transformers' and the hub's loading bars
         from transformers.utils import logging
 
@@ -154,16 +171,44 @@ def cmd_generate(args) -> int:
 
 
 # -------------------------------------------------------------------------------------------------------- compare
+def _check_writable(option: str, path: str, folder: bool = False) -> None:
+    """Refuse an output compare could not write before any run, not after it (losing the results): open the file, or
+    one in the folder, for appending, then remove whatever this made."""
+    target = Path(path)
+    if target.exists() and target.is_dir() != folder:
+        raise UsageError(f"{option} {path}: is a {'file' if folder else 'folder'}; give a "
+                         f"{'folder' if folder else 'file'} name")
+    made = [p for p in (target, *target.parents) if not p.exists()] if folder else []  # deepest first
+    probe = target / ".decodekit-write-check" if folder else target
+    existed = probe.exists()
+    try:
+        if folder:
+            target.mkdir(parents=True, exist_ok=True)
+        open(probe, "a").close()
+    except OSError as error:
+        raise UsageError(f"{option} {path}: cannot write there ({error.strerror or error})") from None
+    finally:
+        if not existed:
+            probe.unlink(missing_ok=True)
+        for created in made:
+            with contextlib.suppress(OSError):  # (another process of the run may be probing it too)
+                created.rmdir()
+
+
 def cmd_compare(args) -> int:
     import torch
 
     from evals.methods import option_pairs
-    from evals.runner import CompareConfig, Comparison, Processes
+    from evals.runner import CompareConfig, Comparison, Interrupted, Processes
 
     _check_draft_arguments(args)
-    strategies = tuple(s.strip() for s in (args.strategies or "").split(",") if s.strip())
+    for option, path in (("--out", args.out), ("--markdown", args.markdown), ("--html", args.html)):
+        if path:
+            _check_writable(option, path)
+    if args.plots:
+        _check_writable("--plots", args.plots, folder=True)
     config = CompareConfig(
-        strategies=strategies, suite=args.suite, limit=args.limit, per_category=args.per_category,
+        strategies=args.strategies or (), suite=args.suite, limit=args.limit, per_category=args.per_category,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_quantize=args.draft_quantize,
         chat_template=not args.no_chat_template, options=option_pairs(args.option, scoped=True),
         warmup=not args.no_warmup, progress=not args.no_progress, bandwidth_megabytes=args.bandwidth_mb,
@@ -178,7 +223,14 @@ def cmd_compare(args) -> int:
     draft = None  # loaded as it is: the peers draft with it as a user would, the strategies with its quantized copy
     if comparison.takes_draft:
         draft = args.draft if args.draft.startswith("self:") else _load(args.draft, args, device)
-    result = comparison.run(lm, draft, processes=processes)
+    try:
+        result = comparison.run(lm, draft, processes=processes)
+    except Interrupted as interrupted:  # Ctrl-C: write what was measured, then end as an interrupt does
+        if interrupted.result is not None:
+            _write_compare(args, interrupted.result)
+            print("decodekit: interrupted; the report covers the prompts measured so far (\"partial\": true)",
+                  file=sys.stderr)
+        return processes.exit(130)
     return processes.exit(0 if result is None else _write_compare(args, result))  # (None: not the main process)
 
 

@@ -49,7 +49,9 @@ COMPARE_EPILOG = """examples:
 greedy (the baseline) always runs first. Without --strategies every registered strategy and peer whose needs are met
 runs (draft strategies and hf:assisted only with --draft). Every method's needs (a draft, of the target's
 vocabulary; tree masks) are checked before the first run: an explicitly named method that cannot run stops compare
-with status 2. Timed runs that raise show as ERROR rows; compare then exits with status 1. Peers: hf:greedy, hf:assisted, hf:prompt_lookup and
+with status 2. Timed runs that raise show as ERROR rows; compare then exits with status 1. Output paths are checked
+before the first run; Ctrl-C writes what was measured so far (marked partial) and exits with status 130. Peers:
+hf:greedy, hf:assisted, hf:prompt_lookup and
 outlines:json (prompts with a schema; checked for validity, since outlines may spell the same JSON with other tokens).
 Every greedy-mode method is checked token for token against greedy; a divergence beyond the dtype's numeric-tie
 tolerance marks it FAILED with the first divergent position. Under accelerate on CPU-only machines pass --multi_gpu
@@ -88,14 +90,29 @@ MODELS_EPILOG = """examples:
 """
 
 
-def _positive(text: str) -> int:
+def _positive(text: str, minimum: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {value}")
     return value
+
+
+def _whole(text: str) -> int:
+    return _positive(text, minimum=0)
+
+
+def names(text: str) -> tuple[str, ...]:
+    """A comma-separated list option: its items, stripped. An empty list or item is refused (it would otherwise
+    mean "the default list" or be dropped unseen)."""
+    items = tuple(item.strip() for item in text.split(","))
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name at least one, or leave the option out for its default")
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty item")
+    return items
 
 
 def _version() -> str:
@@ -107,8 +124,9 @@ def _version() -> str:
 
 def _model_arguments(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
     parser.add_argument("--model", required=True, help="zoo:NAME, a local folder, a .gguf file or a hub id")
-    parser.add_argument("--draft", help="draft model for strategies that take one (same tokenizer as --model), or "
-                        "self:int8 for the model's own int8 copy")
+    parser.add_argument("--draft", help="draft model for strategies that take one, or self:int8 for the model's own "
+                        "int8 copy; speculative, threshold and auto take one of another tokenizer too (translated "
+                        "through text), the tree strategies (staged ...) need the --model's vocabulary")
     parser.add_argument("--draft-quantize", choices=["int8"], help="load the --draft model weight-only quantized")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
@@ -153,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="run strategies and peers side by side on a prompt suite",
                          epilog=COMPARE_EPILOG, formatter_class=formatter)
     _model_arguments(cmp)
-    cmp.add_argument("--strategies", help="comma-separated strategies and peers (default: every runnable one); "
-                     "STRATEGY@KEY=VALUE runs a strategy with other settings, next to its defaults")
+    cmp.add_argument("--strategies", type=names, help="comma-separated strategies and peers (default: every "
+                     "runnable one); STRATEGY@KEY=VALUE runs a strategy with other settings, next to its defaults")
     cmp.add_argument("--suite", default="default", help="a shipped suite (decodekit list) or a .jsonl file")
     cmp.add_argument("--limit", type=_positive, metavar="N", help="only the suite's first N prompts (after --per-category)")
     cmp.add_argument("--per-category", type=_positive, metavar="N",
@@ -169,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib)")
     cmp.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each method")
     cmp.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
-    cmp.add_argument("--bandwidth-mb", type=int, default=256,
-                     help="size of the memory-bandwidth probe for the roofline (0: no roofline)")
+    cmp.add_argument("--bandwidth-mb", type=_whole, default=256,
+                     help="size of the roofline's read-bandwidth probe, above the last-level cache (0: no roofline)")
 
     cal = sub.add_parser("calibrate", help="measure what target and draft calls cost on this machine",
                          epilog=CALIBRATE_EPILOG, formatter_class=formatter)

@@ -1,4 +1,4 @@
-"""Clocks and gauges: device sync, forward-call meters, peak memory, memory bandwidth, the run's environment."""
+"""Clocks and gauges: device sync, forward-call meters, peak memory, read and copy bandwidth, the run's environment."""
 
 from __future__ import annotations
 
@@ -102,31 +102,60 @@ def bytes_per_token(model: torch.nn.Module) -> int:
     return int(total)
 
 
-def memory_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
-    """Measured memory bandwidth in bytes/s: the best of `repeats` copies of a `megabytes` tensor (read + write)."""
-    n = megabytes * 2**20 // 4
-    source = torch.ones(n, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    target.copy_(source)  # first touch: page faults are not bandwidth
+PROBE = "matrix-vector"  # the roofline's bandwidth probe, as the report names it
+PROBE_COLUMNS = 4096  # the probe matrix's width, a typical hidden size (its rows fill the megabytes asked for)
+
+
+def _best_seconds(device: torch.device, work, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `work`, after one untimed (first touch: page faults are no bandwidth)."""
+    work()
     best = float("inf")
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
-        target.copy_(source)
+        work()
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * source.numel() * source.element_size() / best
+    return best
 
 
-def roofline(model: torch.nn.Module, device: torch.device, megabytes: int = 256) -> dict:
-    """The batch-1 decoding limit: bytes read per step / measured bandwidth, as tokens/s."""
+def read_bandwidth(device: torch.device, megabytes: int = 256, dtype: torch.dtype = torch.float32,
+                   repeats: int = 5) -> float:
+    """Bytes/s a matrix-vector product of a `megabytes` matrix of `dtype` streams: the best of `repeats`.
+
+    A batch-1 decoding step only reads its weights, through one such product per weight matrix (`F.linear` of one
+    row), so this kernel over a buffer larger than the last-level cache is the rate a step can reach; a copy also
+    writes, in another kernel, and overstates it."""
+    rows = max(1, megabytes * 2**20 // (PROBE_COLUMNS * dtype.itemsize))
+    matrix = torch.ones(rows, PROBE_COLUMNS, dtype=dtype, device=device)
+    vector = torch.ones(1, PROBE_COLUMNS, dtype=dtype, device=device)
+    seconds = _best_seconds(device, lambda: torch.nn.functional.linear(vector, matrix), repeats)
+    return matrix.numel() * matrix.element_size() / seconds
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of copying a `megabytes` float32 tensor, read and write counted: the best of `repeats`."""
+    source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    seconds = _best_seconds(device, lambda: target.copy_(source), repeats)
+    return 2 * source.numel() * source.element_size() / seconds
+
+
+def roofline(model: torch.nn.Module, device: torch.device, megabytes: int = 256,
+             dtype: torch.dtype | None = None) -> dict:
+    """The batch-1 decoding limit: bytes read per step / the read bandwidth of a matrix-vector product of `dtype`
+    (default: the model's first floating-point parameter's), as tokens/s; the copy bandwidth beside it."""
+    dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     per_token = bytes_per_token(model)
-    bandwidth = memory_bandwidth(device, megabytes)
+    bandwidth = read_bandwidth(device, megabytes, dtype)
     return {
         "parameter_bytes": parameter_bytes(model),
         "bytes_per_token": per_token,
         "bandwidth_bytes_per_second": bandwidth,
+        "bandwidth_probe": PROBE,
+        "bandwidth_probe_dtype": str(dtype).removeprefix("torch."),
         "bandwidth_probe_megabytes": megabytes,
+        "copy_bandwidth_bytes_per_second": copy_bandwidth(device, megabytes),
         "limit_tokens_per_second": bandwidth / per_token,
     }
 

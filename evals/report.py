@@ -134,23 +134,55 @@ def draft_label(model: dict) -> str:
     return f"{name.removesuffix(':' + scheme)} ({scheme})"
 
 
+def subset(config: dict) -> str | None:
+    """The part of the suite a --limit / --per-category run took (`first 3 of 11`, `6 of 11, first 1 per category`);
+    None for the whole suite."""
+    run, total = config["prompts"], config.get("suite_prompts")  # (files of older versions lack the total)
+    if not (config.get("limit") or config.get("per_category")) or run == total:
+        return None
+    of = f" of {total}" if total else ""
+    if config.get("per_category"):
+        return f"{run}{of}, first {config['per_category']} per category"
+    return f"first {run}{of}"
+
+
+def suite_label(result: dict) -> str:
+    """The suite as the leaderboard shows it: `bench`, `bench (first 3 of 11)`, `bench (partial)` ..."""
+    parts = [p for p in (subset(result["config"]), "partial" if result.get("partial") else None) if p]
+    return f"{result['config']['suite']} ({', '.join(parts)})" if parts else result["config"]["suite"]
+
+
+def partial_line(result: dict) -> str | None:
+    """What an interrupted compare measured, or None for a whole run."""
+    if not result.get("partial"):
+        return None
+    measured = len({r["prompt_id"] for r in result["runs"]} | {e["prompt_id"] for e in result["errors"]})
+    return (f"partial result: interrupted (Ctrl-C) after {measured} of {result['config']['prompts']} prompts; the "
+            "round of runs it cut short is left out")
+
+
 def header_lines(result: dict) -> list[str]:
     """Where and with what the numbers were measured."""
     env, model, config, roof = result["environment"], result["model"], result["config"], result.get("roofline")
-    lines = [
+    prompts = subset(config) or f"{config['prompts']} prompts"
+    lines = [line for line in [partial_line(result)] if line] + [
         f"model: {model['name']} ({model['class']}) · draft: {draft_label(model)}",
         f"device: {env['device']} — {env['device_name']} · dtype: {env['dtype']}",
         f"torch {env['torch']} · transformers {env['transformers']} · decodekit {env['decodekit']} · "
         f"{env['date']} · host {env['host']}",
-        f"suite: {config['suite']} ({config['prompts']} prompts) · max_new_tokens: {config['max_new_tokens']} · "
+        f"suite: {config['suite']} ({prompts}) · max_new_tokens: {config['max_new_tokens']} · "
         f"repeats: {config['repeats']} · processes: {config['processes']}",
     ]
     if roof:
         fraction = f" · greedy reaches {roof['greedy_fraction']:.0%} of it" if roof.get("greedy_fraction") else ""
+        probe = f"{roof.get('bandwidth_probe', 'copy')} probe"  # (files of older versions measured a copy)
+        probe += f", {roof['bandwidth_probe_dtype']}" if roof.get("bandwidth_probe_dtype") else ""
+        copy = roof.get("copy_bandwidth_bytes_per_second")
         lines.append(
             f"roofline: {roof['bytes_per_token'] / 2**20:.1f} MiB read per token / "
-            f"{roof['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s = "
+            f"{roof['bandwidth_bytes_per_second'] / 1e9:.1f} GB/s read ({probe}) = "
             f"{roof['limit_tokens_per_second']:.1f} tok/s limit for batch-1 greedy{fraction}"
+            + (f" · copy: {copy / 1e9:.1f} GB/s read+write" if copy else "")
         )
     return lines
 
@@ -288,7 +320,7 @@ def leaderboard(results: list[dict]) -> list[dict]:
                 "speedup": s["speedup"]["mean"], "speedup_std": s["speedup"]["std"],
                 "mean_accepted": s["mean_accepted"], "acceptance_rate": s["acceptance_rate"],
                 "greedy_fraction": roof.get("greedy_fraction"), "suite": result["config"]["suite"],
-                "date": env["date"], "host": env["host"],
+                "suite_label": suite_label(result), "date": env["date"], "host": env["host"],
             })
     return rows
 
@@ -297,7 +329,7 @@ def leaderboard_cells(row: dict) -> list[str]:
     return [row["model"], row["draft"], row["device"], row["dtype"], row["strategy"], row["lossless"],
             fmt(row["tokens_per_second"], ".1f"), spread({"mean": row["speedup"], "std": row["speedup_std"]}),
             fmt(row["mean_accepted"]), fmt(row["acceptance_rate"]), fmt(row["greedy_fraction"], ".0%"),
-            row["suite"], row["date"]]
+            row["suite_label"], row["date"]]
 
 
 def leaderboard_markdown(rows: list[dict]) -> str:

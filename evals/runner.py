@@ -53,6 +53,15 @@ class CompareConfig:
         check_whole(self, max_new_tokens=1, repeats=1)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during compare's timed runs: `result` holds the rounds measured before it (marked "partial"), on the
+    main process (None on the others)."""
+
+    def __init__(self, result: dict | None) -> None:
+        super().__init__()
+        self.result = result
+
+
 def grammar_for(schema: dict | None) -> grammars.JsonSchema | None:
     """The JSON-schema constraint of a prompt's schema, or None for a prompt without one."""
     return None if schema is None else grammars.json_schema(schema)
@@ -113,7 +122,9 @@ class Comparison:
 
     def __init__(self, config: CompareConfig, has_draft: bool) -> None:
         self.config, self.has_draft = config, has_draft
-        self.prompts = suites.load(config.suite, limit=config.limit, per_category=config.per_category)
+        everything = suites.load(config.suite)
+        self.suite_size = len(everything)
+        self.prompts = suites.select(everything, limit=config.limit, per_category=config.per_category)
         self.methods, self.notes = plan(config.strategies, has_draft, config.options)
 
     @property
@@ -123,7 +134,8 @@ class Comparison:
 
     def run(self, lm: decoders.LM, draft: decoders.LM | str | None = None,
             processes: Processes | None = None) -> dict | None:
-        """Run the comparison; returns the result (see evals/README.md) on the main process, None on the others."""
+        """Run the comparison; returns the result (see evals/README.md) on the main process, None on the others.
+        Ctrl-C during the timed runs raises `Interrupted`, with the result of the rounds measured before it."""
         if draft is not None and not self.has_draft:
             raise ValueError("this comparison was planned without a draft model: Comparison(config, has_draft=True)")
         if draft is None and self.takes_draft:
@@ -184,20 +196,27 @@ class Comparison:
                    file=sys.stderr, disable=not config.progress, dynamic_ncols=True)
         runs: list[Run] = []
         errors: list[dict] = []
-        for prompt in mine:
-            for repeat in range(config.repeats):
-                for method in runs_for(prompt):
-                    bar.set_postfix_str(f"{method.name} · {prompt.id}", refresh=False)
-                    try:
-                        record = run(method, prompt, repeat, limit[prompt.id])
-                    except Exception as error:  # noqa: BLE001 - one broken method must not lose a long run
-                        errors.append({"strategy": method.name, "kind": "peer" if method.is_peer else "decodekit",
-                                       "prompt_id": prompt.id, "category": prompt.category, "repeat": repeat,
-                                       "error": f"{type(error).__name__}: {error}"})
-                    else:
-                        record.rank = processes.index
-                        runs.append(record)
-                    bar.update()
+        done = (0, 0)  # runs and errors of the finished rounds (every method on one prompt and repeat)
+        interrupted = False
+        try:
+            for prompt in mine:
+                for repeat in range(config.repeats):
+                    for method in runs_for(prompt):
+                        bar.set_postfix_str(f"{method.name} · {prompt.id}", refresh=False)
+                        try:
+                            record = run(method, prompt, repeat, limit[prompt.id])
+                        except Exception as error:  # noqa: BLE001 - one broken method must not lose a long run
+                            errors.append({"strategy": method.name, "kind": "peer" if method.is_peer else "decodekit",
+                                           "prompt_id": prompt.id, "category": prompt.category, "repeat": repeat,
+                                           "error": f"{type(error).__name__}: {error}"})
+                        else:
+                            record.rank = processes.index
+                            runs.append(record)
+                        bar.update()
+                    done = (len(runs), len(errors))
+        except KeyboardInterrupt:  # keep the finished rounds, so that every method covers the same prompts
+            interrupted = True
+            del runs[done[0]:], errors[done[1]:]
         bar.close()
 
         greedy_tokens = {(r.prompt_id, False): r.tokens for r in runs
@@ -211,14 +230,19 @@ class Comparison:
             return greedy_tokens[(prompt_id, grammar)]
 
         lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, constraints[p.id]) for p in mine})
-        gathered = processes.gather([{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes}])
-        if not processes.is_main:
-            return None
-        records = [r for part in gathered for r in part["runs"]]
-        errors = [e for part in gathered for e in part["errors"]]
-        notes = list(dict.fromkeys(n for part in gathered for n in part["notes"]))
-        return build_result(lm, label, draft, config, prompts, [m.name for m in methods], notes, records, errors,
-                            processes.count)
+        gathered = processes.gather([{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes,
+                                      "interrupted": interrupted}])
+        partial = any(part["interrupted"] for part in gathered)
+        result = None
+        if processes.is_main:
+            records = [r for part in gathered for r in part["runs"]]
+            errors = [e for part in gathered for e in part["errors"]]
+            notes = list(dict.fromkeys(n for part in gathered for n in part["notes"]))
+            result = build_result(lm, label, draft, config, prompts, [m.name for m in methods], notes, records,
+                                  errors, processes.count, suite_size=self.suite_size, partial=partial)
+        if partial:
+            raise Interrupted(result)
+        return result
 
 
 def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | str | None = None,
@@ -231,9 +255,10 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | str | N
 
 
 def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, notes, records, errors,
-                 process_count) -> dict:
+                 process_count, suite_size: int | None = None, partial: bool = False) -> dict:
     """The result document (schema in evals/README.md); `draft_name` as given ("self:int8", a name), `draft` the
-    loaded draft model (None when no method took it)."""
+    loaded draft model (None when no method took it), `suite_size` the prompts of the whole suite, `partial` whether
+    Ctrl-C ended the runs early."""
     summary = metrics.summarize(records, errors)
     quantization = None
     if draft is not None:
@@ -242,12 +267,13 @@ def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, n
         quantization = is_quantized(draft)
     result = {
         "schema": SCHEMA,
+        "partial": partial,
         "environment": environment(lm.device, lm.dtype),
         "model": {"name": lm.name, "class": type(lm.model).__name__, "draft": draft_name if draft else None,
                   "draft_quantization": quantization},
         "config": {
             "suite": config.suite, "limit": config.limit, "per_category": config.per_category, "prompts": len(prompts),
-            "categories": list(dict.fromkeys(p.category for p in prompts)),
+            "suite_prompts": suite_size, "categories": list(dict.fromkeys(p.category for p in prompts)),
             "max_new_tokens": config.max_new_tokens, "repeats": config.repeats, "chat_template": config.chat_template,
             "strategies": names, "options": {k: dict(v) for k, v in config.options.items()},
             "processes": process_count, "tie_tolerance": {str(k).removeprefix("torch."): v
@@ -261,7 +287,7 @@ def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, n
         "errors": errors,
     }
     if config.bandwidth_megabytes:
-        line = roofline(lm.model, lm.device, config.bandwidth_megabytes)
+        line = roofline(lm.model, lm.device, config.bandwidth_megabytes, lm.dtype)
         greedy = next((s for s in summary if s["strategy"] == metrics.BASELINE), None)
         speed = greedy["tokens_per_second"]["mean"] if greedy else None
         line["greedy_tokens_per_second"] = speed
