@@ -42,9 +42,9 @@ def check_models(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = N
                              "vocabulary; speculative, threshold and auto take a draft of another tokenizer "
                              "(they translate its drafts through text)") from error
     if strategy.needs_tree_mask:
-        lm.check_tree_mask()
+        lm.check_tree_mask()  # the error names it the target
     if draft is not None and strategy.draft_needs_tree_mask:
-        draft.check_tree_mask()
+        draft.check_tree_mask("draft")
 
 
 def check(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = None, has_grammar: bool = False) -> None:

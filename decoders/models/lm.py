@@ -207,8 +207,9 @@ class LM:
             return additive["sliding_attention"]
         return additive["full_attention"]
 
-    def check_tree_mask(self) -> None:
-        """Raise a clear error unless a tree-masked call scores every node exactly as its own path would.
+    def check_tree_mask(self, role: str = "target") -> None:
+        """Raise a clear error unless a tree-masked call scores every node exactly as its own path would; `role`
+        ("target" or "draft") names this model's part in the run, for the error.
 
         Probed once per LM on a short input (prefix longer than any sliding window is not needed: the window rule is
         built into the mask), because some model classes ignore or reject custom 4D masks.
@@ -217,26 +218,34 @@ class LM:
             self._tree_mask_ok = _probe_tree_mask(self)
         if self._tree_mask_ok is not True:
             raise TypeError(
-                f"{type(self.model).__name__} cannot score a token tree in one call (it {self._tree_mask_ok}); "
-                "use a chain strategy (speculative, threshold, prompt_lookup) with this model"
+                f"{role} model {self.name!r}: {type(self.model).__name__} cannot score a token tree in one call "
+                f"(it {self._tree_mask_ok}); use a chain strategy (speculative, threshold, prompt_lookup) with this "
+                "model"
             )
 
 
 def _probe_tree_mask(lm: LM) -> bool | str:
-    """True if tree-masked logits match sequential ones on a 2-branch tree, else what went wrong."""
+    """True if a tree-masked call scores each node of a 2-branch tree as plain causal calls of the same shape do (each
+    node right after its path), else what went wrong. Same shape, same cached prefix: kernels that change with the
+    number of rows (an int8 copy's `float_from`) compute both alike, so only the mask can tell them apart."""
     prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
+    a, b, c = (i % lm.vocab_size for i in (13, 17, 19))
     tree = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)  # a | b -> c
-    nodes, positions = [13, 17, 19], [4, 4, 5]
     with torch.inference_mode():
+        cache = lm.new_cache()
         try:
-            cache = lm.new_cache()
             lm.forward(prefix, cache)
-            tree_logits = lm.forward(nodes, cache, positions=positions, tree_mask=tree).float()
+            tree_logits = lm.forward([a, b, c], cache, positions=[4, 4, 5], tree_mask=tree).float()
         except Exception as error:  # noqa: BLE001 - any failure means "no tree masks", reported to the user
             return f"raised {type(error).__name__}: {error}"
-        paths = [prefix + [13], prefix + [17], prefix + [17, 19]]
-        expected = torch.stack([lm.forward(p, lm.new_cache())[-1].float() for p in paths])
-    tolerance = 1e-3 if lm.dtype == torch.float32 else 5e-2 * float(expected.abs().max())
+
+        def chain(tokens: list[int]) -> torch.Tensor:  # [3, vocab]: `tokens` after the prefix, causally
+            cache.crop(len(prefix))
+            return lm.forward(tokens, cache).float()
+
+        expected = torch.stack([chain([a, b, c])[0], *chain([b, c, a])[:2]])  # a; b then c
+    # relative to the logits' scale, far below the share of it an ignored mask moves them by
+    tolerance = (1e-3 if lm.dtype == torch.float32 else 1e-2) * float(expected.abs().max())
     if not torch.allclose(tree_logits, expected, atol=tolerance, rtol=0):
         return "ignores a custom attention mask"
     return True
