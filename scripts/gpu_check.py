@@ -1,0 +1,428 @@
+"""The one-command device check of issue 48, one part per call; scripts/gpu_check.sh runs them all in turn.
+
+    python scripts/gpu_check.py PART OUTDIR [--device cuda] [--quick] [--budget SECONDS] [--tests all|quick|none]
+
+Parts: env (versions, the GPU), curves (seconds of target and draft calls scoring 1-64 tokens, chains and trees, at
+several context lengths), greedy (decodekit's and transformers' greedy tokens/s against the bandwidth limit), compiled
+(transformers with a static cache + torch.compile, which captures CUDA graphs), tests (the tiny-model test suite on the
+device), summary (gathers the parts' OUTDIR/PART.json into OUTDIR/summary.json). The models are the zoo's target and
+draft (Qwen2.5-Coder 1.5B and 0.5B, configs in scripts/configs/) with random weights: a call's cost depends on shapes,
+not weights. Every part writes its result or its error; one failing measurement never stops the others.
+
+`to_calibration` / `save_calibration` turn a measured curve into the calibration `decoders.drafting.cost` caches, which
+`auto` and the replay tools read: `python scripts/gpu_check.py calibrate OUTDIR [--role draft]`.
+"""
+
+from __future__ import annotations
+
+import time
+
+START = time.monotonic()  # a part's --budget counts from here, its imports and model builds included
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import decoders as tokenizer_decoders
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # decodekit's packages are top-level folders of the repository
+
+try:
+    import decoders
+    from decoders.drafting import cost
+    DECODEKIT_ERROR = None
+except Exception as error:  # noqa: BLE001 - the parts that need decodekit report it, the others run
+    DECODEKIT_ERROR = f"decodekit does not import: {type(error).__name__}: {error}"
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+MODELS = {"target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b"}  # role -> config, as the zoo pairs them
+PARTS = ("env", "curves", "greedy", "compiled", "tests")
+QUICK_TESTS = ("tests/test_cache.py", "tests/test_greedy.py")
+PACKAGES = ("torch", "transformers", "accelerate", "tokenizers", "numpy", "outlines", "outlines-core", "llguidance",
+            "jsonschema", "pydantic", "gguf", "pytest", "pytest-xdist")  # versions env reports
+# (full, quick) settings: quick is for a CPU, where a real-width call of 64 tokens takes seconds
+SIZES = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64), (1, 2, 4, 8))  # tokens scored in one call
+CONTEXTS = ((128, 512, 2048), (16, 64))  # cached positions before the call
+REPEATS = (5, 2)  # timed calls per point after an untimed one, keeping the fastest and the median
+PROMPT, NEW_TOKENS = (128, 32), (128, 8)  # greedy runs: prompt length, tokens generated
+QUICK_LAYERS, QUICK_VOCAB = 2, 16384  # --quick keeps the hidden widths and cuts the depth and the vocabulary (whose
+# random init takes a CPU seconds): it checks that every part runs, its timings tell nothing
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in memory (tests/conftest.py's, smaller): `wrap` needs one, the timing only
+    token ids; ids past its vocabulary decode to nothing."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizer_decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def fibonacci(n):\n    return n", "The quick brown fox jumps over a lazy dog."], trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def build(role: str, device: str, quick: bool) -> decoders.LM:
+    """The zoo model of `role` with random bfloat16 weights, made on `device` directly."""
+    config = json.loads((CONFIGS / f"{MODELS[role]}.json").read_text())
+    if quick:
+        config.update(num_hidden_layers=QUICK_LAYERS, max_window_layers=QUICK_LAYERS, vocab_size=QUICK_VOCAB,
+                      bos_token_id=QUICK_VOCAB - 1, eos_token_id=QUICK_VOCAB - 1)  # (ids inside the vocabulary)
+    config = transformers.AutoConfig.for_model(**config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return decoders.wrap(model, tiny_tokenizer(), name=f"random:{MODELS[role]}")
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decoding step reads: every parameter once (tied ones once), but an input embedding that is
+    not also the output head, of which a step reads one row."""
+    embedding = model.get_input_embeddings().weight
+    tied = embedding.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    unique = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(unique.values()) - (0 if tied else embedding.numel() * embedding.element_size())
+
+
+def attempt(function, *args) -> dict:
+    """`function(*args)`, or its error and traceback's end, so one failure leaves the other measurements standing."""
+    try:
+        return function(*args)
+    except Exception as error:  # noqa: BLE001 - any failure is a result to report
+        return {"error": f"{type(error).__name__}: {error}"[:2000], "traceback": traceback.format_exc()[-3000:]}
+
+
+def timed(lm: decoders.LM, function) -> float:
+    """Seconds `function()` takes on the device: synchronized before both clock reads (CUDA runs asynchronously)."""
+    lm.synchronize()
+    start = time.perf_counter()
+    function()
+    lm.synchronize()
+    return time.perf_counter() - start
+
+
+def tree(n: int, context: int) -> tuple[torch.Tensor, list[int]]:
+    """A binary tree of n nodes (node i's parent (i - 1) // 2) as `LM.forward` takes it: [n, n] ancestor-or-self mask,
+    positions after `context`."""
+    parents = [(i - 1) // 2 for i in range(n)]
+    mask, depth = torch.eye(n, dtype=torch.bool), [0] * n
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+        depth[i] = depth[parents[i]] + 1
+    return mask, [context + d for d in depth]
+
+
+def curve(lm: decoders.LM, quick: bool, deadline: float) -> dict:
+    """Seconds of calls scoring n tokens (logits of every one: a target checking a draft) after L cached positions,
+    causal chains and trees, each the fastest and the median of REPEATS timed calls; stops at `deadline`."""
+    sizes, contexts, repeats = SIZES[quick], CONTEXTS[quick], REPEATS[quick]
+    ids = [(7 * i + 3) % lm.vocab_size for i in range(max(16, *sizes))]
+    points, stopped = [], None
+    with torch.inference_mode():
+        cache = lm.new_cache()
+        lm.forward(ids[:16], cache, keep=1)  # a cache whose keys `cost._resize` tiles to each context length
+        for context in contexts:
+            for n in sizes:
+                for shape in ("chain", "tree") if n > 1 else ("chain",):
+                    if time.monotonic() > deadline:
+                        stopped = stopped or f"time budget spent before n={n}, context={context}, {shape}"
+                        continue
+                    mask, positions = tree(n, context) if shape == "tree" else (None, None)
+
+                    def call():
+                        cost._resize(cache, context)  # (the cache grew by the last call's n)
+                        lm.forward(ids[:n], cache, positions=positions, tree_mask=mask, keep=n)
+
+                    call()  # untimed: a new shape's first call picks its kernels
+                    times = sorted(timed(lm, call) for _ in range(repeats))
+                    points.append({"n": n, "context": context, "shape": shape, "seconds": times[0],
+                                   "median": times[len(times) // 2]})
+    return {"model": lm.name, "layers": lm.config.num_hidden_layers, "weight_bytes": weight_bytes(lm.model),
+            "measured": time.time(), "points": points, "stopped": stopped}
+
+
+def to_calibration(curve: dict, role: str = "target") -> dict:
+    """A measured curve as decodekit's calibration of that model (`CallCost.to_dict`): `cost.fit` over its chain calls
+    at the sizes calibration measures in `role`, every context length measured."""
+    sizes = cost.TARGET_SIZES if role == "target" else cost.DRAFT_SIZES
+    points = [p for p in curve["points"] if p["shape"] == "chain" and p["n"] in sizes]
+    samples = [(p["n"], p["context"], p["seconds"]) for p in points]
+    fitted = cost.fit(samples, tuple(sorted({n for n, _, _ in samples})))
+    # when and how noisily measured, as `cost.call_cost` records it: the median point's median over its fastest
+    fitted.measured = curve.get("measured")
+    fitted.noise = statistics.median(p["median"] / p["seconds"] - 1 for p in points)
+    return fitted.to_dict()
+
+
+def save_calibration(curve: dict, lm: decoders.LM, role: str = "target", folder: Path | None = None) -> Path:
+    """Write `curve` as `lm`'s cached calibration in `role`, the file `cost.call_cost` reads (and so `auto` and the
+    replay tools): keyed by `lm` as loaded here (its dtype, device, thread count), costed as the curve measured."""
+    room = (lm.context_length or math.inf) - cost.SHORT  # the sizes `cost.call_cost` keys by: keep in step with it
+    sizes = tuple(n for n in (cost.TARGET_SIZES if role == "target" else cost.DRAFT_SIZES) if n == 1 or n <= room)
+    key = cost.calibration_key(lm, role, sizes)
+    path = cost.cache_file(key, folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": cost.VERSION, "key": key, "cost": to_calibration(curve, role)}, indent=1))
+    return path
+
+
+def read_bandwidth(device: str, quick: bool) -> dict:
+    """Bytes per second the device reads: the best of several read-only passes over a buffer far larger than any cache,
+    a sum (float32) and a bfloat16 matrix-vector product, as a decoding step reads its weights."""
+    elements = (1 << 30) if torch.device(device).type == "cuda" else (1 << 24)  # of float32: 4 GiB on a GPU (its
+    # L2 holds 50 MB), 64 MiB on a CPU; the matrix half that, in bfloat16
+    side = int(math.isqrt(elements))
+    result = {}
+    for name, buffer, pass_ in (
+        ("sum_float32", torch.rand(elements, device=device), lambda b: b.sum()),
+        ("matvec_bfloat16", torch.rand(side, side, device=device, dtype=torch.bfloat16),
+         lambda b: b @ torch.ones(side, device=device, dtype=torch.bfloat16)),
+    ):
+        seconds = []
+        for _ in range(3 if quick else 10):
+            decoders.models.lm.synchronize(torch.device(device))
+            start = time.perf_counter()
+            pass_(buffer)
+            decoders.models.lm.synchronize(torch.device(device))
+            seconds.append(time.perf_counter() - start)
+        result[name] = buffer.numel() * buffer.element_size() / min(seconds)
+        del buffer
+    result["bytes_per_second"] = max(result.values())
+    return result
+
+
+class StepClock:
+    """A transformers streamer that reads the clock at each token `generate` emits (synchronizing first, as decodekit
+    does after each step): times[0] at the prompt, times[1] at the first new token."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+
+    def put(self, value) -> None:
+        decoders.models.lm.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_greedy(lm: decoders.LM, prompt: list[int], new: int, **options) -> dict:
+    """transformers' greedy `generate` of exactly `new` tokens: its seconds, first-token latency, decoding tokens/s."""
+    ids = torch.tensor([prompt], device=lm.device)
+    clock = StepClock(lm.device)
+    with torch.inference_mode():
+        lm.synchronize()
+        start = time.perf_counter()
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                                min_new_tokens=new, pad_token_id=0, streamer=clock, **options)
+        lm.synchronize()
+        seconds = time.perf_counter() - start
+    tokens = out[0, len(prompt):].tolist()
+    return {"tokens": len(tokens), "seconds": seconds, "ttft_seconds": clock.times[1] - start,
+            "decode_tokens_per_second": (len(tokens) - 1) / (clock.times[-1] - clock.times[1]), "ids": tokens}
+
+
+def decodekit_greedy(lm: decoders.LM, prompt: list[int], new: int) -> dict:
+    """decodekit's `greedy` strategy on the same prompt, as `hf_greedy` reports it."""
+    result = decoders.generate(lm, prompt, strategy="greedy", max_new_tokens=new)
+    stats = result.stats
+    return {"tokens": stats.new_tokens, "seconds": stats.seconds, "ttft_seconds": stats.ttft_seconds,
+            "decode_tokens_per_second": (stats.new_tokens - 1) / (stats.seconds - stats.ttft_seconds),
+            "finish_reason": result.finish_reason, "ids": result.tokens}
+
+
+def compare(lm: decoders.LM, quick: bool, runs: dict) -> dict:
+    """Run each of `runs` (name -> function(lm, prompt, new)) once to warm up and once timed; their tokens/s against the
+    bandwidth limit, and how many leading tokens each shares with the first run's (greedy is greedy)."""
+    prompt = [(5 * i + 11) % lm.vocab_size for i in range(PROMPT[quick])]
+    results = {}
+    for name, run in runs.items():
+        attempt(run, lm, prompt, 4)  # warm-up: kernels chosen, memory pooled
+        results[name] = attempt(run, lm, prompt, NEW_TOKENS[quick])
+    first = next((r["ids"] for r in results.values() if "ids" in r), [])
+    for r in results.values():
+        if "ids" in r:
+            ids = r.pop("ids")
+            r["same_leading_tokens"] = next((i for i, (a, b) in enumerate(zip(ids, first)) if a != b), len(ids))
+    return results
+
+
+def part_env(args) -> dict:
+    device = torch.device(args.device)
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cuda": torch.version.cuda, "device": args.device, "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info.update(gpu=properties.name, gpu_memory_bytes=properties.total_memory,
+                    multiprocessors=properties.multi_processor_count)
+    info["packages"] = {name: _version(name) for name in PACKAGES}
+    info["import_decoders"] = {"error": DECODEKIT_ERROR} if DECODEKIT_ERROR else {"ok": decoders.__file__}
+    for module in ("grammars", "samplers", "evals"):  # decodekit's packages beside `decoders`, with their dependencies
+        info[f"import_{module}"] = attempt(lambda m: {"ok": __import__(m).__file__}, module)
+    return info
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def part_curves(args) -> dict:
+    deadline = START + args.budget
+
+    def measure(role: str) -> dict:
+        result = curve(build(role, args.device, args.quick), args.quick, deadline)
+        result["calibration"] = attempt(to_calibration, result, role)  # `CallCost.to_dict`, for `auto`'s planning
+        return result
+
+    return {role: attempt(measure, role) for role in MODELS}
+
+
+def part_greedy(args) -> dict:
+    result = {"bandwidth": attempt(read_bandwidth, args.device, args.quick)}
+    bandwidth = result["bandwidth"].get("bytes_per_second")
+    for role in MODELS:
+        def measure(role):
+            lm = build(role, args.device, args.quick)
+            runs = compare(lm, args.quick, {"decodekit": decodekit_greedy, "transformers_eager": hf_greedy})
+            limit = bandwidth / weight_bytes(lm.model) if bandwidth else None
+            for r in runs.values():
+                if limit and "decode_tokens_per_second" in r:
+                    r["share_of_limit"] = r["decode_tokens_per_second"] / limit
+            return {"model": lm.name, "weight_bytes": weight_bytes(lm.model), "limit_tokens_per_second": limit,
+                    "runs": runs}
+        result[role] = attempt(measure, role)
+    return result
+
+
+def part_compiled(args) -> dict:
+    if torch.device(args.device).type != "cuda":
+        return {"skipped": "graph capture (static cache + torch.compile mode 'reduce-overhead', CUDA graphs) needs a "
+                           f"CUDA device; skipped on {args.device}"}
+    lm = build("target", args.device, args.quick)
+    prompt = [(5 * i + 11) % lm.vocab_size for i in range(PROMPT[args.quick])]  # as `compare`'s, for its tokens
+    new = NEW_TOKENS[args.quick]  # the first call compiles and captures for this static cache's length: the timed
+    # call must keep it, or it compiles again
+    first = attempt(hf_greedy, lm, prompt, new, cache_implementation="static")
+    run = attempt(hf_greedy, lm, prompt, new, cache_implementation="static")
+    run.pop("ids", None)
+    return {"model": lm.name, "first_call_seconds": first.get("seconds"), "first_call_error": first.get("error"),
+            "run": run, "dynamo_stats": dict(torch._dynamo.utils.counters["stats"])}  # graphs compiled, calls captured
+
+
+def part_tests(args) -> dict:
+    if args.tests == "none":
+        return {"skipped": "--tests none"}
+    record = Path(tempfile.mkdtemp()) / "tests.jsonl"
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "not real_model", "-p", "no:cacheprovider",
+               "-p", "pytest_record", *(QUICK_TESTS if args.tests == "quick" else ())]
+    # tiny models leave a GPU mostly idle: four test processes share it where pytest-xdist is installed
+    workers = 4 if torch.device(args.device).type == "cuda" and importlib.util.find_spec("xdist") else 0
+    command += ["-n", str(workers)] if workers else []
+    env = dict(os.environ, DECODEKIT_TEST_DEVICE=args.device, GPU_CHECK_RECORD=str(record),
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, timed_out = process.communicate(timeout=max(1.0, START + args.budget - time.monotonic()))[0], False
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the session: xdist's workers too
+        output, timed_out = process.communicate()[0], True
+    rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+    collected = next((row["collected"] for row in rows if "collected" in row), None)
+    rows = [row for row in rows if "outcome" in row]
+    counts = {}
+    for row in rows:
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    return {"command": " ".join(command[1:]), "returncode": process.returncode, "timed_out": timed_out,
+            "workers": workers, "collected": collected, "counts": counts,
+            "failures": [row for row in rows if row["outcome"] in ("failed", "error")], "output_tail": output[-3000:]}
+
+
+def part_summary(args) -> dict:
+    """Every part's file, with the exit status the shell script saw (`--rc part=status`)."""
+    statuses = {part: int(status) for part, status in (item.split("=", 1) for item in args.rc)}
+    why = {-1: "not run: the check's total time was spent", 124: "killed at its time limit", 137: "killed"}
+    summary = {}
+    for part in PARTS:
+        path, status = args.outdir / f"{part}.json", statuses.get(part)
+        entry = json.loads(path.read_text()) if path.exists() else {
+            "error": f"no output: {why.get(status, f'exit status {status}')} (see gpu_check.log)"}
+        if status is not None:
+            entry["exit_status"] = status
+        summary[part] = entry
+    return {"parts": summary, "headline": headline(summary)}
+
+
+def headline(parts: dict) -> dict:
+    """The few numbers to read first."""
+    tests = parts["tests"].get("result", {})
+    line = {"tests": tests.get("counts") or tests.get("skipped") or parts["tests"].get("error")}
+    greedy = parts["greedy"].get("result", {})
+    line["read_bytes_per_second"] = greedy.get("bandwidth", {}).get("bytes_per_second")
+    for role in MODELS:
+        runs = greedy.get(role, {}).get("runs", {})
+        line[f"{role}_tokens_per_second"] = {n: r.get("decode_tokens_per_second") for n, r in runs.items()}
+        line[f"{role}_limit_tokens_per_second"] = greedy.get(role, {}).get("limit_tokens_per_second")
+    compiled = parts["compiled"].get("result", {})
+    line["compiled"] = compiled.get("skipped") or compiled.get("run", {}).get("decode_tokens_per_second") or \
+        compiled.get("run", {}).get("error") or parts["compiled"].get("error")
+    return line
+
+
+def part_calibrate(args) -> dict:
+    """Write the `--role` curve of OUTDIR/curves.json as the calibration of the zoo model it stands for (or `--model`),
+    loaded here as the replay tools load it (bfloat16, this machine's device and threads)."""
+    curves = json.loads((args.outdir / "curves.json").read_text())["result"]
+    lm = decoders.load(args.model or f"zoo:{MODELS[args.role]}", dtype="bfloat16")
+    return {"written": str(save_calibration(curves[args.role], lm, args.role))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=(*PARTS, "summary", "calibrate"))
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer layers, tokens, sizes: a smoke run on a CPU")
+    parser.add_argument("--budget", type=float, default=120.0, help="seconds this part may measure for")
+    parser.add_argument("--tests", choices=("all", "quick", "none"), default="all")
+    parser.add_argument("--rc", action="append", default=[], help="summary: PART=EXIT_STATUS")
+    parser.add_argument("--role", choices=tuple(MODELS), default="target", help="calibrate: which curve")
+    parser.add_argument("--model", help="calibrate: the model it stands for (default: the zoo's of that role)")
+    args = parser.parse_args()
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    if args.part in ("summary", "calibrate"):
+        result = globals()[f"part_{args.part}"](args)
+        if args.part == "summary":
+            (args.outdir / "summary.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result.get("headline", result), indent=1))
+        return
+    start = time.perf_counter()
+    entry = {"part": args.part, "device": args.device, "quick": args.quick, "budget": args.budget}
+    if DECODEKIT_ERROR and args.part in ("curves", "greedy", "compiled"):
+        entry["error"] = DECODEKIT_ERROR
+    else:
+        entry.update(attempt(lambda: {"result": globals()[f"part_{args.part}"](args)}))
+    entry["seconds"] = time.perf_counter() - start
+    (args.outdir / f"{args.part}.json").write_text(json.dumps(entry, indent=1))
+    print(f"{args.part}: {'error: ' + entry['error'] if 'error' in entry else 'done'} in {entry['seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
