@@ -3,9 +3,9 @@
     lm = decoders.load("zoo:smollm2-135m")
     result = decoders.generate(lm, "The capital of France is", strategy="greedy", max_new_tokens=32)
 
-Layout: strategies/ holds one file per strategy (the place to add one); drafting/ the draft-then-verify machinery
-they share; models/ the model wrapper, cache, zoo and quantization; base.py, driver.py, registry.py and
-capabilities.py the run itself.
+Layout: strategies/ holds one file per strategy (the place to add one); proposers/ one file per source of guesses,
+shared by those strategies and `auto`; drafting/ the draft-then-verify machinery they share; models/ the model
+wrapper, cache, zoo and quantization; base.py, driver.py, registry.py and capabilities.py the run itself.
 """
 
 from decoders.base import Chunk, DecodeState, Decoder, Result, Stats

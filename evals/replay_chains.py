@@ -35,9 +35,10 @@ from decoders.driver import resolve_draft  # noqa: E402
 from decoders.drafting import Draft  # noqa: E402
 from decoders.drafting.chooser import Chooser, ChooserOptions  # noqa: E402
 from decoders.drafting.cost import calibrate  # noqa: E402
+from decoders.drafting.draft_model import SELF_ACCEPTANCE  # noqa: E402
 from decoders.models.quantize import Int8Linear  # noqa: E402
 from decoders.strategies.auto import AutoOptions, expect_draft  # noqa: E402
-from decoders.strategies.speculative import ACCEPTANCE, SELF_ACCEPTANCE, SpeculativeOptions, default_k  # noqa: E402
+from decoders.strategies.speculative import ACCEPTANCE, SpeculativeOptions, default_k  # noqa: E402
 from decoders.strategies.threshold import ThresholdOptions, adapt_threshold  # noqa: E402
 from evals import methods  # noqa: E402
 from evals.replay_drafts import Tally, accepted, load_prompts, print_table  # noqa: E402

@@ -375,7 +375,7 @@ def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_wher
             return chooser.Plan(None, 0, 1.0, 1.0)  # a plain step, which the window may ride
         return chooser.Plan("lookahead", len(ahead.accept), 1.0, 1.0)
 
-    from decoders.strategies.lookahead import LookaheadDrafter
+    from decoders.proposers.lookahead import LookaheadDrafter
 
     update = LookaheadDrafter.update
 
@@ -402,7 +402,7 @@ def test_the_window_rides_along_only_while_lookaheads_guesses_pay_for_its_rides(
     """The window's rides may cost at most one plain step more than the target calls lookahead's guesses saved: where
     its guesses give nothing (here: never taken), it rides until then and no further."""
     from decoders.drafting.cost import CostModel
-    from decoders.strategies.lookahead import LookaheadDrafter
+    from decoders.proposers.lookahead import LookaheadDrafter
 
     windows, update = [], LookaheadDrafter.update
 

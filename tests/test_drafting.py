@@ -76,7 +76,7 @@ def test_prompt_lookup_copies_from_the_prompt():
 def test_prompt_lookup_tells_how_long_its_match_is():
     """`lookup_with_match`: lookup's chain, and how many tokens before it agree with the context's last ones - from the
     n-gram it found back as far as they agree, at most `longest` (what `auto` judges its chains by)."""
-    from decoders.strategies.prompt_lookup import lookup, lookup_with_match
+    from decoders.proposers.lookup import lookup, lookup_with_match
 
     tokens = [7, 5, 1, 2, 3, 4, 6, 7, 5, 1, 2, 3]  # [1, 2, 3] seen before, and the 2 tokens before it as well
     assert lookup_with_match(tokens, 3, 3, 1) == ([4, 6, 7], 5)  # (its 7 is the context's first token: no more)

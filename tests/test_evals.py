@@ -534,7 +534,7 @@ def test_the_chain_replays_auto_expects_the_targets_own_int8_copy_to_agree_as_au
     `auto`'s rule takes 288."""
     from decoders.drafting.chooser import ChooserOptions
     from decoders.drafting.cost import CallCost, CostModel
-    from decoders.strategies.speculative import SELF_ACCEPTANCE
+    from decoders.drafting.draft_model import SELF_ACCEPTANCE
     from evals.replay_chains import Auto
 
     cost = CostModel(CallCost((1,), (1.0,)), CallCost((1,), (0.25,)))

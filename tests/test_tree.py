@@ -16,10 +16,10 @@ import decoders
 import grammars
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.driver import _prepare
-from decoders.strategies.lookahead import NgramPool, prefix_tree, window_mask
 from decoders.drafting import Draft, Window
 from decoders.drafting.grammar import restrict_to_grammar
 from decoders.drafting.tree import ancestry, common, first_branch, merge, score_tree
+from decoders.proposers.lookahead import NgramPool, prefix_tree, window_mask
 from samplers import SamplingConfig, make_generator
 from samplers.verify import tree_children, verify_tree_greedy, verify_tree_sampling
 from stats import chi_square_fits
@@ -306,11 +306,11 @@ def test_staged_expands_two_leaves_a_call_only_where_the_draft_scores_two_tokens
     """width=None follows the draft's calibrated costs: a bfloat16 draft's 2-token call cost 2.5% more than its
     1-token call here, its int8 copy's 10-18% more; a frontier of 2 leaves per call pays only on the former."""
     from decoders.drafting.cost import CallCost
-    from decoders.strategies import staged
+    from decoders.proposers import draft_tree
 
-    monkeypatch.setattr(staged, "call_cost", lambda lm, role: CallCost((1, 2), (0.1, 0.1 * (1 + second_token))))
+    monkeypatch.setattr(draft_tree, "call_cost", lambda lm, role: CallCost((1, 2), (0.1, 0.1 * (1 + second_token))))
     widths = []
-    monkeypatch.setattr(staged, "grow_tree", lambda model, state, o, limit, lower: widths.append(o.width) or [None])
+    monkeypatch.setattr(draft_tree, "grow_tree", lambda model, state, o, limit, lower: widths.append(o.width) or [None])
     lm = tiny_lm("llama")
     decoders.generate(lm, PROMPTS[0], strategy="staged", draft=lm, max_new_tokens=3)
     decoders.generate(lm, PROMPTS[0], strategy="staged", draft=lm, max_new_tokens=3, width=3)
@@ -319,13 +319,13 @@ def test_staged_expands_two_leaves_a_call_only_where_the_draft_scores_two_tokens
 
 def test_staged_lower_stage_saves_draft_calls(monkeypatch):
     """When the n-gram stage proposes what the draft model would say, its chain is accepted in one draft call."""
-    from decoders.strategies import staged
+    from decoders.proposers import draft_tree
 
     lm = tiny_lm("gpt2")
     prompt = lm.encode(PROMPTS[3])
     future = decoders.generate(lm, prompt, max_new_tokens=60).tokens  # what lm, the draft here, says greedily
     oracle = lambda tokens, k, max_ngram, min_ngram: future[len(tokens) - len(prompt):][:k]  # noqa: E731
-    monkeypatch.setattr(staged, "lookup", oracle)
+    monkeypatch.setattr(draft_tree, "lookup", oracle)
     runs = {ngram: decoders.generate(lm, prompt, strategy="staged", draft=lm, max_new_tokens=40, ngram=ngram,
                                      max_depth=6, lower="lookup") for ngram in (0, 3)}
     assert runs[0].tokens == runs[3].tokens == future[:40]
@@ -336,7 +336,7 @@ def test_staged_suffix_lower_stage_drafts_from_the_runs_suffix_index(monkeypatch
     """The default lower stage asks the run's suffix index (holding the prompt and the output so far) and follows
     the main branch of its tree."""
     from decoders.drafting.suffix_index import SuffixDraft
-    from decoders.strategies import staged
+    from decoders.proposers import draft_tree
 
     lm = tiny_lm("llama")
     prompt = lm.encode(PROMPTS[3])
@@ -348,7 +348,7 @@ def test_staged_suffix_lower_stage_drafts_from_the_runs_suffix_index(monkeypatch
         chain = future[len(context) - len(prompt):][:limit]
         return SuffixDraft([*chain, 7], [*range(-1, len(chain) - 1), -1], [1.0] * len(chain) + [0.1], 3)
 
-    monkeypatch.setattr(staged, "propose", oracle)
+    monkeypatch.setattr(draft_tree, "propose", oracle)
     runs = {ngram: decoders.generate(lm, prompt, strategy="staged", draft=lm, max_new_tokens=40, ngram=ngram,
                                      max_depth=6) for ngram in (0, 3)}  # ngram=0: no lower stage
     assert runs[0].tokens == runs[3].tokens == future[:40]
@@ -376,7 +376,7 @@ def test_sampling_mode_first_token_follows_the_target_distribution(strategy, mon
     if strategy == "staged":
         options = dict(draft=near_draft(), branching=3, min_prob=0.0, expand_prob=0.0, max_depth=3)
     else:
-        from decoders.strategies.lookahead import NgramPool
+        from decoders.proposers.lookahead import NgramPool
 
         likeliest = [(t, 5) for t in target.topk(3).indices.tolist()]
         monkeypatch.setattr(NgramPool, "candidates", lambda self, before, key, count: likeliest)

@@ -144,6 +144,10 @@ class DraftModel:
         self.cache.crop(min(len(self.cache), len(self.state.tokens) - 1))
 
 
+SELF_ACCEPTANCE = 0.98  # the acceptance expected of the target's own quantized copy (`SharedCacheDraft`), which agreed
+# with it at every position measured (`speculative`'s k and `auto`'s prior plan for it)
+
+
 class SharedCacheDraft(DraftModel):
     """The target's own quantized copy (`decoders.quantize`, "self:int8"), drafting on the target's KV cache.
 

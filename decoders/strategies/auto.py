@@ -48,16 +48,15 @@ from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_mode
 from decoders.drafting.chooser import Candidate, Chooser, Curves, Plan, at_least, expected_tokens, given_above, union
 from decoders.drafting.copies import drafting_model
 from decoders.drafting.cost import RunningMean, calibrate
-from decoders.drafting.draft_model import SharedCacheDraft
+from decoders.drafting.draft_model import SELF_ACCEPTANCE, SharedCacheDraft
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
 from decoders.drafting.tree import common, depth, depths, first_branch, levels_above, merge, per_level
 from decoders.models.lm import LM
 from decoders.options import check_whole
+from decoders.proposers.draft_tree import StagedOptions, TreeDrafter, frontier_width
+from decoders.proposers.lookahead import LookaheadDrafter, LookaheadOptions
+from decoders.proposers.lookup import PromptLookupOptions, lookup_with_match
 from decoders.registry import register
-from decoders.strategies.lookahead import LookaheadDrafter, LookaheadOptions
-from decoders.strategies.prompt_lookup import PromptLookupOptions, lookup_with_match
-from decoders.strategies.speculative import SELF_ACCEPTANCE
-from decoders.strategies.staged import StagedOptions, TreeDrafter, frontier_width
 
 
 LOOKUP = PromptLookupOptions()  # auto's prompt lookup matches n-grams as `prompt_lookup` does by default
@@ -159,7 +158,7 @@ class AutoDrafter:
             expect_draft(self.chooser, self.shares_cache)
         self.tree: TreeDrafter | None = None  # the draft model's trees: on its own cache (not the target's, which a
         # self draft shares and a tree would fill with nodes), in its own vocabulary, both models taking tree masks,
-        # as wide as `staged` grows them for this draft's measured costs (`staged.frontier_width`). Where a 2-token
+        # as wide as `staged` grows them for this draft's measured costs (`draft_tree.frontier_width`). Where a 2-token
         # draft call costs more (an int8 draft on a CPU), that is width 1: the draft's chain, grown best-first while
         # likely enough, with the suffix index's chain checked in the same calls (as much as pays). Offering those as
         # well, auto's seconds on mixed (one prompt per category, int8 0.5B draft of the 1.5B, AMD EPYC) went 29.0 ->

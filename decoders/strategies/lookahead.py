@@ -1,138 +1,14 @@
 """`lookahead`: lookahead decoding - no draft model; the target guesses n-grams and checks them in the same call.
 
-Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". Each target call scores,
-after the uncached tail, two branches side by side under one mask (`decoders.drafting.tree.score_tree`):
-
-- the **verification branch**: up to `guesses` candidate n-grams (N - 1 tokens each) from an n-gram pool that
-  continue the last accepted token, merged into a prefix tree and verified like any draft (source "lookahead");
-- the **lookahead branch**: a Jacobi window of `window` (W) columns and up to N - 1 levels, level l holding the l-th
-  latest Jacobi iteration's guesses for the W positions from l on. Token (l, j) sits at offset l + j after the last
-  accepted token and sees level 0 up to column j, then column j up to level l: one trajectory of guesses. The
-  target's predictions after the top level give the next level; once all levels are filled, each column's
-  trajectory plus that prediction is an N-gram for the pool.
-
-The pool is seeded with the prompt's n-grams and also learns the accepted text's (so copied text is found as prompt
-lookup finds it); n-grams whose token before the key matches too are tried first. Candidates are deterministic, so
-they are one-hot drafts for the verifier, exact in both modes.
-
-Defaults are for a CPU, where a forward pass of 16 tokens costs 1.2-2x one token's (not about the same, as on a GPU):
-a small window and few guesses, see `LookaheadOptions`.
+Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". The Jacobi window, the
+n-gram pool and the measured defaults: `decoders.proposers.lookahead`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
-from decoders.base import DecodeState
-from decoders.drafting import Draft, DraftVerify, Window
-from decoders.drafting.tree import merge
-from decoders.options import check_whole
+from decoders.drafting import DraftVerify
+from decoders.proposers.lookahead import LookaheadDrafter, LookaheadOptions
 from decoders.registry import register
-
-
-@dataclass(frozen=True)
-class LookaheadOptions:
-    """Options of `lookahead`. Defaults measured on qwen2.5-coder-1.5b, bfloat16, 2-core CPU, where a call of 16
-    tokens costs 1.2-1.5x one token's and 32 tokens 1.6-2.2x: W=2, N=4, G=4 (at most 1 + 12 + 6 = 19 tokens a call)
-    gave the most tokens per second among W in 0..3, N in 3..5, G in 2..8. Without the window (W=0) code generation
-    gets 1.31 tokens per call instead of 1.60; wider windows, longer n-grams or more guesses cost more than they add.
-    """
-
-    window: int = 2  # W: Jacobi window columns (0 = no window: candidates come from the prompt and the text only)
-    ngram: int = 4  # N: n-gram size; the window has N - 1 levels, candidates are N - 1 tokens
-    guesses: int = 4  # G: candidate n-grams verified per call (and kept per key in the pool)
-
-    def __post_init__(self):
-        check_whole(self, window=0, ngram=2, guesses=1)
-
-
-class NgramPool:
-    """Continuations (N - 1 tokens) keyed by the token before them, and by the two tokens before them."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size  # the most continuations kept per key, most recent first
-        self.by_token: dict[int, list[tuple[int, ...]]] = {}
-        self.by_pair: dict[tuple[int, int], list[tuple[int, ...]]] = {}
-
-    def add(self, before: int | None, key: int, continuation: tuple[int, ...]) -> None:
-        """Remember that `continuation` followed `key` (itself after `before`, if known)."""
-        for table, index in ((self.by_token, key), (self.by_pair, (before, key))):
-            if index == (None, key):
-                continue
-            known = table.setdefault(index, [])
-            if continuation in known:
-                known.remove(continuation)
-            known.insert(0, continuation)
-            del known[self.size:]
-
-    def add_text(self, tokens: list[int], n: int, start: int = 0) -> None:
-        """Add every n-gram of `tokens` that ends at index >= start + n - 1, in order (so later ones rank first)."""
-        for i in range(max(start, 0), len(tokens) - n + 1):
-            self.add(tokens[i - 1] if i else None, tokens[i], tuple(tokens[i + 1: i + n]))
-
-    def candidates(self, before: int, key: int, count: int) -> list[tuple[int, ...]]:
-        """Up to `count` continuations of `key`: those also matching `before` first."""
-        found = self.by_pair.get((before, key), []) + self.by_token.get(key, [])
-        return list(dict.fromkeys(found))[:count]
-
-
-def prefix_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
-    """Merge token sequences into a tree: (tokens, parents) in topological order, shared prefixes stored once."""
-    tree = merge([Draft(list(candidate)) for candidate in candidates])
-    return tree.tokens, tree.parents
-
-
-def window_mask(levels: int, width: int) -> torch.Tensor:
-    """[levels * width, levels * width] bool: token (l, j) sees (0, j') for j' <= j and (l', j) for 1 <= l' <= l."""
-    rows = []
-    for level in range(levels):
-        for column in range(width):
-            seen = {*range(column + 1), *(other * width + column for other in range(1, level + 1))}
-            rows.append([j in seen for j in range(levels * width)])
-    return torch.tensor(rows, dtype=torch.bool).reshape(levels * width, levels * width)
-
-
-class LookaheadDrafter:
-    """One run's Jacobi window and n-gram pool."""
-
-    def __init__(self, state: DecodeState, options: LookaheadOptions) -> None:
-        self.options = o = options
-        self.pool = NgramPool(o.guesses)
-        self.pool.add_text(state.tokens, o.ngram)
-        prompt = state.tokens
-        self.levels = [[prompt[(7 * j + 1) % len(prompt)] for j in range(o.window)]] if o.window else []
-        self.seen = len(state.tokens)  # tokens already added to the pool
-        self.last = state.tokens[-1]
-
-    def propose(self, state: DecodeState, limit: int) -> Draft:
-        o, tokens = self.options, state.tokens
-        self.last = tokens[-1]  # the token this proposal continues
-        before = tokens[-2] if len(tokens) > 1 else None
-        guesses = [c[:limit] for c in self.pool.candidates(before, tokens[-1], o.guesses)] if limit > 0 else []
-        nodes, parents = prefix_tree([g for g in guesses if g])
-        window = None
-        fits = state.lm.context_length is None or len(tokens) + o.window + o.ngram < state.lm.context_length
-        if self.levels and fits:
-            width = len(self.levels[0])
-            offsets = [level + column for level in range(len(self.levels)) for column in range(width)]
-            window = Window(sum(self.levels, []), offsets, window_mask(len(self.levels), width))
-        return Draft(nodes, None, parents, source="lookahead", window=window)
-
-    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        o = self.options
-        if draft.window is not None and draft.window.logits is not None:
-            width = len(self.levels[0])
-            top = draft.window.logits[-width:].argmax(dim=-1).tolist()  # the next Jacobi iteration's guesses
-            if len(self.levels) == o.ngram - 1:  # every column is a full trajectory: N-grams for the pool
-                for column in range(width):
-                    gram = [level[column] for level in self.levels] + [top[column]]
-                    self.pool.add(self.levels[0][column - 1] if column else self.last, gram[0], tuple(gram[1:]))
-                self.levels.pop(0)
-            self.levels.append(top)
-        self.pool.add_text(state.tokens, o.ngram, start=self.seen - o.ngram + 1)
-        self.seen = len(state.tokens)
 
 
 @register("lookahead")

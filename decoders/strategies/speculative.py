@@ -23,13 +23,12 @@ from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftVerify, draft_model, stack_probs
 from decoders.drafting.chooser import Candidate, Chooser
 from decoders.drafting.cost import CostModel, calibrate
-from decoders.drafting.draft_model import SharedCacheDraft
+from decoders.drafting.draft_model import SELF_ACCEPTANCE, SharedCacheDraft
 from decoders.options import whole
 from decoders.registry import register
 
 ACCEPTANCE = 0.85  # the per-token acceptance `default_k` plans for with a separate draft model: lower planned
 # acceptances picked k=3-4 for the int8 0.5B draft, 6-14% slower than k=5 in the replays above
-SELF_ACCEPTANCE = 0.98  # with the target's own quantized copy, which agreed with it at every position measured
 MOST = 16  # the longest k `default_k` considers
 
 

@@ -1,0 +1,280 @@
+"""The draft model's token trees: grown best-first, a draft-free lower stage drafting for the draft model.
+
+Used by `staged` (its whole drafter) and `auto` (its `tree` plans, on auto's draft cache and suffix index).
+
+Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding". Two changes to `speculative`:
+
+1. **A tree, not a chain.** A long chain that diverged from the target early wastes its tail; a few alternatives at
+   each depth catch the target's other likely choices instead. The tree grows best-first by cumulative draft
+   probability: each draft call expands the `width` most probable leaves at once (one call, with a tree mask over
+   the draft's own cache), each expanded node gets up to `branching` children, until `budget` nodes or `max_depth`.
+   The target then checks the whole tree in one call (the shared loop in `decoders.drafting`).
+2. **A lower stage under the draft model.** In every draft call, a draft-free proposer (`lower="suffix"`: the main
+   branch of the run's suffix index, `decoders.drafting.suffix_index`; `lower="lookup"`: prompt lookup,
+   `decoders.proposers.lookup.lookup`), on the context plus the path to the most probable leaf, proposes a
+   chain under that leaf, which the draft model verifies in the same call exactly as the target verifies drafts
+   (greedy: its argmax; sampling: rejection sampling against its own distribution). Copied text thus grows the
+   tree's main branch by several levels per draft call: on this CPU a draft call costs about half a target call, so
+   draft calls are what staged saves.
+
+Children are the draft's top tokens in greedy mode. In sampling mode they are drawn one after another without
+replacement from the draft's distribution (under the grammar's mask, if any) and never dropped once drawn: what the
+multi-candidate rejection sampling in `samplers.verify` needs to stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from decoders.base import DecodeState
+from decoders.drafting import Draft, DraftModel
+from decoders.drafting.cost import CallCost, call_cost
+from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
+from decoders.drafting.tree import keep_path, visibility
+from decoders.options import check_whole, probability
+from decoders.proposers.lookup import lookup
+from samplers.verify import verify_greedy, verify_sampling
+
+
+LOWER_STAGES = ("suffix", "lookup")
+WIDE_CALL = 0.05  # a second leaf per draft call pays where it adds less than this to the call (see StagedOptions)
+
+
+@dataclass(frozen=True)
+class StagedOptions:
+    """Options of `staged`. Defaults measured with qwen2.5-coder-1.5b / -0.5b, bfloat16, on a 2-core CPU, where a
+    draft call costs about half a target call and a 16-token target call about 1.2-1.5 one-token calls: nodes are
+    cheap, draft calls are not (depth 8 -> 12 and min_prob 0.02 -> 0.05 helped; width 3, budget 20, branching 3 or
+    expand_prob 0.5 did not). The suffix lower stage against prompt lookup, same pair and bench suite (code / edit /
+    prose): 97 / 53 / 79 draft calls against 96 / 53 / 80, 1.97 / 2.89 / 1.43x greedy against 1.81 / 2.67 / 1.36x in
+    one run. It follows the longest matching context (up to 24 tokens) and its most frequent continuation, where
+    prompt lookup follows the most recent match of at most `ngram` tokens.
+
+    `width` follows the draft's measured cost: expanding a second leaf in the same call costs little where one more
+    token adds little to a draft call (the bfloat16 0.5B: 2.5%, from its calibration), and a lot where it does (its
+    int8 copy: 10-18%, torch's int8 kernel grows with the rows). Bench, 1.5B target, one run each: with the int8
+    draft width 1 ran 2.14 / 2.48 / 1.30x greedy (code / edit / prose) against 1.91 / 2.14 / 1.24x for width 2 (83
+    against 104 ms a draft call); with the bfloat16 draft 2.21 / 2.58 / 1.23x against 2.06 / 2.54 / 1.42x (prose
+    needs the second leaf)."""
+
+    branching: int = 2  # children per expanded node: the draft's top tokens, or draws without replacement
+    budget: int = 16  # the most tree nodes per target call
+    max_depth: int = 12  # the longest root-to-leaf path (draft tokens accepted per target call at most)
+    width: int | None = None  # leaves expanded per draft call (the frontier), most probable first; None: 2 where
+    # one more token adds under WIDE_CALL to a draft call (measured, `decoders.drafting.cost`), else 1
+    min_prob: float = 0.05  # add a child only while P(parent's path) x the mass not drawn yet reaches this (cheap)
+    expand_prob: float = 0.3  # another draft call only if the most probable leaf's path has at least this probability
+    ngram: int = 3  # longest context suffix prompt lookup matches (lower="lookup"); 0 turns the lower stage off
+    lower: str = "suffix"  # the lower stage: "suffix" (the run's suffix index) or "lookup" (prompt lookup)
+
+    def __post_init__(self):
+        check_whole(self, branching=1, budget=1, max_depth=1, ngram=0)
+        if self.width is not None:
+            check_whole(self, width=1)
+        if self.lower not in LOWER_STAGES:
+            raise ValueError(f"lower must be one of {', '.join(LOWER_STAGES)}, got {self.lower!r}")
+        probability("min_prob", self.min_prob, high_open=True)
+        probability("expand_prob", self.expand_prob, high_open=True)
+
+
+@dataclass
+class Node:
+    """One node of the tree being grown; the root (index 0) stands for the last accepted token."""
+
+    token: int
+    parent: int  # index in the node list (-1 for the root)
+    depth: int  # 0 for the root's children
+    cum: float  # the draft's probability of the path from the root to here
+    drawn_from: torch.Tensor | None  # [vocab] the distribution this node was drawn from (its parent's `dist`)
+    matcher: Any = None  # the grammar after this node's path, or None
+    dist: torch.Tensor | None = None  # [vocab] the draft's distribution for its children, once known
+    slot: int | None = None  # its index in the draft cache, once the draft model has seen it
+    children: list[int] = field(default_factory=list)  # their tokens, in the order drawn
+
+
+Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of at most room tokens to follow it
+
+
+def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower) -> list[Node]:
+    """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order).
+
+    Every draft call also carries the lower stage's chain under its most probable leaf (the first call: under
+    the root, after the uncached tail), so copied text adds several levels per call. The draft cache ends up holding
+    the accepted tokens plus the nodes with a `slot` (and rejected chain tokens, which no mask ever shows again).
+    """
+    cap = min(o.max_depth, limit, o.budget)
+    nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
+    frontier: list[int] = []  # empty: the first call, which expands the root
+    while cap >= 1:
+        draft_call(model, state, o, nodes, frontier, cap, lower)
+        for n in sorted((n for n in range(len(nodes)) if nodes[n].dist is not None), key=lambda n: -nodes[n].cum):
+            node = nodes[n]  # more children, most probable parent first, without replacement
+            while len(node.children) < o.branching and len(nodes) <= o.budget:
+                rest = node.dist.clone()
+                rest[node.children] = 0.0
+                if node.cum * float(rest.sum()) < o.min_prob or float(rest.max()) <= 0.0:
+                    break  # (decided on what was drawn before, never on the new draw: sampling stays exact)
+                if state.sampling.greedy:
+                    add_child(nodes, n, int(rest.argmax()))
+                else:
+                    add_child(nodes, n, int(torch.multinomial(rest, 1, generator=state.generator)))
+        leaves = [n for n in range(1, len(nodes)) if expandable(nodes[n], cap, state) and nodes[n].cum >= o.min_prob]
+        frontier = sorted(leaves, key=lambda n: -nodes[n].cum)[: o.width]  # (width: see StagedOptions)
+        if not frontier or nodes[frontier[0]].cum < o.expand_prob or len(nodes) > o.budget:
+            break
+    return nodes
+
+
+def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
+               cap: int, lower: Lower) -> None:
+    """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus the lower stage's chain under
+    the first leaf. The draft checks that chain against its own distributions as a target checks a draft (argmax, or
+    rejection sampling); the agreed part plus the draft's next token join the tree under that leaf."""
+    leaves = frontier or [0]
+    head = leaves[0]  # the most probable leaf
+    chain = lower_stage(state, o, nodes, head, cap, lower)
+    masks = None  # [leaves + chain, vocab]: the grammar's allowed tokens after each
+    if nodes[head].matcher is not None:
+        valid, along = nodes[head].matcher.masks_along(chain)  # [valid + 1, vocab], row 0 = the head's
+        chain = chain[:valid]
+        masks = torch.cat([torch.stack([nodes[n].matcher.allowed() for n in leaves]), along[1:]])
+    logits, slots = feed(model, state, nodes, frontier, chain)  # [leaves + chain, draft vocab], their cache slots
+    dists = distributions(state, model, logits, masks)  # [leaves + chain, vocab]
+    for n, dist, slot in zip(leaves, dists, slots):
+        nodes[n].dist, nodes[n].slot = dist, slot
+    rows = torch.cat([dists[:1], dists[len(leaves):]])  # [chain + 1, vocab]: after the head, after each chain token
+    drafted = torch.tensor(chain, dtype=torch.long)
+    if state.sampling.greedy:
+        agreed, token = verify_greedy(drafted, rows)
+    else:
+        agreed, token = verify_sampling(drafted, None, rows, state.generator)
+    model.cache.crop(len(model.cache) - (len(chain) - agreed))  # the chain tokens it did not agree with, fed last
+    parent = head
+    for i, t in enumerate(chain[:agreed]):
+        add_child(nodes, parent, t)
+        parent = len(nodes) - 1
+        nodes[parent].dist, nodes[parent].slot = rows[i + 1], slots[len(leaves) + i]
+    add_child(nodes, parent, token)
+
+
+def lower_stage(state: DecodeState, o: StagedOptions, nodes: list[Node], head: int, cap: int, lower: Lower
+                ) -> list[int]:
+    """The lower stage on the context plus the path to `head`: a chain to try under it, with room left below it for
+    the draft's own token, and never reaching an EOS (whose children the draft could not score)."""
+    room = min(cap - nodes[head].depth - 2, o.budget - len(nodes))
+    if not o.ngram or room <= 0:
+        return []
+    path = [nodes[n].token for n in reversed(ancestors(nodes, head))] + ([nodes[head].token] if head else [])
+    chain = lower(state.tokens + path, room)
+    return chain[: next((i for i, t in enumerate(chain) if t in state.lm.eos_token_ids), len(chain))]
+
+
+def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: list[int], chain: list[int]
+         ) -> tuple[torch.Tensor, list[int | None]]:
+    """Score the frontier leaves and the chain under the first one in one draft call: each sees the accepted tokens,
+    its ancestors' cache slots and itself. Returns their logits and their slots in the draft cache."""
+    base, past = len(state.tokens), len(model.cache)
+    if not frontier:  # the root: the uncached tail, then the chain, causal
+        logits = model.forward(model.uncached() + chain, keep=len(chain) + 1)  # [1 + chain, vocab]
+        return logits, [None] + list(range(base, base + len(chain)))
+    head, k = frontier[0], len(frontier)
+    above = {n: [nodes[a].slot for a in ancestors(nodes, n)] for n in frontier}
+    seen = [above[n] + [past + row] for row, n in enumerate(frontier)]
+    seen += [above[head] + [past] + list(range(past + k, past + k + i + 1)) for i in range(len(chain))]
+    positions = [base + nodes[n].depth for n in frontier] + [base + nodes[head].depth + 1 + i for i in range(len(chain))]
+    mask = visibility(seen, prefix=base, width=past + k + len(chain))  # [k + chain, past + k + chain]
+    logits = model.forward([nodes[n].token for n in frontier] + chain, positions=positions, tree_mask=mask,
+                           keep=k + len(chain))
+    return logits, list(range(past, past + k + len(chain)))
+
+
+def ancestors(nodes: list[Node], n: int) -> list[int]:
+    """The nodes above n, the root excluded."""
+    found = []
+    while nodes[n].parent > 0:
+        n = nodes[n].parent
+        found.append(n)
+    return found
+
+
+def add_child(nodes: list[Node], parent: int, token: int) -> None:
+    """Append a node under `parent`; the grammar follows it on a fork of the parent's matcher."""
+    above = nodes[parent]
+    matcher = None
+    if above.matcher is not None:
+        matcher = above.matcher.fork()
+        matcher.advance([token])
+    nodes.append(Node(token, parent, above.depth + 1, above.cum * float(above.dist[token]), above.dist, matcher))
+    above.children.append(token)
+
+
+def expandable(node: Node, cap: int, state: DecodeState) -> bool:
+    """A leaf worth a draft call: room below it, not EOS, not the end of the grammar."""
+    return (node.dist is None and node.depth < cap - 1 and node.token not in state.lm.eos_token_ids
+            and (node.matcher is None or not node.matcher.is_complete()))
+
+
+def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, masks: torch.Tensor | None):
+    """[n, vocab] draft distributions from draft logits [n, draft vocab], zero-padded to the target's width.
+
+    Sampling mode: the run's filtered distribution (what children are drawn from). Greedy mode: the plain softmax,
+    whose order is the draft's argmax order and whose products rank the leaves.
+    """
+    logits = logits[:, : model.width].float()
+    if masks is not None:
+        logits = logits.masked_fill(~masks[:, : model.width].to(logits.device), float("-inf"))
+    probs = torch.zeros(logits.shape[0], state.lm.vocab_size, device=logits.device)  # [n, vocab]
+    probs[:, : model.width] = torch.softmax(logits, -1) if state.sampling.greedy else state.sampling.probs(logits)
+    return probs
+
+
+def frontier_width(cost: CallCost) -> int:
+    """`StagedOptions.width` for a draft model of these calibrated call costs (`decoders.drafting.cost`, measured once
+    per model, dtype, device and threads, and cached): 2 if a call's rows add under WIDE_CALL of a 1-token call each,
+    else 1. Each is taken as the mean from 1 to 8 rows: the bfloat16 0.5B's 2-row call, measured alone, lies within
+    its noise of the bar (51-54 ms against 51), and the int8 kernel's rows come in blocks of four (2 rows cost as 1)."""
+    one = cost.predict(1, 0)
+    return 2 if one + (cost.predict(8, 0) - one) / 7 < (1 + WIDE_CALL) * one else 1
+
+
+class TreeDrafter:
+    """The draft model and its cache for one run, plus where the last tree's nodes sit in that cache."""
+
+    def __init__(self, state: DecodeState, options: StagedOptions, model: DraftModel | None = None,
+                 index: SuffixIndex | None = None, lower: Lower | None = None) -> None:
+        """`model` and `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new;
+        `lower`: a lower stage to use instead of `options.lower`'s (`auto`'s, which cuts the index's chain to what its
+        costs find worth checking), given this drafter's index."""
+        self.model = model if model is not None else DraftModel(state)
+        if options.width is None:
+            options = replace(options, width=frontier_width(call_cost(state.draft, "draft")))
+        self.options = options
+        self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
+        self.index = index if index is not None else SuffixIndex()  # the run's own tokens, for the suffix lower stage
+        # the draft model checks the lower stage's chain in a call it makes anyway, where a longer chain costs little:
+        # so the chain may run past the match length (suffix's own depth_factor is for target calls)
+        self.suffix = SuffixOptions(max_tree=options.budget, depth_factor=float(options.budget))
+        self.stage = lower or self.lower  # (context, room) -> the chain a draft call checks
+
+    def lower(self, context: list[int], room: int) -> list[int]:
+        """The lower stage's chain after `context` (the run's tokens plus a tree path), at most `room` tokens."""
+        if self.options.lower == "lookup":
+            return lookup(context, room, self.options.ngram, 1)
+        return propose(self.index, None, context, room, self.suffix).main_branch().tokens
+
+    def propose(self, state: DecodeState, limit: int) -> Draft:
+        if self.options.lower == "suffix" and self.options.ngram:
+            self.index.follow("run", state.tokens)
+        nodes = grow_tree(self.model, state, self.options, self.model.room(limit), self.stage)[1:]
+        self.start, self.slots = len(state.tokens), [n.slot for n in nodes]
+        probs = None if state.sampling.greedy or not nodes else torch.stack([n.drawn_from for n in nodes])
+        return Draft([n.token for n in nodes], probs, [n.parent - 1 for n in nodes])
+
+    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+        path = draft.follow(state.tokens[self.start: self.start + accepted])
+        keep_path(self.model.cache, self.start, [self.slots[n] for n in path if self.slots[n] is not None])
+        self.model.rewind()
