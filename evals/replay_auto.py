@@ -10,7 +10,7 @@ tokens, then the scored tokens it attends to) is greedy's output so far, and a t
 there where it is not. So every draft is accepted exactly as far as a run's greedy verification would accept it (but
 where the run itself took another branch at a bfloat16 tie), and lookahead's Jacobi window, whose tokens are off
 greedy's path, never sees the future: its guesses come out worse than a run's. Each call advances `auto`'s clock
-(`decoders.strategies.auto.now`) by its calibrated seconds, the curve `auto` plans with, so `auto` sees exactly the
+(`Auto(clock=...)`) by its calibrated seconds, the curve `auto` plans with, so `auto` sees exactly the
 costs it predicts: the replay isolates its acceptance estimates and choices from the cost model's errors, and leaves
 out its own Python work (about a millisecond a step). Greedy's estimate beside it is the prompt's call and one
 one-token call per further token.
@@ -26,7 +26,6 @@ that is not a prompt's: a log-normal factor of that spread, and one call in 50 s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decoders  # noqa: E402
 from decoders.drafting.cost import TARGET_SIZES, CallCost, call_cost  # noqa: E402
 from decoders.models.cache import KVCache  # noqa: E402
-from decoders.strategies import auto  # noqa: E402
+from decoders.strategies.auto import Auto  # noqa: E402
 from evals.replay_drafts import load_prompts  # noqa: E402
 
 
@@ -93,16 +92,6 @@ class ReplayLM(decoders.LM):
         return logits
 
 
-@contextlib.contextmanager
-def replay_clock(lm: ReplayLM):
-    """`auto` timed by the replay's clock while inside."""
-    real, auto.now = auto.now, lm.now
-    try:
-        yield
-    finally:
-        auto.now = real
-
-
 def stale(cost: CallCost, ratios: list[float]) -> CallCost:
     """`cost`'s curve with each knot's seconds times its ratio (one a knot), the context terms times the first's."""
     if len(ratios) != len(cost.sizes) or not all(r > 0 for r in ratios):
@@ -125,17 +114,17 @@ def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]]
     if ratios is not None:
         cost = stale(cost, ratios)
     target = ReplayLM(lm, cost, noise, seed)
+    strategy = Auto(clock=target.now, **options)  # timed by the replay's clock
     rows = []
-    with replay_clock(target):
-        for prompt_id, category, ids, truth in prompts:
-            target.truth, start = list(ids) + list(truth), target.seconds
-            result = decoders.generate(target, list(ids), strategy="auto", max_new_tokens=len(truth), **options)
-            if result.tokens != list(truth):
-                raise AssertionError(f"{prompt_id}: the replay left greedy's output (a bug in the replay or in auto)")
-            greedy = cost.predict(len(ids), 0) + sum(cost.predict(1, len(ids) + i) for i in range(1, len(truth)))
-            rows.append({"prompt_id": prompt_id, "category": category, "tokens": len(truth),
-                         "calls": result.stats.target_calls, "seconds": target.seconds - start, "greedy": greedy,
-                         "steps": result.stats.details["steps"]})
+    for prompt_id, category, ids, truth in prompts:
+        target.truth, start = list(ids) + list(truth), target.seconds
+        result = decoders.generate(target, list(ids), strategy=strategy, max_new_tokens=len(truth))
+        if result.tokens != list(truth):
+            raise AssertionError(f"{prompt_id}: the replay left greedy's output (a bug in the replay or in auto)")
+        greedy = cost.predict(len(ids), 0) + sum(cost.predict(1, len(ids) + i) for i in range(1, len(truth)))
+        rows.append({"prompt_id": prompt_id, "category": category, "tokens": len(truth),
+                     "calls": result.stats.target_calls, "seconds": target.seconds - start, "greedy": greedy,
+                     "steps": result.stats.details["steps"]})
     return rows
 
 

@@ -30,10 +30,15 @@ def int8_copies_never_pay(monkeypatch):
     monkeypatch.setattr(copies, "call_cost", lambda lm, role="target", **options: CallCost((1,), (0.01,)))
 
 
+def choosing(choose, **options) -> auto.Auto:
+    """`auto` (with `options`) whose chooser plans each step by `choose`, in place of `Chooser.choose`."""
+    return auto.Auto(chooser=type("Choosing", (chooser.Chooser,), {"choose": choose}), **options)
+
+
 @pytest.fixture
-def random_plans(monkeypatch):
-    """Every step: a random candidate (or a plain step) and a random length, half of them probes (that length at
-    least)."""
+def random_plans():
+    """`auto` planning every step as a random candidate (or a plain step) and a random length, half of them probes
+    (that length at least)."""
     rng = random.Random(0)
 
     def choose(self, candidates, context, fed=1, remaining=None):
@@ -42,7 +47,7 @@ def random_plans(monkeypatch):
             return chooser.Plan(None, 0, 1.0, 1.0)
         return chooser.Plan(picked.proposer, rng.randint(1, len(picked.accept)), 1.0, 1.0, probe=rng.random() < 0.5)
 
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
+    return choosing(choose)
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])
@@ -51,7 +56,7 @@ def test_any_plan_gives_greedys_tokens(arch, random_plans):
     for draft in (lm, "self:int8", None):
         for prompt in PROMPTS:
             want = decoders.generate(lm, prompt, max_new_tokens=40).tokens
-            got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=40)
+            got = decoders.generate(lm, prompt, strategy=random_plans, draft=draft, max_new_tokens=40)
             assert got.tokens == want
             assert sum(got.stats.details["steps"].values()) == got.stats.target_calls
 
@@ -61,8 +66,8 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
     constraint = grammars.choice([" red", " green"])
     prompt = lm.encode("Answer: red") + [0] + lm.encode("Answer: green") + [0] + lm.encode("Answer:")
     for seed in range(40):
-        result = decoders.generate(lm, prompt, strategy="auto", draft=lm, grammar=constraint, temperature=1.0,
-                                   seed=seed, max_new_tokens=12)
+        result = decoders.generate(lm, prompt, strategy=random_plans, draft=lm, grammar=constraint,
+                                   temperature=1.0, seed=seed, max_new_tokens=12)
         assert result.text in (" red", " green")
 
 
@@ -84,9 +89,8 @@ def test_a_seed_repeats_the_sample_however_the_calls_are_timed(monkeypatch):
             time[0] += rng.choice([1e-4, 1e-2, 1.0])
             return time[0]
 
-        monkeypatch.setattr(auto, "now", clock)
-        return decoders.generate(lm, PROMPTS[0] * 2, strategy="auto", draft=lm, max_new_tokens=32, temperature=1.0,
-                                 **kwargs)
+        return decoders.generate(lm, PROMPTS[0] * 2, strategy=auto.Auto(clock=clock), draft=lm, max_new_tokens=32,
+                                 temperature=1.0, **kwargs)
 
     seeded = [clocked(run, seed=11) for run in range(4)]
     assert all(result.tokens == seeded[0].tokens for result in seeded)
@@ -107,11 +111,11 @@ def test_in_sampling_mode_guesses_the_grammar_forbids_are_dropped_from_a_chain_c
 
     lm = tiny_lm("llama")
     digit = lm.tokenizer.encode("7", add_special_tokens=False)[0]
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
     monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([digit], 1))
+    chains = choosing(choose, draft_int8=False)
     for seed in range(5):
-        result = decoders.generate(lm, PROMPTS[1], strategy="auto", draft=tiny_lm("llama", 1), draft_int8=False,
+        result = decoders.generate(lm, PROMPTS[1], strategy=chains, draft=tiny_lm("llama", 1),
                                    grammar=grammars.regex(r" [a-z]+"), temperature=1.0, seed=seed, max_new_tokens=12)
         assert re.fullmatch(r" [a-z]+", result.text)
         assert result.stats.details["steps"].get("draft")
@@ -129,13 +133,12 @@ def test_in_sampling_mode_a_guess_the_chain_holds_already_adds_nothing_to_check(
     lm = tiny_lm("llama")
     want = decoders.generate(lm, PROMPTS[0], max_new_tokens=12).tokens
     guesses = {len(lm.encode(PROMPTS[0])) + i: token for i, token in enumerate(want)}  # greedy's next token
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
     monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([guesses[len(tokens)]], 1))
     union = auto.union  # (a chain checked alone is believed half as likely to be accepted: the guess is taken)
     monkeypatch.setattr(auto, "union", lambda paths: tuple(p if len(paths) > 1 else p / 2 for p in union(paths)))
-    result = decoders.generate(lm, PROMPTS[0], strategy="auto", draft=lm, draft_int8=False, temperature=1.0, top_k=1,
-                               seed=0, max_new_tokens=12)  # (top_k=1: the chain drafts the target's own token)
+    result = decoders.generate(lm, PROMPTS[0], strategy=choosing(choose, draft_int8=False), draft=lm, temperature=1.0,
+                               top_k=1, seed=0, max_new_tokens=12)  # (top_k=1: the chain drafts the target's own token)
     assert result.tokens == want and result.stats.details["steps"].get("draft")
 
 
@@ -149,7 +152,7 @@ def test_only_the_draft_models_plans_learn_a_correction_from_their_own_steps(mon
     lm = tiny_lm("llama")
     steps = {}
     for prompt in PROMPTS:
-        for name, count in decoders.generate(lm, prompt * 2, strategy="auto", draft=lm, max_new_tokens=40
+        for name, count in decoders.generate(lm, prompt * 2, strategy=random_plans, draft=lm, max_new_tokens=40
                                              ).stats.details["steps"].items():
             steps[name] = steps.get(name, 0) + count
     assert {plan.proposer for plan in learned} == set(auto.GROWN) and not any(plan.probe for plan in learned)
@@ -201,18 +204,17 @@ def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
         widths.append(options.width)
         grown(self, state, options, **shared)
 
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(auto.TreeDrafter, "__init__", tree_drafter)
     lm, prompt = tiny_lm("llama"), PROMPTS[0]
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
     for width in (2, 1):  # as measured for a bf16 draft, and for an int8 one
         monkeypatch.setattr(auto, "frontier_width", lambda cost, width=width: width)
-        got = decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=30)
+        got = decoders.generate(lm, prompt, strategy=choosing(choose), draft=lm, max_new_tokens=30)
         assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0 and got.stats.draft_calls > 0
         assert widths[-1] == width
     for draft, options in [("self:int8", {}), (lm, {"draft_trees": False})]:
         offered.clear()
-        got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=30, **options)
+        got = decoders.generate(lm, prompt, strategy=choosing(choose, **options), draft=draft, max_new_tokens=30)
         assert got.tokens == want and offered and not any("tree" in o for o in offered)
         assert any("draft" in o for o in offered)
     with pytest.raises(ValueError, match="draft_trees"):
@@ -233,9 +235,9 @@ def test_a_trees_draft_calls_check_as_much_of_the_suffix_indexs_chain_as_pays(mo
     checked, own = [], []
     monkeypatch.setattr(auto, "calibrate", lambda lm, draft: CostModel(
         line(1.0, 0.02), line(0.25, 0.0 if rows == "cheap" else 0.25)))
-    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1, remaining=None: next(
+    trees = choosing(lambda self, candidates, context, fed=1, remaining=None: next(
         (chooser.Plan("tree", len(c.accept), 1.0, 1.0) for c in candidates if c.proposer == "tree"),
-        chooser.Plan(None, 0, 1.0, 1.0)))
+        chooser.Plan(None, 0, 1.0, 1.0)), draft_int8=False)
     tree_lower = auto.AutoDrafter.tree_lower
 
     def recording_lower(self, tokens, room):
@@ -247,7 +249,7 @@ def test_a_trees_draft_calls_check_as_much_of_the_suffix_indexs_chain_as_pays(mo
     lm = tiny_lm("llama")
     for prompt in PROMPTS:
         want = decoders.generate(lm, prompt, max_new_tokens=40).tokens
-        got = decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=40, draft_int8=False)
+        got = decoders.generate(lm, prompt, strategy=trees, draft=lm, max_new_tokens=40)
         assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0
     assert all(chain == mine[: len(chain)] for chain, mine in zip(checked, own))  # a prefix of staged's chain ...
     if rows == "dear":
@@ -276,9 +278,9 @@ def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(
     monkeypatch.setattr(auto, "calibrate", lambda lm, draft: CostModel(
         CallCost((1, 2), (1.0, 1.0 + slope)), CallCost((1, 2), (slope, 2 * slope))))
     monkeypatch.setattr(CostModel, "observe", lambda *args, **kwargs: None)  # (the tiny model's calls take ms)
-    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, candidates, context, fed=1, remaining=None: next(
+    trees = choosing(lambda self, candidates, context, fed=1, remaining=None: next(
         (chooser.Plan("tree", 1, 1.0, 1.0) for c in candidates if c.proposer == "tree"),
-        chooser.Plan(None, 0, 1.0, 1.0)))
+        chooser.Plan(None, 0, 1.0, 1.0)), draft_int8=False)
     grown, propose = [], auto.TreeDrafter.propose
 
     def recording(self, state, limit):
@@ -288,7 +290,7 @@ def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(
     monkeypatch.setattr(auto.TreeDrafter, "propose", recording)
     lm = tiny_lm("llama")
     want = decoders.generate(lm, PROMPTS[1], max_new_tokens=30).tokens
-    got = decoders.generate(lm, PROMPTS[1], strategy="auto", draft=lm, max_new_tokens=30, draft_int8=False)
+    got = decoders.generate(lm, PROMPTS[1], strategy=trees, draft=lm, max_new_tokens=30)
     assert got.tokens == want and grown
     staged = (auto.TREE.min_prob, auto.TREE.expand_prob)
     assert all(g == (pytest.approx((0.25, 0.5)) if nodes == "dear" else staged) for g in grown)
@@ -302,12 +304,11 @@ def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch
     observed = []
     monkeypatch.setattr(CostModel, "observe",
                         lambda self, kind, n, context, seconds, tree=False: observed.append((kind, n)))
-    monkeypatch.setattr(chooser.Chooser, "choose",
-                        lambda self, candidates, context, fed=1, remaining=None:
-                        chooser.Plan("draft", 3, 1.0, 1.0, probe=True))
+    probes = choosing(lambda self, candidates, context, fed=1, remaining=None:
+                      chooser.Plan("draft", 3, 1.0, 1.0, probe=True), draft_trees=False)
     lm = tiny_lm("llama")
     prompt = lm.encode(PROMPTS[0])
-    decoders.generate(lm, prompt, strategy="auto", draft=lm, max_new_tokens=10, draft_trees=False)
+    decoders.generate(lm, prompt, strategy=probes, draft=lm, max_new_tokens=10)
     drafts = [n for kind, n in observed if kind == "draft"]
     assert drafts[:2] == [len(prompt), 1]  # the prompt's call, then the 2 one-token calls of the first chain
 
@@ -323,15 +324,13 @@ def test_a_draft_probe_drafts_its_tokens_then_on_while_the_next_one_pays(monkeyp
             drafted.append(n)
         update(self, proposer, n, accepted, *args)
 
-    monkeypatch.setattr(chooser.Chooser, "choose",
-                        lambda self, candidates, context, fed=1, remaining=None:
-                        chooser.Plan("draft", 2, 1.0, 1.0, probe=True))
+    probes = choosing(lambda self, candidates, context, fed=1, remaining=None:
+                      chooser.Plan("draft", 2, 1.0, 1.0, probe=True), draft_trees=False, draft_int8=False, max_draft=6)
     monkeypatch.setattr(chooser.Chooser, "keep_drafting", lambda self, *args, **kwargs: pays)
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
     lm = tiny_lm("llama")
     want = decoders.generate(lm, PROMPTS[0], max_new_tokens=30).tokens
-    got = decoders.generate(lm, PROMPTS[0], strategy="auto", draft=lm, max_new_tokens=30, draft_trees=False,
-                            draft_int8=False, max_draft=6)
+    got = decoders.generate(lm, PROMPTS[0], strategy=probes, draft=lm, max_new_tokens=30)
     assert got.tokens == want
     assert drafted[0] == (6 if pays else 2) and max(drafted) == drafted[0]
 
@@ -348,10 +347,10 @@ def test_the_draft_is_probed_at_once_unless_it_drafts_on_the_targets_still_empty
         plans.append(choose(self, candidates, context, fed, remaining))
         return plans[-1]
 
-    monkeypatch.setattr(chooser.Chooser, "choose", recording_choose)
     probed_whatever_it_costs(monkeypatch)  # (a draft that could pay)
     lm = tiny_lm("llama")
-    decoders.generate(lm, PROMPTS[0], strategy="auto", draft=lm if draft == "separate" else draft, max_new_tokens=10)
+    decoders.generate(lm, PROMPTS[0], strategy=choosing(recording_choose), draft=lm if draft == "separate" else draft,
+                      max_new_tokens=10)
     if draft == "separate":
         assert "draft" in offered[0] and plans[0].proposer == "draft" and plans[0].probe
     else:
@@ -383,7 +382,6 @@ def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_wher
         seen["windows"] += draft.window is not None and draft.window.logits is not None
         update(self, state, draft, accepted)
 
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(LookaheadDrafter, "update", counting_update)
     monkeypatch.setattr(auto, "RIDE", float("inf") if ride else -1.0)
     monkeypatch.setattr(auto.AutoDrafter, "credit_window",
@@ -391,7 +389,7 @@ def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_wher
     lm = tiny_lm("qwen2")
     prompt = lm.encode(PROMPTS[2]) * 2  # repeated text: the pool has guesses
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
-    got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
+    got = decoders.generate(lm, prompt, strategy=choosing(choose), max_new_tokens=30)
     taken = got.stats.details["steps"].get("lookahead", 0)
     assert got.tokens == want and 0 < taken < seen["offered"]
     assert seen["windows"] == (got.stats.target_calls if ride else taken)  # riding: every step, guesses or not
@@ -410,8 +408,7 @@ def test_the_window_rides_along_only_while_lookaheads_guesses_pay_for_its_rides(
         windows.append(len(draft.window.tokens) if draft.window is not None else 0)
         update(self, state, draft, accepted)
 
-    monkeypatch.setattr(chooser.Chooser, "choose",
-                        lambda self, candidates, context, fed=1, remaining=None: chooser.Plan(None, 0, 1, 1))
+    plain = choosing(lambda self, candidates, context, fed=1, remaining=None: chooser.Plan(None, 0, 1, 1))
     monkeypatch.setattr(LookaheadDrafter, "update", counting_update)
     monkeypatch.setattr(CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0 + 0.1 * n)
     monkeypatch.setattr(auto, "RIDE", float("inf"))
@@ -421,7 +418,7 @@ def test_the_window_rides_along_only_while_lookaheads_guesses_pay_for_its_rides(
             credit(self, state, draft, accepted), setattr(self, "window_gain", self.window_gain + 1.0)))
     lm = tiny_lm("qwen2")
     prompt = lm.encode(PROMPTS[2]) * 2
-    got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
+    got = decoders.generate(lm, prompt, strategy=plain, max_new_tokens=30)
     assert got.tokens == decoders.generate(lm, prompt, max_new_tokens=30).tokens
     rode = [n for n in windows if n]
     if pays:
@@ -449,12 +446,11 @@ def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(m
         updates.append((proposer, drafted, accepted))
         update(self, proposer, drafted, accepted, *args)
 
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
     for lm in (tiny_lm("qwen2"), echo_lm()):
         prompt = lm.encode(PROMPTS[2]) * 3  # repeated text: the index, lookup and lookahead's pool all guess
         want = decoders.generate(lm, prompt, max_new_tokens=30)
-        got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
+        got = decoders.generate(lm, prompt, strategy=choosing(choose), max_new_tokens=30)
         assert got.tokens == want.tokens and got.stats.details["steps"].get("merged", 0) > 0
         assert set(got.sources) <= {"target", "suffix", "lookahead", "lookup"}
     assert got.stats.accepted > 0  # the echo's: it repeats its last token, which every part soon guesses
@@ -474,12 +470,12 @@ def test_guesses_not_taken_learn_how_far_the_tokens_after_them_went(monkeypatch)
         updates.extend((proposer, level, level <= accepted, chooser.level_curve(curve, level - 1)) for level in levels)
         update(self, proposer, drafted, accepted, confidences, curve, known)
 
-    monkeypatch.setattr(chooser.Chooser, "choose", lambda self, *args, **kwargs: chooser.Plan(None, 0, 1.0, 1.0))
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
     lm, n = tiny_lm("llama"), 30
     prompt = lm.encode(PROMPTS[2]) * 3
     out = decoders.generate(lm, prompt, max_new_tokens=n).tokens
-    assert decoders.generate(lm, prompt, strategy="auto", max_new_tokens=n).tokens == out
+    plain = choosing(lambda self, *args, **kwargs: chooser.Plan(None, 0, 1.0, 1.0))
+    assert decoders.generate(lm, prompt, strategy=plain, max_new_tokens=n).tokens == out
     want = []  # (proposer, level, accepted, curve) of each level judged
     for i in range(len(out)):  # step i, after i tokens: the chain lookup offered, and what came after it
         chain, matched = auto.lookup_with_match(prompt + out[:i], min(auto.LOOKUP.k, n - i - 1),
@@ -522,14 +518,13 @@ def test_a_draft_models_chain_is_checked_with_the_steps_guesses_where_they_pay(m
         chains.append(len((chain := draft_chain(self, *args)).tokens))
         return chain
 
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
     monkeypatch.setattr(auto.AutoDrafter, "draft_with_model", recording_chain)
     monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0 if flat else n ** 3)
     lm = echo_lm()  # repeats its last token, which the guesses soon guess and a random draft does not
     prompt = lm.encode(PROMPTS[2]) * 3
     want = decoders.generate(lm, prompt, max_new_tokens=30)
-    got = decoders.generate(lm, prompt, strategy="auto", draft=tiny_lm("qwen2"), draft_int8=False,
+    got = decoders.generate(lm, prompt, strategy=choosing(choose, draft_int8=False), draft=tiny_lm("qwen2"),
                             max_new_tokens=30)
     assert got.tokens == want.tokens and got.stats.details["steps"].get("draft", 0) > 0
     guessed = set(got.sources) - {"target", "draft"}
@@ -558,13 +553,11 @@ def test_in_sampling_mode_a_chain_checked_with_guesses_still_samples_from_the_ta
     with torch.inference_mode():
         target = SamplingConfig(**settings).probs(lm.forward(prompt, lm.new_cache())[-1])
     guess = int(target.argmax())
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
     monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([guess], 1))
-    firsts, sources = [], []
+    firsts, sources, chains = [], [], choosing(choose, draft_int8=False)
     for seed in range(1000):
-        result = decoders.generate(lm, prompt, strategy="auto", draft=draft, draft_int8=False, max_new_tokens=2,
-                                   seed=seed, **settings)
+        result = decoders.generate(lm, prompt, strategy=chains, draft=draft, max_new_tokens=2, seed=seed, **settings)
         firsts.append(result.tokens[0])
         sources.append(result.sources[0])
     assert {"draft", "lookup", "target"} <= set(sources)
@@ -604,12 +597,12 @@ def test_a_chain_teaches_the_trees_estimates_what_a_tree_would_have_caught(monke
             taught[-1] += [drafted, accepted]
         update(self, proposer, drafted, accepted, *args)
 
-    monkeypatch.setattr(chooser.Chooser, "choose", choose)
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
     lm = tiny_lm("llama")
     for prompt in PROMPTS:
         want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
-        assert decoders.generate(lm, prompt, strategy="auto", draft=near_draft(), max_new_tokens=30).tokens == want
+        got = decoders.generate(lm, prompt, strategy=choosing(choose), draft=near_draft(), max_new_tokens=30)
+        assert got.tokens == want
     assert all(len(t) == 4 for t in taught)
     assert all(levels == min(drafted, accepted + 1) and accepted <= tree <= min(levels, accepted + 1)
                for drafted, accepted, levels, tree in taught)

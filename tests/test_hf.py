@@ -141,7 +141,7 @@ def test_return_dict_in_generate(llama):
 
 
 @pytest.mark.parametrize("strategy", ["speculative", "auto"])
-def test_sampling_is_reproducible_by_seed_and_by_torch_manual_seed(llama, strategy, monkeypatch):
+def test_sampling_is_reproducible_by_seed_and_by_torch_manual_seed(llama, strategy):
     """As with transformers, `auto` included: its calls timed wildly apart (a seeded run plans by no clock)."""
     import random
 
@@ -153,10 +153,10 @@ def test_sampling_is_reproducible_by_seed_and_by_torch_manual_seed(llama, strate
         time[0] += jitter.choice([1e-4, 1e-2, 1.0])
         return time[0]
 
-    monkeypatch.setattr(auto, "now", clock)
+    decoder = auto.Auto(clock=clock) if strategy == "auto" else strategy
 
     def sample(**kwargs):
-        return llama.generate(ids, custom_generate=custom_generate, strategy=strategy, assistant_model=llama,
+        return llama.generate(ids, custom_generate=custom_generate, strategy=decoder, assistant_model=llama,
                               do_sample=True, temperature=1.5, top_k=0, max_new_tokens=NEW, **kwargs)
 
     first = sample(seed=3)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,7 +47,7 @@ from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel, DraftVerify, Window, draft_model, stack_probs
 from decoders.drafting.chooser import Candidate, Chooser, Curves, Plan, at_least, expected_tokens, given_above, union
 from decoders.drafting.copies import drafting_model
-from decoders.drafting.cost import RunningMean, calibrate
+from decoders.drafting.cost import CostModel, RunningMean, calibrate
 from decoders.drafting.draft_model import SELF_ACCEPTANCE, SharedCacheDraft
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
 from decoders.drafting.tree import common, depth, depths, first_branch, levels_above, merge, per_level
@@ -78,8 +78,6 @@ RIDE = 0.1  # the most a target call may grow to carry lookahead's window along 
 # step, and 20% or more to a call of 16 or more tokens
 
 
-now = time.perf_counter  # the clock auto times its steps and calls by (`evals.replay_auto` replays runs on one that
-# advances by each call's calibrated cost)
 FREE = ("suffix", "lookup", "lookahead", "merged")  # the proposers whose drafts cost no draft-model call: taught by
 # every step (`AutoDrafter.learn_unverified`)
 
@@ -124,8 +122,10 @@ class AutoOptions:
 class AutoDrafter:
     """One run's cost model, acceptance estimates and draft model; times the calls it causes to refine the costs."""
 
-    def __init__(self, state: DecodeState, options: AutoOptions) -> None:
+    def __init__(self, state: DecodeState, options: AutoOptions, clock: Callable[[], float] = time.perf_counter,
+                 chooser: Callable[[CostModel], Chooser] = Chooser) -> None:
         self.options = options
+        self.now = clock  # what its steps and calls are timed by (`Auto`)
         state.draft = drafting_model(state.lm, state.draft, len(state.tokens), options.draft_int8,
                                      options.self_int8)  # (the run's draft from here on: its calls and stats are the
         # copy's where a copy drafts)
@@ -142,7 +142,7 @@ class AutoDrafter:
         # planning by the calibrated costs alone took 61.3 estimated seconds where the calibration was right, 76.6
         # where it was 1.10-1.36x stale, 93.2 where 2-16-token calls cost 1.3-2x their calibrated seconds; corrected
         # by the calls' times (`CallCost.offset`), 62.0, 76.7 and 89.5
-        self.chooser = Chooser(self.cost)
+        self.chooser = chooser(self.cost)
         self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
         # guesses were measured to be worth, per length of the match they continue
         self.chooser.watched.update(FREE)  # (their estimates learn from every step, `learn_unverified`: never probed)
@@ -196,7 +196,7 @@ class AutoDrafter:
             state.stats.details["draft"] = state.draft.name
 
     def propose(self, state: DecodeState, limit: int) -> Draft:
-        context, o, self.began = len(state.cache), self.options, now()
+        context, o, self.began = len(state.cache), self.options, self.now()
         self.fed = len(state.uncached())  # what the target call feeds before the draft: the prompt in the first step,
         # where plans are costed with it (`Chooser.choose`) and guesses that ride along cost a small share of the call
         # (SmolLM2-135M's seven prompts in float32, three interleaved repeats: 14.5 s against 14.9 costing every call
@@ -273,7 +273,7 @@ class AutoDrafter:
             self.ride(draft, guesses.window, self.fed, context)
         ridden = len(draft.window.tokens) if draft.window is not None else 0
         self.scored, self.context, self.curve = self.fed + len(draft.tokens) + ridden, context, curve
-        self.clock = now()
+        self.clock = self.now()
         return draft
 
     def with_guesses(self, state: DecodeState, chain: Draft, candidates: list[Candidate], context: int) -> Draft:
@@ -319,7 +319,7 @@ class AutoDrafter:
     def elapsed(self, since: float, planned: float, until: float | None = None) -> float:
         """The seconds from `since` to `until` (default: now) by auto's clock, or where the run plans by no clock
         (`timed`), `planned`: what the cost model predicted for them."""
-        return ((now() if until is None else until) - since) if self.timed else planned
+        return ((self.now() if until is None else until) - since) if self.timed else planned
 
     def ride(self, draft: Draft, window: Window, uncached: int, context: int) -> None:
         """Let lookahead's Jacobi window ride along in this step's target call when it costs at most RIDE of the
@@ -465,17 +465,17 @@ class AutoDrafter:
             return chosen
 
         def keep_going(cumulative: float) -> bool:
-            stamps.append(now())  # a call has ended (its token's probability is on the host)
+            stamps.append(self.now())  # a call has ended (its token's probability is on the host)
             before = confidences[-1][1] if confidences else 1.0
             confidences.append((cumulative / before if before else 0.0, cumulative))  # (this token's, the chain's)
             return len(confidences) < planned or chooser.keep_drafting("draft", [c for c, _ in confidences], context,
                                                                       catch_up)
 
-        start = now()
+        start = self.now()
         tokens, rows, cumulative = (self.model.draft_chain(limit, keep_going) if self.model.translates else
                                     self.model.draft_chain(limit, keep_going, guess))  # (it drafts through text)
         state.lm.synchronize()
-        end, calls = now(), state.stats.draft_calls - calls
+        end, calls = self.now(), state.stats.draft_calls - calls
         self.drafted = self.cost.draft_seconds(calls, context, fed) + guessed[0]  # (predicted: `elapsed`)
         first = stamps[0] if stamps else end  # (no stamp: the first token ended the chain)
         if tokens and self.timed:  # (no tokens: the grammar was complete, no call made)
@@ -502,7 +502,7 @@ class AutoDrafter:
 
     def draft_tree(self, state: DecodeState, limit: int) -> Draft:
         """A draft-model tree of at most `limit` levels; learns what it cost per level (catching up aside)."""
-        context, start, calls = len(state.cache), now(), state.stats.draft_calls
+        context, start, calls = len(state.cache), self.now(), state.stats.draft_calls
         _, catch_up = self.draft_call(context)
         self.tree.options = self.tree_options(context)
         draft = self.tree.propose(state, limit)
@@ -515,7 +515,7 @@ class AutoDrafter:
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         state.lm.synchronize()
-        ended = now()
+        ended = self.now()
         if self.timed:
             self.cost.observe("target", self.scored, self.context, ended - self.clock, not draft.is_chain)
         whole = accepted  # (the step's accepted tokens, whoever drafted them)
@@ -771,3 +771,16 @@ class Auto(DraftVerify):
     Options = AutoOptions
     drafter = AutoDrafter
     takes_draft = True
+
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
+                 chooser: Callable[[CostModel], Chooser] = Chooser, **options) -> None:
+        """`clock`: what auto times its steps and calls by (`evals.replay_auto` replays runs on one that advances by
+        each call's calibrated cost); `chooser`: makes a run's `Chooser` from its cost model; `options`: `AutoOptions`.
+        """
+        if not (callable(clock) and callable(chooser)):
+            raise TypeError("auto's clock is a function of no arguments giving seconds, its chooser a Chooser factory")
+        super().__init__(**options)
+        self.clock, self.chooser = clock, chooser
+
+    def start(self, state: DecodeState) -> None:
+        state.drafter = self.drafter(state, self.options, self.clock, self.chooser)
