@@ -399,9 +399,9 @@ def test_accelerate_with_two_cpu_processes_gives_the_same_table_as_one(tmp_path,
 
 
 def test_replay_reproduces_the_target_calls_of_real_runs():
-    """evals.replay_drafts replays greedy outputs through model-free drafters: its target calls must be those of the
+    """devtools.replay_drafts replays greedy outputs through model-free drafters: its target calls must be those of the
     real runs (greedy in float32 is exact, so no tie can make the run take another branch)."""
-    from evals.replay_drafts import replay
+    from devtools.replay_drafts import replay
 
     lm = tiny_lm("llama")
     prompts = []
@@ -422,13 +422,13 @@ def test_replay_reproduces_the_target_calls_of_real_runs():
 
 
 def test_chain_replay_reproduces_the_target_calls_of_real_runs():
-    """evals.replay_chains replays greedy outputs through draft-model chain rules from one recorded draft call per
+    """devtools.replay_chains replays greedy outputs through draft-model chain rules from one recorded draft call per
     prompt: its target calls must be those of real `speculative` and `threshold` runs (in float32, where the draft's
     one long call and its one-token calls agree)."""
     import copy
 
     from decoders.drafting.cost import CallCost, CostModel
-    from evals.replay_chains import record, replay
+    from devtools.replay_chains import record, replay
 
     lm = tiny_lm("llama")
     noisy = copy.deepcopy(tiny_model("llama"))
@@ -453,11 +453,11 @@ def test_chain_replay_reproduces_the_target_calls_of_real_runs():
 
 
 def test_the_auto_replays_target_predicts_greedys_next_token_on_greedys_path_only():
-    """evals.replay_auto's `ReplayLM`: a scored token whose path (the cache, then the tokens it attends to) is greedy's
-    output predicts greedy's next token, any other a token that is not it; its cache keeps the ids it has seen through
-    crops; each call costs the calibrated seconds of its size."""
+    """devtools.replay_auto's `ReplayLM`: a scored token whose path (the cache, then the tokens it attends to) is
+    greedy's output predicts greedy's next token, any other a token that is not it; its cache keeps the ids it has
+    seen through crops; each call costs the calibrated seconds of its size."""
     from decoders.drafting.cost import CallCost
-    from evals.replay_auto import ReplayLM
+    from devtools.replay_auto import ReplayLM
 
     target = ReplayLM(tiny_lm("llama"), CallCost((1, 2), (1.0, 1.5)))
     target.truth = [5, 6, 7, 8, 9, 10]
@@ -478,7 +478,7 @@ def test_the_auto_replay_can_cost_calls_by_a_stale_calibration_with_noise():
     """`--ratios` scales each knot of the calibrated curve (the context terms as the first), one positive ratio a knot;
     `--noise` makes each call's cost vary by its seed, a prompt's call excepted."""
     from decoders.drafting.cost import CallCost
-    from evals.replay_auto import ReplayLM, replay, stale
+    from devtools.replay_auto import ReplayLM, replay, stale
 
     cost = CallCost((1, 2, 4), (1.0, 1.5, 2.0), 0.01, 0.001)
     scaled = stale(cost, [1.0, 2.0, 3.0])
@@ -508,9 +508,9 @@ def test_the_auto_replay_can_cost_calls_by_a_stale_calibration_with_noise():
 
 
 def test_the_auto_replay_runs_auto_on_its_clock_and_gives_greedys_tokens():
-    """evals.replay_auto replays `auto` on greedy outputs (it raises if the replay leaves them): drafts accepted, its
+    """devtools.replay_auto replays `auto` on greedy outputs (it raises if the replay leaves them): drafts accepted, its
     seconds the calibrated ones."""
-    from evals.replay_auto import replay
+    from devtools.replay_auto import replay
     from test_auto import echo_lm
 
     lm = echo_lm()  # repeats its last token: the suffix index and prompt lookup soon guess it
@@ -525,13 +525,13 @@ def test_the_auto_replay_runs_auto_on_its_clock_and_gives_greedys_tokens():
 
 
 def test_the_chain_replays_auto_expects_the_targets_own_int8_copy_to_agree_as_auto_does():
-    """`auto`'s rule in evals.replay_chains starts a draft that shares the target's cache (its own int8 copy) from
+    """`auto`'s rule in devtools.replay_chains starts a draft that shares the target's cache (its own int8 copy) from
     the prior `auto` gives it: from the default prior it replayed SmolLM2-135M's drafts as 521 target calls where
     `auto`'s rule takes 288."""
     from decoders.drafting.chooser import ChooserOptions
     from decoders.drafting.cost import CallCost, CostModel
     from decoders.drafting.draft_model import SELF_ACCEPTANCE
-    from evals.replay_chains import Auto
+    from devtools.replay_chains import Auto
 
     cost = CostModel(CallCost((1,), (1.0,)), CallCost((1,), (0.25,)))
     for shares_cache, prior in ((True, SELF_ACCEPTANCE), (False, ChooserOptions().prior_mean)):

@@ -21,7 +21,7 @@ a calibration curve instead: P(accepted | c) = a * c ** gamma, one (a, gamma) pe
 how well each explained every drafted token it verified, whatever its depth (`calibrated`). Two parameters learn from
 a few steps what a table of probability buckets by depth took a whole run to fill: a draft's low-probability tokens
 are rare, and while their cells still held optimistic priors `auto` drafted through them (replayed with the int8 0.5B
-draft of the 1.5B, `evals.replay_chains`: 8-16% more estimated seconds than with a curve). The ceiling a is for
+draft of the 1.5B, `devtools.replay_chains`: 8-16% more estimated seconds than with a curve). The ceiling a is for
 drafters that are sure and wrong: the suffix index gives a token it saw once after the matched suffix probability 1,
 and with c ** gamma alone (1 for c = 1, whatever gamma) `auto` expected every such level accepted (3.0 tokens for
 two-level drafts that gave 1.3 on average: predicted 164 tokens for a 110-token run on the AMD EPYC).
@@ -51,8 +51,9 @@ taken on their estimates alone, uncorrected, against the other plans corrected (
 of highest estimated rate is the likeliest to have been judged too well, most of all where several proposers guess the
 same tokens and the one judged best wins, and a correction learned from the steps taken alone stops learning once it
 has corrected its proposer out of them. Replaying `auto` on greedy outputs of SmolLM2-135M (bfloat16,
-`evals.replay_auto`), its steps on prompt lookup's chains and merged trees had given 0.71-0.77 of the tokens their plans
-expected beyond the target's own, 0.87-0.93 so corrected (see `decoders.strategies.auto.AutoDrafter.judge_contenders`).
+`devtools.replay_auto`), its steps on prompt lookup's chains and merged trees had given 0.71-0.77 of the tokens their
+plans expected beyond the target's own, 0.87-0.93 so corrected (see
+`decoders.strategies.auto.AutoDrafter.judge_contenders`).
 """
 
 from __future__ import annotations

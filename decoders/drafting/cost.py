@@ -198,7 +198,7 @@ class CallCost:
         each too cheap in turn, and forgot a size's lesson after 32 plain steps), and where most of the last calls
         scored several tokens, their ratio became the scale of one-token calls too. Replayed on greedy's outputs,
         draft-free, each call costing the calibrated curve times a ratio per knot, with noise (`python -m
-        evals.replay_auto RESULT.json --ratios ... --noise 0.15 --seed S`, the mean of seeds 1-3; the calibrations
+        devtools.replay_auto RESULT.json --ratios ... --noise 0.15 --seed S`, the mean of seeds 1-3; the calibrations
         cached before the CPU joined their key), estimated seconds against those of the correction per size:
         SmolLM2-135M's 11 prompts (bfloat16) 89.5 against 93.1 where calls of 2 / 4 / 8+ tokens cost 1.3 / 1.8 / 2x
         their calibrated seconds, 63.2 against 64.8 where calls of 1-2 / 3-4 / 8+ tokens cost 0.8 / 1.1 / 1.3x, 76.7

@@ -44,7 +44,7 @@ class SuffixOptions:
     """Options of suffix drafting. Defaults are ArcticInference / vLLM's (min_token_prob 0.1, trees of up to 24
     tokens) but for `depth_factor`: 2.0 here against their max_spec_factor 1.0.
 
-    Where 2.0 came from: `python -m evals.replay_drafts` on `compare` results of Qwen2.5-Coder-1.5B (bfloat16, 128
+    Where 2.0 came from: `python -m devtools.replay_drafts` on `compare` results of Qwen2.5-Coder-1.5B (bfloat16, 128
     tokens; calls costed by its calibrated curve on a 2-core AMD EPYC). Against 1.0, 2.0 made 994 instead of 1082
     target calls on `agentic` with `store=run` (234.6 against 248.0 estimated seconds), 1201 / 1280 cold, 241 / 249 on
     `bench`, 274 / 288 on `mixed` (summarization 32 / 39, the other kinds within 4), and 796 / 823 on

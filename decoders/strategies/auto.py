@@ -138,7 +138,7 @@ class AutoDrafter:
         self.cost = calibrate(state.lm, state.draft)
         self.timed = not state.seeded  # refine the costs by the calls' times, and judge steps by them: not where the
         # caller seeded the sampling, whose sample the seed repeats only where what is drafted hangs on no clock.
-        # Replayed on greedy's outputs of SmolLM2-135M (`evals.replay_auto --noise 0.15`, 11 prompts, three seeds),
+        # Replayed on greedy's outputs of SmolLM2-135M (`devtools.replay_auto --noise 0.15`, 11 prompts, three seeds),
         # planning by the calibrated costs alone took 61.3 estimated seconds where the calibration was right, 76.6
         # where it was 1.10-1.36x stale, 93.2 where 2-16-token calls cost 1.3-2x their calibrated seconds; corrected
         # by the calls' times (`CallCost.offset`), 62.0, 76.7 and 89.5
@@ -231,7 +231,7 @@ class AutoDrafter:
             # whether to draft at all is judged by the draft's acceptance per depth, how far by its probability of
             # each token it drafts (`draft_with_model`). Judging the start by its probabilities in the last draft
             # instead turned the draft down for 16 steps in a row after one unsure draft (until the next probe):
-            # replayed (evals.replay_chains) on the default and mixed suites that cost 8-16% with the int8 or bf16
+            # replayed (devtools.replay_chains) on the default and mixed suites that cost 8-16% with the int8 or bf16
             # 0.5B draft of the 1.5B, and within 2% either way with the 1.5B's own int8 copy
             unseen = len(self.model.uncached())  # what the draft's first call feeds (not `self.fed`: the target's)
             guessed = levels and not self.model.translates  # (a draft of another vocabulary drafts through text)
@@ -631,7 +631,7 @@ class AutoDrafter:
         (Corrected by the steps taken alone, the suffix index's estimates were once corrected to 0.68 after three
         steps and never recovered: see GROWN.)
 
-        Replaying greedy outputs of SmolLM2-135M (bfloat16, `evals.replay_auto`, every step costed by the calibrated
+        Replaying greedy outputs of SmolLM2-135M (bfloat16, `devtools.replay_auto`, every step costed by the calibrated
         curve): prompt lookup's steps gave 0.71-0.77 of the tokens their plans expected beyond the target's own, the
         merged trees' 0.72, the suffix index's 0.91-0.93; corrected so, 0.87 / 0.93 / 0.89-0.91. Estimated seconds:
         213.98 against 215.97 on 46 prompts (bench, mixed's one per category, four held-out ones, and the default,
@@ -774,7 +774,7 @@ class Auto(DraftVerify):
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
                  chooser: Callable[[CostModel], Chooser] = Chooser, **options) -> None:
-        """`clock`: what auto times its steps and calls by (`evals.replay_auto` replays runs on one that advances by
+        """`clock`: what auto times its steps and calls by (`devtools.replay_auto` replays runs on one that advances by
         each call's calibrated cost); `chooser`: makes a run's `Chooser` from its cost model; `options`: `AutoOptions`.
         """
         if not (callable(clock) and callable(chooser)):

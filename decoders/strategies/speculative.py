@@ -5,7 +5,7 @@ sampling mode (rejection sampling in `samplers.verify`).
 
 k is fixed for the run. Unless given, it is the k this device's measured call costs favour (`default_k`): the best k
 turns on what a draft call costs against a target call, and that changes with the draft (bfloat16, int8, the
-target's own int8 copy) and the machine. Replayed on the 1.5B's greedy outputs (`evals.replay_chains`, AMD EPYC,
+target's own int8 copy) and the machine. Replayed on the 1.5B's greedy outputs (`devtools.replay_chains`, AMD EPYC,
 estimated seconds): with the bfloat16 0.5B draft (a call 0.42 of the target's) k=2 / 3 / 5 took 44.9 / 48.1 / 50.6 s
 on `mixed` (k=5 lost to greedy on translation, 0.81x in a real run) and 32.2 / 32.3 / 31.4 s on `bench`; with the
 int8 0.5B draft (0.19) k=3 / 5 / 8 took 22.3 / 19.6 / 20.8 s on `bench`; with the target's own int8 copy (0.48,

@@ -3,7 +3,7 @@ curve instead of a clock: its target calls and estimated seconds per prompt, the
 draft-free choices (suffix index, prompt lookup, lookahead, their merged trees) free of the timing noise of a 2-core
 machine, whose one-run figures move by 5-10% a prompt.
 
-    python -m evals.replay_auto RESULT.json [RESULT.json ...]
+    python -m devtools.replay_auto RESULT.json [RESULT.json ...]
 
 The target is a `ReplayLM`: each token it scores predicts greedy's next token where the token's path (the cached
 tokens, then the scored tokens it attends to) is greedy's output so far, and a token greedy's output does not hold
@@ -20,7 +20,7 @@ times a ratio per knot of it (1, 2, 3, 4, 8, 16, 32 tokens: a 5-token call betwe
 plans with the cached curve and corrects it from the calls it times, and `--noise` adds a machine's noise to every call
 that is not a prompt's: a log-normal factor of that spread, and one call in 50 stalled 3x (`--seed` draws it):
 
-    python -m evals.replay_auto RESULT.json --ratios 1,1.3,1.6,1.8,2,2,2 --noise 0.15 --seed 1
+    python -m devtools.replay_auto RESULT.json --ratios 1,1.3,1.6,1.8,2,2,2 --noise 0.15 --seed 1
 """
 
 from __future__ import annotations
@@ -30,18 +30,15 @@ import json
 import math
 import os
 import random
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import decoders  # noqa: E402
-from decoders.drafting.cost import TARGET_SIZES, CallCost, call_cost  # noqa: E402
-from decoders.models.cache import KVCache  # noqa: E402
-from decoders.strategies.auto import Auto  # noqa: E402
-from evals.replay_drafts import load_prompts  # noqa: E402
+import decoders
+from decoders.drafting.cost import TARGET_SIZES, CallCost, call_cost
+from decoders.models.cache import KVCache
+from decoders.strategies.auto import Auto
+from devtools.replay_drafts import load_prompts
 
 
 class ReplayLM(decoders.LM):

@@ -2,7 +2,7 @@
 fixed k, `threshold`'s moving threshold and `auto`'s chooser (its draft-model chains against plain steps), with one
 draft-model call per prompt instead of a run - to compare and tune those rules in seconds, free of timing noise.
 
-    python -m evals.replay_chains RESULT.json --draft zoo:qwen2.5-coder-0.5b --draft-quantize int8 \
+    python -m devtools.replay_chains RESULT.json --draft zoo:qwen2.5-coder-0.5b --draft-quantize int8 \
         [--methods speculative,threshold,auto]
 
 One call of the draft over each prompt and its greedy output records the draft's first choice and its probability at
@@ -22,26 +22,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import decoders  # noqa: E402
-from decoders.driver import resolve_draft  # noqa: E402
-from decoders.drafting import Draft  # noqa: E402
-from decoders.drafting.chooser import Chooser, ChooserOptions  # noqa: E402
-from decoders.drafting.cost import calibrate  # noqa: E402
-from decoders.drafting.draft_model import SELF_ACCEPTANCE  # noqa: E402
-from decoders.models.quantize import Int8Linear  # noqa: E402
-from decoders.strategies.auto import AutoOptions, expect_draft  # noqa: E402
-from decoders.strategies.speculative import ACCEPTANCE, SpeculativeOptions, default_k  # noqa: E402
-from decoders.strategies.threshold import ThresholdOptions, adapt_threshold  # noqa: E402
-from evals import methods  # noqa: E402
-from evals.replay_drafts import Tally, accepted, load_prompts, print_table  # noqa: E402
+import decoders
+from decoders.driver import resolve_draft
+from decoders.drafting import Draft
+from decoders.drafting.chooser import Chooser, ChooserOptions
+from decoders.drafting.cost import calibrate
+from decoders.drafting.draft_model import SELF_ACCEPTANCE
+from decoders.models.quantize import Int8Linear
+from decoders.strategies.auto import AutoOptions, expect_draft
+from decoders.strategies.speculative import ACCEPTANCE, SpeculativeOptions, default_k
+from decoders.strategies.threshold import ThresholdOptions, adapt_threshold
+from devtools.replay_drafts import Tally, accepted, load_prompts, print_table
+from evals import methods
 
 MISS = -1  # a drafted token past the chain's first miss: it agrees with nothing
 

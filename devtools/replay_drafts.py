@@ -2,7 +2,8 @@
 would make and their estimated time, per category - to tune `suffix` and `prompt_lookup` options in seconds, free of
 the timing noise of a 2-core machine.
 
-    python -m evals.replay_drafts RESULT.json [--methods suffix,suffix@depth_factor=1,suffix@store=run,hf:prompt_lookup]
+    python -m devtools.replay_drafts RESULT.json \
+        [--methods suffix,suffix@depth_factor=1,suffix@store=run,hf:prompt_lookup]
 
 In greedy mode the tokens a step accepts are exactly the longest path of its draft that agrees with the greedy output,
 so replaying the recorded greedy tokens (`compare --out` keeps them; the result needs a `greedy` run) gives each
@@ -24,17 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import decoders  # noqa: E402
-from decoders.drafting import Draft  # noqa: E402
-from decoders.drafting.cost import call_cost  # noqa: E402
-from evals import methods, suites  # noqa: E402
+import decoders
+from decoders.drafting import Draft
+from decoders.drafting.cost import call_cost
+from evals import methods, suites
 
 REPLAYABLE = ("suffix", "prompt_lookup")  # strategies whose drafters read only the tokens (no model)
 HF_LOOKUP = dict(k=10, max_ngram=2)  # transformers' generate(prompt_lookup_num_tokens=10): max_matching_ngram_size 2

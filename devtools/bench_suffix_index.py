@@ -1,6 +1,6 @@
 """Drafting time of the suffix index at 1k, 10k and 100k stored tokens (no model): is it far below a target call?
 
-    python evals/bench_suffix_index.py [--sizes 1000,10000,100000] [--drafts 300]
+    python -m devtools.bench_suffix_index [--sizes 1000,10000,100000] [--drafts 300]
 
 Three texts: uniform random ids (every match short, the trie mostly leaves), Python source of the standard library cut
 into words (natural repetition, like code outputs) and a period-40 loop (every suffix repeats: the most nodes and the
@@ -18,14 +18,11 @@ import gc
 import random
 import re
 import statistics
-import sys
 import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, SuffixStore, propose  # noqa: E402
+from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, SuffixStore, propose
 
 
 def source_words(count: int) -> list[int]:
