@@ -10,7 +10,6 @@ or more. So the copy is measured, not assumed: once per model and role, from the
 from __future__ import annotations
 
 import warnings
-import weakref
 
 from decoders.drafting.cost import CallCost, call_cost
 from decoders.models.lm import LM, free_memory
@@ -32,9 +31,9 @@ SELF = 0.7  # without a draft model, auto drafts with the target's own int8 copy
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
 
 
-VERDICTS: weakref.WeakKeyDictionary[object, dict[str, bool]] = weakref.WeakKeyDictionary()  # torch module -> role
-# -> whether its int8 copy pays (`int8_copy`), so that a copy found too dear is not made again for each run, nor for
-# each LM wrapping the module (transformers' `model.generate` wraps it anew in each call)
+INT8_PAYS = "_decodekit_int8_pays"  # the torch module's attribute holding role -> whether its int8 copy pays
+# (`int8_copy`): on the module, so that a copy found too dear is not made again for each run, nor for each LM wrapping
+# the module (transformers' `model.generate` wraps it anew in each call)
 
 
 def drafting_model(lm: LM, draft: LM | None, context: int, draft_int8: bool | None = None,
@@ -61,7 +60,7 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
     s for the 1.5B)."""
     if int8 is False or model.quantized_from is not None:
         return None
-    verdicts = VERDICTS.setdefault(model.model, {})
+    verdicts = vars(model.model).setdefault(INT8_PAYS, {})
     if int8 is None and role not in verdicts:
         free = free_memory(model.device)
         verdicts[role] = (free is None or int8_bytes(model) <= MEMORY * free) and pays(model, role, context, bar)
