@@ -99,19 +99,23 @@ def stale(cost: CallCost, ratios: list[float]) -> CallCost:
 
 
 def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]], options: dict | None = None,
-           ratios: list[float] | None = None, noise: float = 0.0, seed: int = 0) -> list[dict]:
+           ratios: list[float] | None = None, noise: float = 0.0, seed: int = 0, cost: CallCost | None = None,
+           decoder: type[Auto] = Auto) -> list[dict]:
     """Per prompt of [(id, category, prompt ids, greedy output)]: auto's target calls, estimated seconds, steps per
     proposer, and greedy's estimated seconds. `options`: auto's (without the target's own int8 copy, whose calls
-    would be the model's own); `ratios`, `noise`, `seed`: the calls' true costs (the module's docstring)."""
+    would be the model's own); `ratios`, `noise`, `seed`: the calls' true costs (the module's docstring); `cost`: the
+    curve they are costed by (default: the target's calibrated one, which `auto` plans with); `decoder`: `Auto` or a
+    subclass (`devtools.ablate_auto`'s, which switch a mechanism off or plan with another curve)."""
     options = {"self_int8": False, **(options or {})}
     if not noise >= 0:
         raise ValueError(f"noise is a spread: 0 or more, got {noise}")
     lm.check_tree_mask()
-    cost = call_cost(lm, "target")
+    calibrated = call_cost(lm, "target")  # (cached first: auto's own calibration reads it, not timing the replay)
+    cost = calibrated if cost is None else cost
     if ratios is not None:
         cost = stale(cost, ratios)
     target = ReplayLM(lm, cost, noise, seed)
-    strategy = Auto(clock=target.now, **options)  # timed by the replay's clock
+    strategy = decoder(clock=target.now, **options)  # timed by the replay's clock
     rows = []
     for prompt_id, category, ids, truth in prompts:
         target.truth, start = list(ids) + list(truth), target.seconds

@@ -207,7 +207,7 @@ class AutoDrafter:
         levels = summarize(tree)  # the index's probability per level
         candidates, self.parts = [], {}  # self.parts: the draft-model-free drafts, by proposer
         if levels:
-            self.levels, self.suffix_curves = levels, [match_curve(tree.match + d) for d in range(len(levels))]
+            self.levels, self.suffix_curves = levels, [self.curve_for(tree.match + d) for d in range(len(levels))]
             candidates.append(self.chooser.candidate("suffix", len(levels), levels, self.suffix_curves,
                                                      nodes=per_level(tree.parents)))
             self.parts["suffix"] = Draft(tree.tokens, None, tree.parents, source="suffix")
@@ -218,11 +218,12 @@ class AutoDrafter:
             candidates.append(self.chooser.candidate("lookahead", len(nodes), nodes=nodes, tree=True))
             self.parts["lookahead"] = replace(guesses, window=None)
         chain, matched = lookup_with_match(state.tokens, min(o.max_lookup, limit), LOOKUP.max_ngram, LOOKUP.min_ngram)
-        if chain:  # judged as the suffix index's sure guesses are: level d continues a (matched + d)-token match
-            self.lookup_curves = [match_curve(matched + d, "lookup") for d in range(len(chain))]
+        if chain and self.offers("lookup"):  # judged as the suffix index's sure guesses are: level d continues a
+            # (matched + d)-token match
+            self.lookup_curves = [self.curve_for(matched + d, "lookup") for d in range(len(chain))]
             candidates.append(self.chooser.candidate("lookup", len(chain), [1.0] * len(chain), self.lookup_curves))
             self.parts["lookup"] = Draft(chain, source="lookup")
-        if self.trees and len(self.parts) > 1:
+        if self.trees and len(self.parts) > 1 and self.offers("merged"):
             merged = merge(list(self.parts.values()))
             candidates.append(self.merged_candidate(merged, candidates))
         offered = self.model is not None and (len(state.cache) > 0 or not self.shares_cache)
@@ -275,6 +276,15 @@ class AutoDrafter:
         self.scored, self.context, self.curve = self.fed + len(draft.tokens) + ridden, context, curve
         self.clock = self.now()
         return draft
+
+    def offers(self, proposer: str) -> bool:
+        """Whether this drafter offers draft-free `proposer`'s ("lookup", "merged") guesses: always (a seam for
+        `devtools.ablate_auto`, whose subclasses switch one off)."""
+        return True
+
+    def curve_for(self, match: int, proposer: str = "suffix") -> str:
+        """The calibration curve of a guess of `proposer` continuing a `match`-token match (`match_curve`)."""
+        return match_curve(match, proposer)
 
     def with_guesses(self, state: DecodeState, chain: Draft, candidates: list[Candidate], context: int) -> Draft:
         """The draft model's `chain` merged with those of this step's draft-free drafts (`self.parts`) that make the
@@ -408,7 +418,7 @@ class AutoDrafter:
         to the call."""
         branch = propose(self.index, None, tokens, room, options).main_branch()
         levels = summarize(branch)
-        accept = self.chooser.chain("suffix", len(levels), levels, match_curve(branch.match))
+        accept = self.chooser.chain("suffix", len(levels), levels, self.curve_for(branch.match))
         chosen, drafting = self.lead(branch.tokens, accept, room + 1, context, fed)
         return chosen, drafting[0] - self.cost.draft_seconds(1, context, fed)
 
