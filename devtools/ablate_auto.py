@@ -118,13 +118,6 @@ class NoLookup(Planned):
         return proposer != "lookup" and super().offers(proposer)
 
 
-class NoContenders(Planned):
-    """`contenders`: the draft-free proposers' plans are never corrected by their contending plans' outcomes."""
-
-    def judge_contenders(self, state) -> None:
-        self.contenders.clear()
-
-
 class NoUnverified(Planned):
     """`unverified`: the draft-free proposers learn only from the steps that verified their guesses."""
 
@@ -171,7 +164,7 @@ class Untimed(Planned):
 
 
 MECHANISMS: dict[str, type[Planned]] = {"ride": NoRide, "merged": NoMerged, "lookahead": NoLookahead,
-                                        "lookup": NoLookup, "contenders": NoContenders, "unverified": NoUnverified,
+                                        "lookup": NoLookup, "unverified": NoUnverified,
                                         "match_curves": OneCurve, "ceilings": NoCeilings,
                                         "first_call_fed": FirstCallUnfed, "online_correction": Untimed}
 

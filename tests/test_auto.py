@@ -146,9 +146,9 @@ def test_in_sampling_mode_a_guess_the_chain_holds_already_adds_nothing_to_check(
 
 def test_only_the_draft_models_plans_learn_a_correction_from_their_own_steps(monkeypatch, random_plans):
     """The draft model's chains and trees draft other than their plans counted on, and their plans are corrected by
-    what their steps gave (`auto.GROWN`); the draft-free proposers draft their plans' levels, and are corrected only
-    by the plans their estimates alone would have taken (`Chooser.contenders`, none here: the plans are random). A
-    probe's plan was not chosen for its rate, and teaches no correction."""
+    what their steps gave (`auto.GROWN`); the draft-free proposers draft their plans' levels, whose errors their
+    acceptance estimates learn, and are not corrected. A probe's plan was not chosen for its rate, and teaches no
+    correction."""
     learned = []
     monkeypatch.setattr(chooser.Chooser, "learn_rate", lambda self, plan, *given: learned.append(plan))
     lm = tiny_lm("llama")
@@ -159,21 +159,6 @@ def test_only_the_draft_models_plans_learn_a_correction_from_their_own_steps(mon
             steps[name] = steps.get(name, 0) + count
     assert {plan.proposer for plan in learned} == set(auto.GROWN) and not any(plan.probe for plan in learned)
     assert {"suffix", "merged", "none"} <= set(steps)  # (taken, and not learned from)
-
-
-def test_a_contender_is_judged_by_the_tokens_that_follow_it():
-    """A plan the chooser's estimates alone would have taken (`Chooser.contenders`), taken or not, teaches its
-    proposer's correction the tokens it would have given, as soon as the tokens after it tell."""
-    learned = []
-    judge = types.SimpleNamespace(chooser=types.SimpleNamespace(learn_rate=lambda plan, *given: learned.append(
-        (plan.proposer, *given))))
-    chain, tree = chooser.Plan("lookup", 3, 2.5, 0.1), chooser.Plan("merged", 2, 2.0, 0.2)
-    judge.contenders = [(chain, 2, decoders.Draft([5, 6, 7])),
-                        (tree, 2, decoders.Draft([8, 5, 9, 6], parents=[-1, -1, 0, 1]))]  # [8 -> 9], [5 -> 6]
-    auto.AutoDrafter.judge_contenders(judge, types.SimpleNamespace(tokens=[1, 2, 5, 6]))
-    assert learned == [("merged", 3, 0.2)] and len(judge.contenders) == 1  # the chain's third level is not known yet
-    auto.AutoDrafter.judge_contenders(judge, types.SimpleNamespace(tokens=[1, 2, 5, 6, 4]))
-    assert learned[1:] == [("lookup", 3, 0.1)] and judge.contenders == []  # 2 levels right, then the target's token
 
 
 def test_a_model_without_tree_masks_gets_the_suffix_trees_main_branch(monkeypatch):

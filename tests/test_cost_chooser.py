@@ -279,26 +279,6 @@ def test_plans_are_weighed_by_what_their_proposers_steps_gave_against_them():
     assert chooser.choose([tree, chain], context=0).proposer == "tree"
 
 
-def test_draft_free_proposers_are_judged_where_their_estimates_alone_would_win():
-    """A watched proposer's plan is a contender where it would be taken on its own estimates, uncorrected, against
-    the other plans corrected: its correction keeps learning when it corrects the proposer out of the choice."""
-    chooser = Chooser(cpu_like())
-    chooser.watched |= {"suffix", "lookup"}
-    suffix = Candidate("suffix", (0.6, 0.6))  # k=2: 1.96 tokens / 1.04 s = 1.885 tokens/s
-    lookup = Candidate("lookup", (0.7,))  # k=1: 1.7 tokens / 1.02 s = 1.667
-    draft = Candidate("draft", (0.5,), per_token_seconds=0.25)  # 1.5 / 1.27 = 1.181: never a contender (not watched)
-    plan = chooser.choose([suffix, lookup, draft], context=0)
-    assert (plan.proposer, plan.k) == ("suffix", 2) and chooser.contenders == [plan]
-    for _ in range(3):  # its steps gave 1 token each: corrected to 0.70, 1.32 tokens/s
-        chooser.learn_rate(plan, tokens=1, seconds=plan.seconds)
-    plan = chooser.choose([suffix, lookup, draft], context=0)
-    assert plan.proposer == "lookup"
-    assert [(c.proposer, c.k) for c in chooser.contenders] == [("suffix", 2), ("lookup", 1)]
-    assert chooser.choose([suffix, lookup], context=0, fed=50).proposer is not None and chooser.contenders == []
-    unlikely = Candidate("suffix", (0.01,))  # no better than a plain step: not a contender
-    assert chooser.choose([unlikely], context=0).proposer is None and chooser.contenders == []
-
-
 def test_break_even_guard_probes_after_the_set_number_of_plain_steps():
     chooser = Chooser(CostModel(linear(1.0, 0.1), linear(0.8, 0.0)), ChooserOptions(probe_after=3, probe_tokens=2))
     draft = Candidate("draft", (0.3,) * 5, per_token_seconds=0.8)

@@ -46,14 +46,6 @@ step shows. With the int8 0.5B draft of the 1.5B (AMD EPYC), trees' steps gave 9
 prompt per category), two interleaved repeats: 23.5 s against 25.0 (`staged` 23.5); bench 16.9 against 17.1; without
 a draft and with SmolLM2-135M equal within 1%. (`auto` corrects those two so: see `decoders.strategies.auto.GROWN`.)
 
-A drafter whose guesses the tokens that follow judge for free (`watched`) is corrected by its plans that would have been
-taken on their estimates alone, uncorrected, against the other plans corrected (`contenders`), taken or not: the plan
-of highest estimated rate is the likeliest to have been judged too well, most of all where several proposers guess the
-same tokens and the one judged best wins, and a correction learned from the steps taken alone stops learning once it
-has corrected its proposer out of them. Replaying `auto` on greedy outputs of SmolLM2-135M (bfloat16,
-`devtools.replay_auto`), its steps on prompt lookup's chains and merged trees had given 0.71-0.77 of the tokens their
-plans expected beyond the target's own, 0.87-0.93 so corrected (see
-`decoders.strategies.auto.AutoDrafter.judge_contenders`).
 """
 
 from __future__ import annotations
@@ -202,8 +194,6 @@ class Chooser:
         self.ceilings: dict[str, float] = {}  # curve -> its prior ceiling a where known better than PRIOR's
         self.realized: dict[str | None, list[float]] = {}  # proposer -> [predicted tokens, tokens, predicted seconds,
         # seconds] of the steps it was taken, decayed (`correction`)
-        self.contenders: list[Plan] = []  # the last choice's plans of watched proposers that would have been taken
-        # uncorrected (`correction`), the others corrected (none where the call fed the prompt)
 
     def acceptance(self, proposer: str, depth: int, confidence: float | None = None, curve: str | None = None
                    ) -> float:
@@ -325,8 +315,6 @@ class Chooser:
         rates = [p.rate * self.correction(p.proposer) for p in steady]
         best = max(range(len(steady)), key=rates.__getitem__)  # (the first of the highest: a plain step wins ties)
         plan, rate = steady[best], rates[best]  # (rate: what a later step is expected to make)
-        self.contenders = [p for i, p in enumerate(steady) if p.proposer in self.watched and fed <= 1
-                           and p.rate > max(r for j, r in enumerate(rates) if j != i)]
         if fed > 1:
             plan = max([self.evaluate(None, 0, context, fed), *(self.best(c, context, fed, rate) for c in offered)],
                        key=lambda p: self.value(p, rate))

@@ -63,8 +63,7 @@ LOOKUP = PromptLookupOptions()  # auto's prompt lookup matches n-grams as `promp
 TREE = StagedOptions()  # auto's draft-model trees grow as `staged`'s do by default
 LOOKAHEAD = LookaheadOptions()  # and its lookahead window and n-gram guesses are `lookahead`'s
 SURE = 0.99  # the highest tree thresholds (`AutoDrafter.tree_options`): `staged`'s must stay below 1
-GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what their own steps gave (`Chooser.correction`;
-# the draft-free ones are corrected by the plans their estimates alone would have taken, `judge_contenders`):
+GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what their own steps gave (`Chooser.correction`):
 # the draft model's chains run on while its confidences say the next token pays, and its trees grow as `staged` grows
 # them, so neither drafts what its plan counted on. The other proposers' drafts are their plans' levels, whose errors
 # are acceptance errors their estimates learn already; correcting those plans again made one unlucky step stick (a
@@ -146,8 +145,6 @@ class AutoDrafter:
         self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
         # guesses were measured to be worth, per length of the match they continue
         self.chooser.watched.update(FREE)  # (their estimates learn from every step, `learn_unverified`: never probed)
-        self.contenders: list[tuple[Plan, int, Draft]] = []  # plans the chooser's estimates alone would have taken,
-        # where each began and the levels it counted on, until the tokens after them tell what they gave
         self.unverified: list[Guess] = []  # draft-free drafts not verified in their step, until the tokens after them
         # tell how far each would have been accepted (`learn_unverified`)
         self.shares_cache = isinstance(self.model, SharedCacheDraft)  # a draft on the target's cache (the target's
@@ -246,9 +243,6 @@ class AutoDrafter:
         self.record(state, plan)
         self.confidences, curve = [], None
         self.start = len(state.tokens)
-        for contender in self.chooser.contenders:  # judged by the tokens that follow (`judge_contenders`)
-            guessed = merged if contender.proposer == "merged" else self.parts[contender.proposer]
-            self.contenders.append((contender, self.start, levels_above(guessed, contender.k)))
         if plan.proposer == "suffix":
             draft = levels_above(self.parts["suffix"], plan.k)
             self.confidences, curve = self.levels[: plan.k], self.suffix_curves[: plan.k]
@@ -576,7 +570,6 @@ class AutoDrafter:
             self.ahead.update(state, draft, whole)
         self.index.follow("run", state.tokens)
         self.learn_unverified(state, verified)
-        self.judge_contenders(state)
 
     def teach_parts(self, state: DecodeState, draft: Draft, accepted: int) -> set[str]:
         """Each of this step's draft-free drafts (`self.parts`) in the merged tree `draft` learns how far its own
@@ -630,34 +623,6 @@ class AutoDrafter:
             if not done:
                 waiting.append(guess)
         self.unverified = waiting
-
-    def judge_contenders(self, state: DecodeState) -> None:
-        """Teach the chooser's correction of each draft-free proposer (`Chooser.correction`) how many tokens the plans
-        it would have taken on their estimates alone gave against what they expected (`Chooser.contenders`), taken or
-        not, once the tokens after them tell: the plan of highest estimated rate is the likeliest to have been judged
-        too well, most of all where several proposers guess the same tokens (the suffix index and prompt lookup) and
-        the one judged best wins. Judged so, every plan that was taken or would have been if its proposer's correction
-        had not stopped it, the correction goes on learning where it has corrected its proposer out of the choice.
-        (Corrected by the steps taken alone, the suffix index's estimates were once corrected to 0.68 after three
-        steps and never recovered: see GROWN.)
-
-        Replaying greedy outputs of SmolLM2-135M (bfloat16, `devtools.replay_auto`, every step costed by the calibrated
-        curve): prompt lookup's steps gave 0.71-0.77 of the tokens their plans expected beyond the target's own, the
-        merged trees' 0.72, the suffix index's 0.91-0.93; corrected so, 0.87 / 0.93 / 0.89-0.91. Estimated seconds:
-        213.98 against 215.97 on 46 prompts (bench, mixed's one per category, four held-out ones, and the default,
-        mixed, code, prose, rag, edit and article suites; 23 prompts faster, 11 slower), the 1.5B's 11 369.7 against
-        369.6 (its multi-token calls cost so much more that few guesses beat a plain step, and those are judged well).
-        On the machine itself, one ABBA round of SmolLM2's 11 prompts was inconclusive: one side's two runs differed by
-        7.5 s of 62.
-        """
-        waiting = []
-        for plan, start, guess in self.contenders:
-            took, done = followed(guess, state.tokens[start:])
-            if done:
-                self.chooser.learn_rate(plan, took + 1, plan.seconds)  # (its seconds: the cost model's to correct)
-            else:
-                waiting.append((plan, start, guess))
-        self.contenders = waiting
 
     def teach_tree(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         """What the target made of a draft model's chain, as the tree grown instead would have fared: its main branch
