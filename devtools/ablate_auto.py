@@ -111,34 +111,11 @@ class NoLookahead(Planned):
         self.ahead = None
 
 
-class NoLookup(Planned):
-    """`lookup`: prompt lookup is never offered (nor merged)."""
-
-    def offers(self, proposer: str) -> bool:
-        return proposer != "lookup" and super().offers(proposer)
-
-
-class NoUnverified(Planned):
-    """`unverified`: the draft-free proposers learn only from the steps that verified their guesses."""
-
-    def learn_unverified(self, state, verified) -> None:
-        pass
-
-
 class OneCurve(Planned):
-    """`match_curves`: every suffix-index guess on one calibration curve, every lookup chain on another, whatever
-    its match length (`MATCH_CEILINGS`, which are per match length, then apply to none)."""
+    """`match_curves`: every suffix-index guess on one calibration curve, whatever its match length."""
 
-    def curve_for(self, match: int, proposer: str = "suffix") -> str:
-        return proposer
-
-
-class NoCeilings(Planned):
-    """`ceilings`: the match-length curves start from the default prior, not `MATCH_CEILINGS`."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.chooser.ceilings.clear()
+    def curve_for(self, match: int) -> str:
+        return "suffix"
 
 
 class UnfedChooser(Chooser):
@@ -164,8 +141,7 @@ class Untimed(Planned):
 
 
 MECHANISMS: dict[str, type[Planned]] = {"ride": NoRide, "merged": NoMerged, "lookahead": NoLookahead,
-                                        "lookup": NoLookup, "unverified": NoUnverified,
-                                        "match_curves": OneCurve, "ceilings": NoCeilings,
+                                        "match_curves": OneCurve,
                                         "first_call_fed": FirstCallUnfed, "online_correction": Untimed}
 
 

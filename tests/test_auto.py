@@ -4,7 +4,6 @@ greedy's (the chooser's own picks depend on measured times, so the registry-wide
 import copy
 import random
 import re
-import types
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import grammars
 from conftest import PROMPTS, tiny_lm
 from decoders.drafting import chooser, copies
 from decoders.strategies import auto
+from decoders.drafting.suffix_index import SuffixDraft
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +101,12 @@ def test_a_seed_repeats_the_sample_however_the_calls_are_timed(monkeypatch):
     assert clocked(0, seed=12).tokens != seeded[0].tokens
 
 
+def guess_always(monkeypatch, guess) -> None:
+    """Make the suffix index guess `guess(tokens)` after any context, sure of it."""
+    monkeypatch.setattr(auto, "propose", lambda index, store, tokens, *rest, **options: SuffixDraft(
+        [guess(tokens)], [-1], [1.0], match=1))
+
+
 def test_in_sampling_mode_guesses_the_grammar_forbids_are_dropped_from_a_chain_checked_with_them(monkeypatch):
     """A draft model's sampled chain is checked with the context's guesses beside it (`with_guesses`), drawn under no
     grammar: a guess the grammar forbids is rejected for certain, so it is dropped from the step, where it had ended
@@ -114,7 +120,7 @@ def test_in_sampling_mode_guesses_the_grammar_forbids_are_dropped_from_a_chain_c
     lm = tiny_lm("llama")
     digit = lm.tokenizer.encode("7", add_special_tokens=False)[0]
     monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
-    monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([digit], 1))
+    guess_always(monkeypatch, lambda tokens: digit)
     chains = choosing(choose, draft_int8=False)
     for seed in range(5):
         result = decoders.generate(lm, PROMPTS[1], strategy=chains, draft=tiny_lm("llama", 1),
@@ -136,7 +142,7 @@ def test_in_sampling_mode_a_guess_the_chain_holds_already_adds_nothing_to_check(
     want = decoders.generate(lm, PROMPTS[0], max_new_tokens=12).tokens
     guesses = {len(lm.encode(PROMPTS[0])) + i: token for i, token in enumerate(want)}  # greedy's next token
     monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
-    monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([guesses[len(tokens)]], 1))
+    guess_always(monkeypatch, lambda tokens: guesses[len(tokens)])
     union = auto.union  # (a chain checked alone is believed half as likely to be accepted: the guess is taken)
     monkeypatch.setattr(auto, "union", lambda paths: tuple(p if len(paths) > 1 else p / 2 for p in union(paths)))
     result = decoders.generate(lm, PROMPTS[0], strategy=choosing(choose, draft_int8=False), draft=lm, temperature=1.0,
@@ -415,7 +421,7 @@ def test_the_window_rides_along_only_while_lookaheads_guesses_pay_for_its_rides(
 
 
 def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(monkeypatch):
-    """The suffix index's, lookahead's and prompt lookup's drafts offered as one tree: a step that takes it gives
+    """The suffix index's and lookahead's drafts offered as one tree: a step that takes it gives
     greedy's tokens, its accepted tokens are the drafters' (no "merged" source), and each part learns how far its own
     guesses went, never the merged tree itself."""
     updates = []
@@ -435,52 +441,19 @@ def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(m
 
     monkeypatch.setattr(chooser.Chooser, "update", recording_update)
     for lm in (tiny_lm("qwen2"), echo_lm()):
-        prompt = lm.encode(PROMPTS[2]) * 3  # repeated text: the index, lookup and lookahead's pool all guess
+        prompt = lm.encode(PROMPTS[2]) * 3  # repeated text: the index and lookahead's pool both guess
         want = decoders.generate(lm, prompt, max_new_tokens=30)
         got = decoders.generate(lm, prompt, strategy=choosing(choose), max_new_tokens=30)
         assert got.tokens == want.tokens and got.stats.details["steps"].get("merged", 0) > 0
-        assert set(got.sources) <= {"target", "suffix", "lookahead", "lookup"}
+        assert set(got.sources) <= {"target", "suffix", "lookahead"}
     assert got.stats.accepted > 0  # the echo's: it repeats its last token, which every part soon guesses
-    assert updates and {p for p, _, _ in updates} <= {"suffix", "lookahead", "lookup"}
+    assert updates and {p for p, _, _ in updates} <= {"suffix", "lookahead"}
     assert all(0 <= accepted <= drafted for _, drafted, accepted in updates)
-
-
-def test_guesses_not_taken_learn_how_far_the_tokens_after_them_went(monkeypatch):
-    """A draft-free draft that its step did not verify is judged level by level by the tokens that follow it: in a
-    run of plain steps, prompt lookup learns of each chain it offered how many of its tokens greedy's output repeats,
-    each level on the curve of the match it continues (`match_curve`)."""
-    updates = []
-    update = chooser.Chooser.update
-
-    def recording_update(self, proposer, drafted, accepted, confidences=None, curve=None, known=0):
-        levels = range(known + 1, min(accepted + 1, drafted) + 1)
-        updates.extend((proposer, level, level <= accepted, chooser.level_curve(curve, level - 1)) for level in levels)
-        update(self, proposer, drafted, accepted, confidences, curve, known)
-
-    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
-    lm, n = tiny_lm("llama"), 30
-    prompt = lm.encode(PROMPTS[2]) * 3
-    out = decoders.generate(lm, prompt, max_new_tokens=n).tokens
-    plain = choosing(lambda self, *args, **kwargs: chooser.Plan(None, 0, 1.0, 1.0))
-    assert decoders.generate(lm, prompt, strategy=plain, max_new_tokens=n).tokens == out
-    want = []  # (proposer, level, accepted, curve) of each level judged
-    for i in range(len(out)):  # step i, after i tokens: the chain lookup offered, and what came after it
-        chain, matched = auto.lookup_with_match(prompt + out[:i], min(auto.LOOKUP.k, n - i - 1),
-                                                auto.LOOKUP.max_ngram, auto.LOOKUP.min_ngram)
-        after = out[i:]
-        took = next((j for j, (a, b) in enumerate(zip(chain, after)) if a != b), min(len(chain), len(after)))
-        judged = min(len(chain), took + 1) if took < len(after) else took  # (the run may end before a level)
-        want.extend(("lookup", level, level <= took, auto.match_curve(matched + level - 1, "lookup"))
-                    for level in range(1, judged + 1))
-    assert any(took for *_, took, _ in want) and not all(took for *_, took, _ in want)
-    assert len({curve for *_, curve in want}) > 1  # (matches of several lengths)
-    assert sorted(u for u in updates if u[0] == "lookup") == sorted(want)
-    assert "suffix" in {proposer for proposer, *_ in updates}
 
 
 @pytest.mark.parametrize("flat", [True, False])
 def test_a_draft_models_chain_is_checked_with_the_steps_guesses_where_they_pay(monkeypatch, flat):
-    """In greedy mode a draft model's chain is merged with the suffix index's, lookahead's and prompt lookup's drafts
+    """In greedy mode a draft model's chain is merged with the suffix index's and lookahead's drafts
     where the step's expected tokens per second are highest so: with target calls that cost the same whatever they
     score, the guesses ride along and the step takes their tokens where the draft is wrong; where each token scored
     costs a lot, the chain goes alone. Either way the output is greedy's, and the draft's estimates learn from its
@@ -522,7 +495,7 @@ def test_a_draft_models_chain_is_checked_with_the_steps_guesses_where_they_pay(m
 
 
 def test_in_sampling_mode_a_chain_checked_with_guesses_still_samples_from_the_target(monkeypatch):
-    """Sampling mode: the draft model's sampled chain and prompt lookup's guess (here the target's likeliest token)
+    """Sampling mode: the draft model's sampled chain and the suffix index's guess (here the target's likeliest token)
     are checked in one call, each guess a one-hot sibling of the chain's first token; the first new token follows
     the target's distribution, and comes from the chain, the guess or the target."""
     from decoders.drafting import cost
@@ -541,13 +514,13 @@ def test_in_sampling_mode_a_chain_checked_with_guesses_still_samples_from_the_ta
         target = SamplingConfig(**settings).probs(lm.forward(prompt, lm.new_cache())[-1])
     guess = int(target.argmax())
     monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
-    monkeypatch.setattr(auto, "lookup_with_match", lambda tokens, k, *sizes: ([guess], 1))
+    guess_always(monkeypatch, lambda tokens: guess)
     firsts, sources, chains = [], [], choosing(choose, draft_int8=False)
     for seed in range(1000):
         result = decoders.generate(lm, prompt, strategy=chains, draft=draft, max_new_tokens=2, seed=seed, **settings)
         firsts.append(result.tokens[0])
         sources.append(result.sources[0])
-    assert {"draft", "lookup", "target"} <= set(sources)
+    assert {"draft", "suffix", "target"} <= set(sources)
     assert chi_square_fits(torch.tensor(firsts), target)
 
 

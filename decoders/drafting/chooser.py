@@ -31,7 +31,7 @@ taken in as well (`watched`: a drafter that drafts for free, whose guesses the t
 if it could pay: if drafting the rest of the run with it, every level accepted, would beat the rate of the plan
 chosen, its drafter's catching up paid once (`could_pay`). Where a call costs about as much per token it scores as a
 plain step (a CPU computing bfloat16 in float) hardly any draft can, and probes only lose. A proposer whose acceptance
-is known better than the priors before a run (`Chooser.priors`, `Chooser.ceilings`) starts from that.
+is known better than the priors before a run (`Chooser.priors`) starts from that.
 
 A call that feeds the prompt (a run's first) costs far more than the later steps; there the plan is the one of highest
 value: expected tokens less its seconds at the rate the later steps are expected to make (`choose`), so a level rides
@@ -70,9 +70,6 @@ PRIOR = tuple(math.log(0.5 if a == 1 else 0.5 / (len(CEILINGS) - 1)) for a in CE
 # even odds that the drafter is never wrong when sure (a draft model; one miss at probability 1 rules that out), the
 # other half spread evenly; every gamma equally likely
 GRID = np.array(GAMMAS), np.array(CEILINGS)[:, None]  # the same as arrays: [GAMMAS], [CEILINGS, 1]
-SPREAD = 0.2  # the standard deviation of a known ceiling's prior (`Chooser.ceilings`): the curve's prior at
-# probability 1 is then 0.43 / 0.81 / 0.89 for ceilings of 0.4 / 0.75 / 0.92, and 5 tokens all taken lift a ceiling of
-# 0.4 to 0.76, 10 to 0.88 (with 0.1: 0.50 and 0.57, a run's evidence barely moving it)
 
 
 @dataclass(frozen=True)
@@ -191,7 +188,6 @@ class Chooser:
         # mean ceiling, the calibrated probability of each confidence asked so far): cached until the curve learns
         self.watched: set[str] = set()  # proposers whose estimates learn from every step, taken or not: never probed
         self.priors: dict[str, float] = {}  # proposer -> its prior acceptance where known better than prior_mean
-        self.ceilings: dict[str, float] = {}  # curve -> its prior ceiling a where known better than PRIOR's
         self.realized: dict[str | None, list[float]] = {}  # proposer -> [predicted tokens, tokens, predicted seconds,
         # seconds] of the steps it was taken, decayed (`correction`)
 
@@ -220,7 +216,7 @@ class Chooser:
         suffix index's once-seen continuations (probability 1) a well below 1. Before any evidence a token of
         probability 1 is judged 0.83 likely and one of 0.5 0.57, so a drafter is tried and learns."""
         if curve not in self.curves:
-            fit = np.asarray(self.prior(curve))[:, None] + self.fits.get(curve, 0.0)  # [CEILINGS, GAMMAS]
+            fit = np.asarray(PRIOR)[:, None] + self.fits.get(curve, 0.0)  # [CEILINGS, GAMMAS]
             posterior = np.exp(fit - fit.max())
             weights = (GRID[1] * posterior).sum(axis=0) / posterior.sum()  # [GAMMAS]
             self.curves[curve] = (weights.tolist(), {})
@@ -242,26 +238,19 @@ class Chooser:
         return Candidate(proposer, self.chain(proposer, k, confidences, curve), **costs)
 
     def update(self, proposer: str, drafted: int, accepted: int, confidences: Sequence[float] | None = None,
-               curve: Curves = None, known: int = 0) -> None:
+               curve: Curves = None) -> None:
         """Learn from a verification that accepted `accepted` of `drafted` levels: levels 1..accepted were accepted,
         the next one rejected, later ones tell nothing (they were conditional on it). `curve`: the calibration curve
         the confidences teach, when not the proposer's own (a drafter whose tokens are calibrated apart by kind, as
-        the suffix index's by match length), one for every level or one per level. `known`: levels 1..known were
-        learned before (a guess judged level by level as the tokens after it come)."""
+        the suffix index's by match length), one for every level or one per level."""
         decay = self.options.decay
-        for depth in range(known + 1, min(accepted + 1, drafted) + 1):
+        for depth in range(1, min(accepted + 1, drafted) + 1):
             confidence = None if confidences is None else confidences[depth - 1]
             took = depth <= accepted
             counts = self.counts.setdefault((proposer, min(depth, self.options.max_depth)), [0.0, 0.0])
             counts[0], counts[1] = decay * counts[0] + took, decay * counts[1] + (not took)
             if confidence is not None:  # the calibration curve learns from every token with a probability
                 self.learn_curve(level_curve(curve, depth - 1) or proposer, confidence, took)
-
-    def prior(self, curve: str) -> Sequence[float]:
-        """[CEILINGS] log prior of each ceiling of `curve`: PRIOR, or where its ceiling is known (`ceilings`), a normal
-        density around it (SPREAD)."""
-        mean = self.ceilings.get(curve)
-        return PRIOR if mean is None else [-0.5 * ((a - mean) / SPREAD) ** 2 for a in CEILINGS]
 
     def learn_curve(self, curve: str, confidence: float, took: bool) -> None:
         """Weigh every (a, gamma) of the calibration curve `curve` by the likelihood of one verified token."""

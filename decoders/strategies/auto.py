@@ -2,9 +2,7 @@
 
 Proposers, all through the shared draft-then-verify loop: runs the grammar forces (free, taken by the loop itself),
 the suffix index of the context (`suffix`'s trees of what followed the longest matching suffix, near free; cut to the
-levels that pay, and to its main branch on a model that cannot take tree masks), prompt lookup (`prompt_lookup`'s
-chain after the most recent match of the last 1-3 tokens: where the output copies the prompt at length, it drafts
-long at once, where the suffix tree grows with the match), the draft model when one is given (`draft=` a model or
+levels that pay, and to its main branch on a model that cannot take tree masks), the draft model when one is given (`draft=` a model or
 "self:int8"; as its own int8 copy where that copy's calls measure cheaper, and without one the target's own int8 copy
 where its calls are cheap enough and it fits in memory, `decoders.drafting.copies`; drafted while the next token still
 pays, one token a call, or several where the call also checks the suffix index's guess at what follows and the draft
@@ -14,17 +12,15 @@ thresholds raised to what pays at the step's planned rate, `tree_thresholds`, wi
 lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's first choice is often
 wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84 for chains with the bf16 0.5B
 draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the steps that take them, and
-the context), the suffix index's, prompt lookup's and lookahead's guesses merged into one tree (where a call of a few
+the context), the suffix index's and lookahead's guesses merged into one tree (where a call of a few
 more tokens costs little more, checking every guess at once takes the tokens of whichever is right), and nothing (a
 plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
 draft model and the suffix index, as a calibration curve of their own probabilities, the index's one per length of
-the suffix it matched, as prompt lookup's chains are, one per length of their match) by the
-`decoders.drafting.chooser.Chooser`, which also keeps probing a draft model it has turned down for a while and weighs
-its plans by what their steps gave against them; the draft-free guesses learn from every step, taken or not, judged by
-the tokens that follow them. So the same code drafts long where draft calls are cheap (a GPU, an int8 draft), short or
+the suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a draft model it has
+turned down for a while and weighs its plans by what their steps gave against them. So the same code drafts long where draft calls are cheap (a GPU, an int8 draft), short or
 not at all where they are not, and copies wherever the context repeats itself.
 
 Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode. What is
@@ -55,11 +51,9 @@ from decoders.models.lm import LM
 from decoders.options import check_whole
 from decoders.proposers.draft_tree import StagedOptions, TreeDrafter, frontier_width
 from decoders.proposers.lookahead import LookaheadDrafter, LookaheadOptions
-from decoders.proposers.lookup import PromptLookupOptions, lookup_with_match
 from decoders.registry import register
 
 
-LOOKUP = PromptLookupOptions()  # auto's prompt lookup matches n-grams as `prompt_lookup` does by default
 TREE = StagedOptions()  # auto's draft-model trees grow as `staged`'s do by default
 LOOKAHEAD = LookaheadOptions()  # and its lookahead window and n-gram guesses are `lookahead`'s
 SURE = 0.99  # the highest tree thresholds (`AutoDrafter.tree_options`): `staged`'s must stay below 1
@@ -77,20 +71,7 @@ RIDE = 0.1  # the most a target call may grow to carry lookahead's window along 
 # step, and 20% or more to a call of 16 or more tokens
 
 
-FREE = ("suffix", "lookup", "lookahead", "merged")  # the proposers whose drafts cost no draft-model call: taught by
-# every step (`AutoDrafter.learn_unverified`)
-
-
-@dataclass
-class Guess:
-    """A draft-free draft that its step did not verify, waiting for the tokens that judge it."""
-
-    proposer: str
-    start: int  # where it begins in the run's tokens
-    draft: Draft
-    confidences: list[float] | None  # the probabilities its proposer gave its levels (None: it gives none)
-    curve: Curves  # the calibration curves they teach
-    known: int = 0  # its levels judged so far
+FREE = ("suffix", "lookahead", "merged")  # the proposers whose drafts cost no draft-model call: never probed
 
 
 @dataclass(frozen=True)
@@ -99,7 +80,6 @@ class AutoOptions:
 
     max_draft: int = 16  # the most draft-model tokens per target call
     max_tree: int = 24  # the most suffix-tree nodes per target call (suffix's own bound)
-    max_lookup: int = LOOKUP.k  # the longest prompt-lookup chain
     draft_trees: bool = True  # offer the draft model's trees where both models take tree masks
     draft_int8: bool | None = None  # draft with the draft model's own int8 copy (`decoders.quantize`): None where
     # its calls are measured cheaper (`copies.int8_copy`), True always, False never. A draft that is already
@@ -109,7 +89,7 @@ class AutoOptions:
     # never
 
     def __post_init__(self):
-        check_whole(self, max_draft=1, max_tree=1, max_lookup=1)
+        check_whole(self, max_draft=1, max_tree=1)
         if not isinstance(self.draft_trees, bool):
             raise ValueError(f"draft_trees must be True or False, got {self.draft_trees!r}")
         for name in ("draft_int8", "self_int8"):
@@ -142,11 +122,7 @@ class AutoDrafter:
         # where it was 1.10-1.36x stale, 93.2 where 2-16-token calls cost 1.3-2x their calibrated seconds; corrected
         # by the calls' times (`CallCost.offset`), 62.0, 76.7 and 89.5
         self.chooser = chooser(self.cost)
-        self.chooser.ceilings.update(MATCH_CEILINGS)  # what the suffix index's sure guesses and prompt lookup's
-        # guesses were measured to be worth, per length of the match they continue
-        self.chooser.watched.update(FREE)  # (their estimates learn from every step, `learn_unverified`: never probed)
-        self.unverified: list[Guess] = []  # draft-free drafts not verified in their step, until the tokens after them
-        # tell how far each would have been accepted (`learn_unverified`)
+        self.chooser.watched.update(FREE)
         self.shares_cache = isinstance(self.model, SharedCacheDraft)  # a draft on the target's cache (the target's
         # own int8 copy) is offered once that cache holds the prompt, from the second step: before the first, a draft
         # would compute the prompt's keys and values only to throw them away (0.19 s of SmolLM2's 1.3 s on bench's
@@ -173,10 +149,9 @@ class AutoDrafter:
         if self.tree is not None:
             wide = self.cost.draft.predict(self.tree.options.width, len(state.tokens))
             self.tree_level, self.tree_nodes = RunningMean(wide, 1), RunningMean(float(TREE.branching), 1)
-        self.parts: dict[str, Draft] = {}  # this step's drafts of the suffix index, lookahead and prompt lookup
+        self.parts: dict[str, Draft] = {}  # this step's drafts of the suffix index and lookahead
         self.levels: list[float] = []  # the suffix index's probability per level of its tree, given the levels above
         self.suffix_curves: list[str] = []  # [levels] the calibration curves those probabilities teach (`match_curve`)
-        self.lookup_curves: list[str] = []  # [levels] and those prompt lookup's chain is judged on
         self.start = 0  # where this step's draft begins in the run's tokens
         self.plan = Plan(None, 0, 1.0, 1.0)  # the last proposal's plan: what it came from, the levels it counted on
         self.curve: Curves = None  # the calibration curves its confidences teach, when not the proposer's own
@@ -214,12 +189,6 @@ class AutoDrafter:
             nodes = tuple(window + n for n in per_level(guesses.parents))
             candidates.append(self.chooser.candidate("lookahead", len(nodes), nodes=nodes, tree=True))
             self.parts["lookahead"] = replace(guesses, window=None)
-        chain, matched = lookup_with_match(state.tokens, min(o.max_lookup, limit), LOOKUP.max_ngram, LOOKUP.min_ngram)
-        if chain and self.offers("lookup"):  # judged as the suffix index's sure guesses are: level d continues a
-            # (matched + d)-token match
-            self.lookup_curves = [self.curve_for(matched + d, "lookup") for d in range(len(chain))]
-            candidates.append(self.chooser.candidate("lookup", len(chain), [1.0] * len(chain), self.lookup_curves))
-            self.parts["lookup"] = Draft(chain, source="lookup")
         if self.trees and len(self.parts) > 1 and self.offers("merged"):
             merged = merge(list(self.parts.values()))
             candidates.append(self.merged_candidate(merged, candidates))
@@ -250,9 +219,6 @@ class AutoDrafter:
             draft, self.confidences = levels_above(guesses, plan.k), None
         elif plan.proposer == "merged":  # its parts learn from it (`update`)
             draft, self.confidences = levels_above(merged, plan.k), None
-        elif plan.proposer == "lookup":
-            draft, self.confidences = Draft(chain[: plan.k], source="lookup"), [1.0] * plan.k
-            curve = self.lookup_curves[: plan.k]
         elif plan.proposer == "draft":  # a probe drafts its tokens, then on while the next one pays, as any chain:
             # stopped at its 2 tokens, the run's first draft (a probe, see __init__) and each later probe of a draft
             # model that draft calls had come to pay gave up the tokens a chain would have run on to. Mixed (one
@@ -264,7 +230,7 @@ class AutoDrafter:
             draft, self.confidences = self.draft_tree(state, plan.k if plan.probe else limit), None
         else:
             draft = Draft([])
-        if guesses.window is not None and plan.proposer in (None, "suffix", "lookup", "merged"):
+        if guesses.window is not None and plan.proposer in (None, "suffix", "merged"):
             self.ride(draft, guesses.window, self.fed, context)
         ridden = len(draft.window.tokens) if draft.window is not None else 0
         self.scored, self.context, self.curve = self.fed + len(draft.tokens) + ridden, context, curve
@@ -272,13 +238,13 @@ class AutoDrafter:
         return draft
 
     def offers(self, proposer: str) -> bool:
-        """Whether this drafter offers draft-free `proposer`'s ("lookup", "merged") guesses: always (a seam for
+        """Whether this drafter offers draft-free `proposer`'s ("merged") guesses: always (a seam for
         `devtools.ablate_auto`, whose subclasses switch one off)."""
         return True
 
-    def curve_for(self, match: int, proposer: str = "suffix") -> str:
-        """The calibration curve of a guess of `proposer` continuing a `match`-token match (`match_curve`)."""
-        return match_curve(match, proposer)
+    def curve_for(self, match: int) -> str:
+        """The calibration curve of a suffix-index guess continuing a `match`-token match (`match_curve`)."""
+        return match_curve(match)
 
     def with_guesses(self, state: DecodeState, chain: Draft, candidates: list[Candidate], context: int) -> Draft:
         """The draft model's `chain` merged with those of this step's draft-free drafts (`self.parts`) that make the
@@ -365,8 +331,7 @@ class AutoDrafter:
         self.window_gain += max(0, verified - held) * self.cost.target_seconds(1, self.context)
 
     def merged_candidate(self, merged: Draft, candidates: list[Candidate]) -> Candidate:
-        """The draft-model-free drafts (`self.parts`: the suffix index's tree, lookahead's n-grams, prompt lookup's
-        chain) as one tree (`tree.merge`), as likely per level as `union` finds their estimates make it. Where a
+        """The draft-model-free drafts (`self.parts`: the suffix index's tree, lookahead's n-grams) as one tree (`tree.merge`), as likely per level as `union` finds their estimates make it. Where a
         target call of a few more tokens costs little more (the 1.5B in bfloat16 on the AMD EPYC: 3 tokens as 1),
         checking every guess at once takes the tokens of whichever is right: without a draft model, bench's prose
         took 85 target calls instead of 89 and 11.4 / 11.7 s instead of 12.6 / 12.3 (code 104 calls to 106, edit
@@ -524,10 +489,9 @@ class AutoDrafter:
             self.cost.observe("target", self.scored, self.context, ended - self.clock, not draft.is_chain)
         whole = accepted  # (the step's accepted tokens, whoever drafted them)
         self.credit_window(state, draft, accepted)
-        verified: set[str] = set()  # the draft-free drafts this step verified (some of their levels)
         if self.plan.proposer == "draft" and draft.source == "merged":  # its chain merged with guesses
             # (`with_guesses`): the guesses learn as a merged tree's parts do, the chain from its own nodes
-            verified = self.teach_parts(state, draft, accepted)
+            self.teach_parts(state, draft, accepted)
             path = draft.follow(state.tokens[self.start: self.start + accepted])
             draft = draft.drafted_by("draft")
             accepted = sum(1 for n in path if n < len(draft.tokens))  # (the chain's nodes come first)
@@ -540,9 +504,8 @@ class AutoDrafter:
             # plain steps took 0.22)
             self.chooser.learn_rate(self.plan, accepted + 1, self.elapsed(self.began, self.plan.seconds, ended))
         if self.plan.proposer == "merged":  # each part learns how far its own guesses went
-            verified = self.teach_parts(state, draft, accepted)
+            self.teach_parts(state, draft, accepted)
         elif self.plan.proposer is not None and draft.tokens:
-            verified = {self.plan.proposer}
             levels = depth(draft)  # fewer than proposed when the grammar or an EOS cut it
             confidences = None if self.confidences is None else self.confidences[:levels]
             # a tree grows as deep as staged's rule finds its leaves likely, which may fall short of the levels the
@@ -569,60 +532,16 @@ class AutoDrafter:
         if self.ahead is not None:  # the window moves on in steps that scored it; the pool learns the text
             self.ahead.update(state, draft, whole)
         self.index.follow("run", state.tokens)
-        self.learn_unverified(state, verified)
 
-    def teach_parts(self, state: DecodeState, draft: Draft, accepted: int) -> set[str]:
+    def teach_parts(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         """Each of this step's draft-free drafts (`self.parts`) in the merged tree `draft` learns how far its own
-        guesses went; returns the names of those it held."""
-        path, taught = state.tokens[self.start: self.start + accepted], set()
+        guesses went: the suffix index's on its match curves, lookahead's (which gives no probabilities) pooled."""
+        path = state.tokens[self.start: self.start + accepted]
         for name, part in self.parts.items():
             verified = part.subset(common(part, draft))
             if verified.tokens:
-                confidences, curve = self.judged(name)
+                confidences, curve = (self.levels, self.suffix_curves) if name == "suffix" else (None, None)
                 self.chooser.update(name, depth(verified), len(verified.follow(path)), confidences, curve)
-                taught.add(name)
-        return taught
-
-    def judged(self, name: str) -> tuple[list[float] | None, Curves]:
-        """The probabilities this step's draft-free draft `name` gave its levels and the curves they teach (the suffix
-        index's, and prompt lookup's, sure of each; lookahead gives none)."""
-        if name == "lookup":
-            return [1.0] * len(self.lookup_curves), self.lookup_curves
-        return (self.levels, self.suffix_curves) if name == "suffix" else (None, None)
-
-    def learn_unverified(self, state: DecodeState, verified: set[str]) -> None:
-        """Teach the draft-free drafts this step made but did not verify (not in `verified`) how far the target would
-        have accepted them, once the tokens after them tell (those of earlier steps as well): each is a guess at what
-        follows, made for free, so what follows judges it whether or not it was checked. In greedy mode that is exactly
-        what verifying it would have found; in sampling mode a token the target samples equals a guessed one with the
-        probability it would have been accepted (a guess is a sure draft: accepted with the target's probability of
-        it), so the estimates learn the same odds. Each level is learned as soon as its token comes: judged whole, a
-        long guess that was right taught nothing until its last token came, while a wrong one taught at once, and
-        where the context repeats the estimates lagged behind it.
-
-        Taught only in the steps that took them, these proposers' estimates stood still while declined and were probed
-        every 16 steps to recover (`Chooser`'s break-even guard), and what they had learned was the luck of the steps
-        chosen by it, the likeliest to have been judged too well: on the AVX2-only AMD EPYC, where a target call of
-        the 1.5B in bfloat16 costs 0.85 of a one-token call for each token it scores, the suffix index's steps on
-        mixed's math expected 34.3 tokens and gave 29, and the probes of lookup and the merged guesses took 3.4 s
-        for 13 tokens that plain steps would have made in 2.7. Taught by every step, two interleaved repeats there:
-        the 1.5B without a draft on four prompts (bench's prose, mixed's math, new ones of QA and translation) 242.3 s
-        against 255.5, greedy 243.0 (per prompt 0.96-1.01 of greedy's seconds, before 1.01-1.09); SmolLM2-135M (judged
-        whole, a commit before) on five `default` prompts in bfloat16 40.1 s against 40.7 (greedy 41.2), on six in
-        float32 64.7 against 63.9 (greedy 70.4; its article prompt took 81 target calls against 88, in more seconds:
-        its merged guesses' steps gave 34 tokens where they expected 53)."""
-        for name, part in self.parts.items():
-            if name not in verified:
-                self.unverified.append(Guess(name, self.start, part, *self.judged(name)))
-        waiting = []
-        for guess in self.unverified:
-            took, done = followed(guess.draft, state.tokens[guess.start:])
-            known = min(depth(guess.draft), took + 1) if done else took
-            self.chooser.update(guess.proposer, known, took, guess.confidences, guess.curve, guess.known)
-            guess.known = known
-            if not done:
-                waiting.append(guess)
-        self.unverified = waiting
 
     def teach_tree(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         """What the target made of a draft model's chain, as the tree grown instead would have fared: its main branch
@@ -677,13 +596,6 @@ def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float
     return (min(SURE, max(TREE.min_prob, rate * node)), min(SURE, max(TREE.expand_prob, rate * (call + node))))
 
 
-def followed(draft: Draft, after: Sequence[int]) -> tuple[int, bool]:
-    """(how many levels of `draft` the tokens `after` its start follow, whether that is settled: all its levels right,
-    or a token after them known wrong)."""
-    took = len(draft.follow(after))
-    return took, took == depth(draft) or took < len(after)
-
-
 def _takes_trees(lm: LM) -> bool:
     """Whether the model can score a token tree in one call (probed once per model and cached on it)."""
     try:
@@ -693,8 +605,8 @@ def _takes_trees(lm: LM) -> bool:
     return True
 
 
-def match_curve(match: int, proposer: str = "suffix") -> str:
-    """The calibration curve of a suffix-index draft (or `proposer`'s) that continues a `match`-token suffix: one per
+def match_curve(match: int) -> str:
+    """The calibration curve of a suffix-index draft that continues a `match`-token suffix: one per
     match length 1, 2-3, 4-7, 8+. The index's probabilities are counts of what followed the match, blind to its
     length, and the length tells most: replaying bench's greedy outputs of the 1.5B, first choices of probability 1 were
     accepted 0.39 of the time after a 1-token match, 0.4-0.7 after 2-3, 0.7-1.0 after 4-7, and 0.96-1.0 after 8 or
@@ -707,29 +619,9 @@ def match_curve(match: int, proposer: str = "suffix") -> str:
     levels after a 2-3 token match were accepted 0.61 / 0.37 / 0.62; after a 2-3 token match, third levels 0.86 /
     0.67 / 0.74, first levels after 4-7 0.86 / 0.81 / 0.67. One curve per draft had judged its second level as
     likely as its first, and cut the index's drafts short: SmolLM2's seven prompts (float32, Intel Xeon without AMX,
-    two interleaved repeats) took 49.9 s in 455 target calls against 51.6 s in 461 (`suffix`: 46.5 s, 448).
+    two interleaved repeats) took 49.9 s in 455 target calls against 51.6 s in 461 (`suffix`: 46.5 s, 448)."""
+    return f"suffix:{min(8, 1 << (max(match, 1).bit_length() - 1))}"
 
-    Prompt lookup's chains are judged so too, their match the tokens before the chain that agree with the context's
-    last ones (`lookup_with_match`, up to 8). Replaying the greedy outputs of SmolLM2-135M (bfloat16) and the 1.5B
-    (bfloat16) on the 11 prompts of bench, mixed and four held-out ones, and the 1.5B's on four of mixed, lookup's
-    tokens were accepted 0.19 / 0.19 / 0.24 of the time after a 1-token match, 0.48-0.61 after 2-3, 0.58-0.72 after
-    4-7 and 0.92-0.99 after 8 or more, first levels and deeper ones alike. Pooled per level instead (from a prior of
-    0.3), its estimates were the average of all its chains, and it was taken where the suffix index had nothing
-    better, after short matches: on the summarization prompts (SmolLM2-135M, bfloat16, AMD EPYC) its 27 steps a
-    prompt expected 50 tokens and gave 37, at 64 ms a token where plain steps took 54. Judged so, two interleaved
-    repeats of SmolLM2's 11 prompts took 119.8 s against 118.8 (equal within this machine's noise; one prompt whose
-    text a tie changed left out), bench's edit in 18 target calls against 25 (`prompt_lookup`: 12) and a
-    summarization in 55 against 69."""
-    return f"{proposer}:{min(8, 1 << (max(match, 1).bit_length() - 1))}"
-
-
-MATCH_CEILINGS = {"suffix:1": 0.4, "suffix:2": 0.75, "suffix:4": 0.85, "suffix:8": 0.92}  # the prior ceiling of
-# each `match_curve` (`Chooser.ceilings`): the share of the suffix index's guesses of probability 1 the target took,
-# replaying greedy outputs (bench and mixed of the 1.5B in bfloat16, seven prompts of SmolLM2-135M in float32):
-# 0.34-0.37 of the first levels and 0.4-0.45 of all after a 1-token match, 0.66-0.89 after 2-3, 0.82-0.92 after 4-7,
-# 0.86-1.0 after 8 or more (the default prior judged them all 0.83 likely until the run taught otherwise)
-MATCH_CEILINGS |= {"lookup:1": 0.2, "lookup:2": 0.55, "lookup:4": 0.65, "lookup:8": 0.95}  # and of prompt lookup's
-# tokens, from the replays in `match_curve`
 
 
 def summarize(tree: SuffixDraft) -> list[float]:
