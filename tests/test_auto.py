@@ -682,3 +682,14 @@ def test_the_evaluator_meters_the_int8_copy_auto_drafts_with(monkeypatch):
     assert first.extra["draft"] == second.extra["draft"] == "tiny-draft:int8"
     assert first.draft_calls > 0 and first.draft_seconds is None
     assert second.draft_calls > 0 and second.draft_seconds > 0
+
+
+def test_max_lookup_is_still_accepted_with_a_deprecation_warning():
+    """auto drafts no prompt-lookup chains of its own any more; a caller's max_lookup= still runs, with a warning."""
+    lm = tiny_lm("llama")
+    want = decoders.generate(lm, PROMPTS[2], max_new_tokens=8).tokens
+    with pytest.warns(DeprecationWarning, match="max_lookup has no effect"):
+        got = decoders.generate(lm, PROMPTS[2], strategy="auto", max_lookup=5, max_new_tokens=8)
+    assert got.tokens == want
+    with pytest.raises(ValueError, match="max_lookup"):
+        decoders.generate(lm, PROMPTS[2], strategy="auto", max_lookup=0, max_new_tokens=8)

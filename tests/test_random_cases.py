@@ -23,7 +23,7 @@ GRAMMARS = {  # name -> (constraint, a pattern every complete or cut output matc
     "word": (lambda: grammars.regex(r" [a-z]+"), r" [a-z]*"),
     "choice": (lambda: grammars.choice([" red", " green", " blue"]), r" ?(r(ed?)?|g(r(e(en?)?)?)?|b(l(ue?)?)?)?"),
 }
-AUTO_OPTIONS = {"max_draft": [1, 2, 40], "max_tree": [1, 2, 64], "max_lookup": [1, 30], "draft_trees": [True, False]}
+AUTO_OPTIONS = {"max_draft": [1, 2, 40], "max_tree": [1, 2, 64], "draft_trees": [True, False]}
 
 
 def prompt(rng: random.Random, lm: decoders.LM) -> list[int]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -48,7 +49,7 @@ from decoders.drafting.draft_model import SELF_ACCEPTANCE, SharedCacheDraft
 from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, propose
 from decoders.drafting.tree import common, depth, depths, first_branch, levels_above, merge, per_level
 from decoders.models.lm import LM
-from decoders.options import check_whole
+from decoders.options import check_whole, whole
 from decoders.proposers.draft_tree import StagedOptions, TreeDrafter, frontier_width
 from decoders.proposers.lookahead import LookaheadDrafter, LookaheadOptions
 from decoders.registry import register
@@ -87,9 +88,15 @@ class AutoOptions:
     self_int8: bool | None = None  # without a draft model, draft with the target's own int8 copy ("self:int8"):
     # None where its calls are measured cheap enough and it fits in memory (`copies.int8_copy`), True always, False
     # never
+    max_lookup: int | None = None  # deprecated, no effect: auto no longer drafts prompt lookup's chains (the suffix
+    # index holds every match they copy)
 
     def __post_init__(self):
         check_whole(self, max_draft=1, max_tree=1)
+        if self.max_lookup is not None:
+            whole("max_lookup", self.max_lookup, 1)
+            warnings.warn("auto's max_lookup has no effect (auto drafts no prompt-lookup chains of its own: the suffix "
+                          "index holds their matches) and will be removed", DeprecationWarning, stacklevel=3)
         if not isinstance(self.draft_trees, bool):
             raise ValueError(f"draft_trees must be True or False, got {self.draft_trees!r}")
         for name in ("draft_int8", "self_int8"):
