@@ -26,9 +26,8 @@ drafters that are sure and wrong: the suffix index gives a token it saw once aft
 and with c ** gamma alone (1 for c = 1, whatever gamma) `auto` expected every such level accepted (3.0 tokens for
 two-level drafts that gave 1.3 on average: predicted 164 tokens for a 110-token run on the AMD EPYC).
 Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens (a draft
-model's chain: at least), so that estimates it lost can recover - unless its estimates learn from the steps it is not
-taken in as well (`watched`: a drafter that drafts for free, whose guesses the tokens that follow judge anyway), and
-if it could pay: if drafting the rest of the run with it, every level accepted, would beat the rate of the plan
+model's chain: at least), so that estimates it lost can recover - unless it is `watched` (a drafter that drafts for
+free, whose steps a caller does not probe), and if it could pay: if drafting the rest of the run with it, every level accepted, would beat the rate of the plan
 chosen, its drafter's catching up paid once (`could_pay`). Where a call costs about as much per token it scores as a
 plain step (a CPU computing bfloat16 in float) hardly any draft can, and probes only lose. A proposer whose acceptance
 is known better than the priors before a run (`Chooser.priors`) starts from that.
@@ -186,7 +185,7 @@ class Chooser:
         self.fits: dict[str, np.ndarray] = {}  # curve -> [CEILINGS, GAMMAS] log-likelihoods, decayed
         self.curves: dict[str, tuple[list[float], dict[float, float]]] = {}  # curve -> ([GAMMAS] posterior weight x
         # mean ceiling, the calibrated probability of each confidence asked so far): cached until the curve learns
-        self.watched: set[str] = set()  # proposers whose estimates learn from every step, taken or not: never probed
+        self.watched: set[str] = set()  # proposers never probed (they draft for free)
         self.priors: dict[str, float] = {}  # proposer -> its prior acceptance where known better than prior_mean
         self.realized: dict[str | None, list[float]] = {}  # proposer -> [predicted tokens, tokens, predicted seconds,
         # seconds] of the steps it was taken, decayed (`correction`)
@@ -290,7 +289,7 @@ class Chooser:
         """The plan of highest expected tokens per second among `candidates` and a plain step, each rate corrected by
         what its proposer's steps gave against their plans (`correction`), except that a proposer declined
         `probe_after` steps in a row is probed with `probe_tokens` levels where it could pay in the `remaining` tokens
-        of the run (`could_pay`) and its estimates learn only from the steps it is taken in (not `watched`).
+        of the run (`could_pay`), unless it is `watched`.
 
         `fed`: as in `evaluate`. A call that feeds the prompt costs many steps' seconds; the plan for it is the one of
         highest `value` at the rate of the plan a later step would choose, so a level rides along where its expected
