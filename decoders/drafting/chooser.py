@@ -27,10 +27,11 @@ and with c ** gamma alone (1 for c = 1, whatever gamma) `auto` expected every su
 two-level drafts that gave 1.3 on average: predicted 164 tokens for a 110-token run on the AMD EPYC).
 Break-even guard: a proposer declined `probe_after` steps in a row is taken once with `probe_tokens` tokens (a draft
 model's chain: at least), so that estimates it lost can recover - unless it is `watched` (a drafter that drafts for
-free, whose steps a caller does not probe), and if it could pay: if drafting the rest of the run with it, every level accepted, would beat the rate of the plan
-chosen, its drafter's catching up paid once (`could_pay`). Where a call costs about as much per token it scores as a
-plain step (a CPU computing bfloat16 in float) hardly any draft can, and probes only lose. A proposer whose acceptance
-is known better than the priors before a run (`Chooser.priors`) starts from that.
+free, whose steps a caller does not probe), and if it could pay: if drafting the rest of the run with it, every level
+accepted, would beat the rate of the plan chosen, its drafter's catching up paid once (`could_pay`). Where a call
+costs about as much per token it scores as a plain step (a CPU computing bfloat16 in float) hardly any draft can, and
+probes only lose. A proposer whose acceptance is known better than the priors before a run (`Chooser.priors`) starts
+from that.
 
 A call that feeds the prompt (a run's first) costs far more than the later steps; there the plan is the one of highest
 value: expected tokens less its seconds at the rate the later steps are expected to make (`choose`), so a level rides

@@ -2,26 +2,27 @@
 
 Proposers, all through the shared draft-then-verify loop: runs the grammar forces (free, taken by the loop itself),
 the suffix index of the context (`suffix`'s trees of what followed the longest matching suffix, near free; cut to the
-levels that pay, and to its main branch on a model that cannot take tree masks), the draft model when one is given (`draft=` a model or
-"self:int8"; as its own int8 copy where that copy's calls measure cheaper, and without one the target's own int8 copy
-where its calls are cheap enough and it fits in memory, `decoders.drafting.copies`; drafted while the next token still
-pays, one token a call, or several where the call also checks the suffix index's guess at what follows and the draft
-agrees with it; its chain is checked in one target call with the draft-free guesses below where that pays,
-`with_guesses`), the draft model's token trees (`staged`'s, grown on the same draft cache by `staged`'s rule, its
-thresholds raised to what pays at the step's planned rate, `tree_thresholds`, with the run's suffix index as their
-lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's first choice is often
-wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84 for chains with the bf16 0.5B
-draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the steps that take them, and
-the context), the suffix index's and lookahead's guesses merged into one tree (where a call of a few
+levels that pay, and to its main branch on a model that cannot take tree masks), the draft model when one is given
+(`draft=` a model or "self:int8"; as its own int8 copy where that copy's calls measure cheaper, and without one the
+target's own int8 copy where its calls are cheap enough and it fits in memory, `decoders.drafting.copies`; drafted
+while the next token still pays, one token a call, or several where the call also checks the suffix index's guess at
+what follows and the draft agrees with it; its chain is checked in one target call with the draft-free guesses below
+where that pays, `with_guesses`), the draft model's token trees (`staged`'s, grown on the same draft cache by
+`staged`'s rule, its thresholds raised to what pays at the step's planned rate, `tree_thresholds`, with the run's
+suffix index as their lower stage, whose chain each draft call checks as far as pays, `tree_lower`: where a draft's
+first choice is often wrong, its second catches much of the rest - 0.96 acceptance at depth 1 against 0.84 for chains
+with the bf16 0.5B draft of the 1.5B), `lookahead`'s n-grams (from its Jacobi window, which runs in the steps that
+take them, and the context), the suffix index's and lookahead's guesses merged into one tree (where a call of a few
 more tokens costs little more, checking every guess at once takes the tokens of whichever is right), and nothing (a
 plain greedy step).
 
 The cost model (`decoders.drafting.cost`) is measured once per model, dtype, device and thread count in a few calls,
 cached on disk, and refined from the calls this run makes; acceptance is learned per proposer and depth (and for the
-draft model and the suffix index, as a calibration curve of their own probabilities, the index's one per length of
-the suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a draft model it has
-turned down for a while and weighs its plans by what their steps gave against them. So the same code drafts long where draft calls are cheap (a GPU, an int8 draft), short or
-not at all where they are not, and copies wherever the context repeats itself.
+draft model and the suffix index, as a calibration curve of their own probabilities, the index's one per length of the
+suffix it matched) by the `decoders.drafting.chooser.Chooser`, which also keeps probing a draft model it has turned
+down for a while and weighs its plans by what their steps gave against them. So the same code drafts long where draft
+calls are cheap (a GPU, an int8 draft), short or not at all where they are not, and copies wherever the context
+repeats itself.
 
 Every token is verified by the target as in any drafting strategy: exact in greedy and in sampling mode. What is
 drafted decides how the verifier spends a sampling run's random numbers, so where the caller gives a seed, auto plans
@@ -58,15 +59,15 @@ from decoders.registry import register
 TREE = StagedOptions()  # auto's draft-model trees grow as `staged`'s do by default
 LOOKAHEAD = LookaheadOptions()  # and its lookahead window and n-gram guesses are `lookahead`'s
 SURE = 0.99  # the highest tree thresholds (`AutoDrafter.tree_options`): `staged`'s must stay below 1
-GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what their own steps gave (`Chooser.correction`):
-# the draft model's chains run on while its confidences say the next token pays, and its trees grow as `staged` grows
-# them, so neither drafts what its plan counted on. The other proposers' drafts are their plans' levels, whose errors
-# are acceptance errors their estimates learn already; correcting those plans again made one unlucky step stick (a
-# proposer corrected down is seldom taken, and its correction cannot recover): on mixed's summarization without a
-# draft model (the 1.5B in bfloat16, AMD EPYC) the suffix index's guesses were corrected to 0.68 after three steps and
-# its int8 copy drafted instead, 27 calls of 64-110 ms to save 9 target calls. Two interleaved repeats of mixed (one
-# prompt per category): without a draft 26.4 s against 27.6, with the int8 0.5B draft 24.6 against 25.1; bench
-# without a draft 20.4 against 20.4, SmolLM2-135M's seven prompts 14.8 against 14.5
+GROWN = ("draft", "tree")  # the proposers whose plans are corrected by what their own steps gave
+# (`Chooser.correction`): the draft model's chains run on while its confidences say the next token pays, and its trees
+# grow as `staged` grows them, so neither drafts what its plan counted on. The other proposers' drafts are their plans'
+# levels, whose errors are acceptance errors their estimates learn already; correcting those plans again made one
+# unlucky step stick (a proposer corrected down is seldom taken, and its correction cannot recover): on mixed's
+# summarization without a draft model (the 1.5B in bfloat16, AMD EPYC) the suffix index's guesses were corrected to 0.68
+# after three steps and its int8 copy drafted instead, 27 calls of 64-110 ms to save 9 target calls. Two interleaved
+# repeats of mixed (one prompt per category): without a draft 26.4 s against 27.6, with the int8 0.5B draft 24.6 against
+# 25.1; bench without a draft 20.4 against 20.4, SmolLM2-135M's seven prompts 14.8 against 14.5
 RIDE = 0.1  # the most a target call may grow to carry lookahead's window along (`AutoDrafter.ride`, which also
 # keeps its rides within what its guesses saved): on the AMD EPYC the 6 tokens of the default window add 8% to a plain
 # step, and 20% or more to a call of 16 or more tokens
@@ -338,7 +339,8 @@ class AutoDrafter:
         self.window_gain += max(0, verified - held) * self.cost.target_seconds(1, self.context)
 
     def merged_candidate(self, merged: Draft, candidates: list[Candidate]) -> Candidate:
-        """The draft-model-free drafts (`self.parts`: the suffix index's tree, lookahead's n-grams) as one tree (`tree.merge`), as likely per level as `union` finds their estimates make it. Where a
+        """The draft-model-free drafts (`self.parts`: the suffix index's tree, lookahead's n-grams) as one tree
+        (`tree.merge`), as likely per level as `union` finds their estimates make it. Where a
         target call of a few more tokens costs little more (the 1.5B in bfloat16 on the AMD EPYC: 3 tokens as 1),
         checking every guess at once takes the tokens of whichever is right: without a draft model, bench's prose
         took 85 target calls instead of 89 and 11.4 / 11.7 s instead of 12.6 / 12.3 (code 104 calls to 106, edit
