@@ -171,8 +171,7 @@ def to_calibration(curve: dict, role: str = "target") -> dict:
 def save_calibration(curve: dict, lm: decoders.LM, role: str = "target", folder: Path | None = None) -> Path:
     """Write `curve` as `lm`'s cached calibration in `role`, the file `cost.call_cost` reads (and so `auto` and the
     replay tools): keyed by `lm` as loaded here (its dtype, device, thread count), costed as the curve measured."""
-    room = (lm.context_length or math.inf) - cost.SHORT  # the sizes `cost.call_cost` keys by: keep in step with it
-    sizes = tuple(n for n in (cost.TARGET_SIZES if role == "target" else cost.DRAFT_SIZES) if n == 1 or n <= room)
+    sizes = cost.planned_sizes(lm, role)  # the sizes `cost.call_cost` keys by
     key = cost.calibration_key(lm, role, sizes)
     path = cost.cache_file(key, folder)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -464,16 +464,22 @@ def cache_file(key: dict, folder: Path | None = None) -> Path:
     return Path(folder) / f"{key['role']}-{name}-{digest}.json"
 
 
+def planned_sizes(lm, role: str) -> tuple[int, ...]:
+    """The call sizes calibration measures `lm` at in `role` ("target" or "draft"): those its context holds after SHORT
+    tokens (a tiny draft may hold fewer positions than SHORT + 16)."""
+    if role not in ("target", "draft"):
+        raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
+    room = (lm.context_length or math.inf) - SHORT
+    return tuple(n for n in (TARGET_SIZES if role == "target" else DRAFT_SIZES) if n == 1 or n <= room)
+
+
 def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = False, folder: Path | None = None,
               budget: float = BUDGET) -> CallCost:
     """The cost of `lm`'s calls in `role` ("target" or "draft"): from the cache file when it matches, else measured
     (and written unless `cache=False`; `refresh=True` measures again). A file that holds no valid curve is warned of
     and replaced; a curve that cannot be written is warned of and kept in memory (`UNSAVED`): a cache never fails a
     run."""
-    if role not in ("target", "draft"):
-        raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
-    room = (lm.context_length or math.inf) - SHORT  # (a tiny draft may hold fewer positions than SHORT + 16)
-    sizes = tuple(n for n in (TARGET_SIZES if role == "target" else DRAFT_SIZES) if n == 1 or n <= room)
+    sizes = planned_sizes(lm, role)
     key = calibration_key(lm, role, sizes)
     path = cache_file(key, folder)
     if cache and not refresh:
