@@ -19,13 +19,17 @@ not its cost model's errors), and greedy's estimate too:
   and corrects it online, the case `online_correction` is for.
 Both keep the calibrated context terms.
 
-Each mechanism is switched off by a subclass of `AutoDrafter` (`MECHANISMS`) that overrides one method or attribute,
-passed to the replay as the drafter of an `Auto` subclass (`variant`).
+The mechanisms (`MECHANISMS`), each switched off by a subclass of `AutoDrafter` passed to the replay as the drafter
+of an `Auto` subclass (`variant`), so the replay runs auto's own proposers and chooser with one thing changed:
+- `online_correction`: the costs corrected by the run's call times (off: its `Clock` is untimed, as in a seeded run:
+  the calibrated curve alone, steps judged by their planned seconds);
+- `match_curves`: the suffix index's guesses estimated on one calibration curve per length of their match (off: a
+  `SuffixProposer` whose `curve` gives one name for every length);
+- `suffix_trees`: the suffix index's trees (off: its main branch alone, `SuffixProposer(trees=False)`).
 
-What the replay cannot judge: lookahead's Jacobi window never sees the future in it (`replay_auto.ReplayLM`), so the
-`lookahead` and `ride` rows undervalue them; and without noise every call costs what auto predicts, so
-`online_correction` has nothing to correct there, and its row (and the float rounding of the replay's clock, which can
-flip a tie between plans) shows the noise floor: 0.2-0.3% on a suite.
+What the replay cannot judge: without noise every call costs what auto predicts, so `online_correction` has nothing to
+correct there (but in `stale`), and its row (and the float rounding of the replay's clock, which can flip a tie
+between plans) shows the noise floor: 0.2-0.3% on a suite.
 """
 
 from __future__ import annotations
@@ -41,11 +45,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import decoders
-from decoders.drafting.chooser import Chooser
 from decoders.drafting.cost import TARGET_SIZES, CallCost, call_cost
+from decoders.proposers.suffix import SuffixProposer
 from decoders.strategies.auto import Auto, AutoDrafter
-from devtools.replay_auto import replay, stale
-from devtools.replay_drafts import load_prompts
+from devtools.replay import load_prompts, stale
+from devtools.replay_auto import replay
 
 SHAPES = {"flat": (1, 1, 1, 1, 1.02, 1.05, 1.1), "dear": (1, 1.7, 2.4, 3.0, 5.5, 11, 22)}  # t(n) / t(1) at TARGET_SIZES
 STALE = dict(zip(TARGET_SIZES, (1, 1.3, 1.6, 1.8, 2, 2, 2)))  # the `stale` regime's true costs over the calibrated
@@ -89,60 +93,52 @@ class Planned(AutoDrafter):
             self.cost.target = fresh(self.planning)  # (the chooser holds this CostModel too)
 
 
-class NoRide(Planned):
-    """`ride`: lookahead's window rides along only in lookahead's own steps."""
-
-    def ride(self, *args) -> None:
-        pass
-
-
-class NoMerged(Planned):
-    """`merged`: the draft-free guesses are never offered merged into one tree."""
-
-    def offers(self, proposer: str) -> bool:
-        return proposer != "merged" and super().offers(proposer)
-
-
-class NoLookahead(Planned):
-    """`lookahead`: no lookahead drafter at all (no guesses, no window)."""
+class Untimed(Planned):
+    """`online_correction`: plans by the calibrated curve alone, uncorrected by the calls' times, and judges its steps
+    by their planned seconds (as a seeded run does: `Clock(timed=False)`); its calls still advance the replay's
+    clock, which the replay's seconds are read from."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.ahead = None
+        self.clock.timed = False  # (the one Clock its proposers share)
 
 
-class OneCurve(Planned):
-    """`match_curves`: every suffix-index guess on one calibration curve, whatever its match length."""
+class OneCurve(SuffixProposer):
+    """The suffix index's trees with every guess on one calibration curve, whatever the length of its match."""
 
-    def curve_for(self, match: int) -> str:
+    def curve(self, match: int) -> str:
         return "suffix"
 
 
-class UnfedChooser(Chooser):
-    """A chooser that costs every plan as a call feeding one token, the first step's too."""
+class SuffixSwapped(Planned):
+    """`auto`'s drafter with its suffix proposer replaced by a `suffix` one (trees as `trees` says; None: as auto
+    decides), built as auto builds it. (Without a draft model no other proposer holds the one replaced.)"""
 
-    def choose(self, candidates, context, fed=1, remaining=None):
-        return super().choose(candidates, context, 1, remaining)
+    suffix: type[SuffixProposer] = SuffixProposer
+    trees: bool | None = None
 
-
-class FirstCallUnfed(Planned):
-    """`first_call_fed`: the first step's plans costed as if its call fed one token, not the prompt."""
-
-    def __init__(self, state, options, clock, chooser=Chooser) -> None:
-        super().__init__(state, options, clock, UnfedChooser)
-
-
-class Untimed(Planned):
-    """`online_correction`: plans by the curve alone, uncorrected by the calls' times (as a seeded run does)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.timed = False
+    def __init__(self, state, options, *args, **kwargs) -> None:
+        super().__init__(state, options, *args, **kwargs)
+        old = self.by_name[SuffixProposer.name]
+        new = self.suffix(state, old.options, old.store, trees=old.trees if self.trees is None else self.trees,
+                          chooser=self.chooser.options, remember_prompts=old.remember)
+        self.proposers[self.proposers.index(old)] = self.by_name[new.name] = new
 
 
-MECHANISMS: dict[str, type[Planned]] = {"ride": NoRide, "merged": NoMerged, "lookahead": NoLookahead,
-                                        "match_curves": OneCurve,
-                                        "first_call_fed": FirstCallUnfed, "online_correction": Untimed}
+class OneCurveDrafter(SuffixSwapped):
+    """`match_curves`: the suffix index's guesses estimated on one calibration curve, not one per match length."""
+
+    suffix = OneCurve
+
+
+class MainBranch(SuffixSwapped):
+    """`suffix_trees`: the suffix index drafts its main branch alone, never a tree."""
+
+    trees = False
+
+
+MECHANISMS: dict[str, type[Planned]] = {"online_correction": Untimed, "match_curves": OneCurveDrafter,
+                                        "suffix_trees": MainBranch}
 
 
 def variant(mechanism: str | None, planning: CallCost | None = None) -> type[Auto]:

@@ -1,19 +1,20 @@
 """Replay `auto` without a draft model on a `compare` result's greedy outputs, timed by the target's calibrated cost
 curve instead of a clock: its target calls and estimated seconds per prompt, the same on every run - to tune `auto`'s
-draft-free choices (suffix index, prompt lookup, lookahead, their merged trees) free of the timing noise of a 2-core
-machine, whose one-run figures move by 5-10% a prompt.
+draft-free choices (its one draft-free proposer, the suffix index's trees, against plain steps) free of the timing
+noise of a 2-core machine, whose one-run figures move by 5-10% a prompt.
 
     python -m devtools.replay_auto RESULT.json [RESULT.json ...]
 
-The target is a `ReplayLM`: each token it scores predicts greedy's next token where the token's path (the cached
-tokens, then the scored tokens it attends to) is greedy's output so far, and a token greedy's output does not hold
-there where it is not. So every draft is accepted exactly as far as a run's greedy verification would accept it (but
-where the run itself took another branch at a bfloat16 tie), and lookahead's Jacobi window, whose tokens are off
-greedy's path, never sees the future: its guesses come out worse than a run's. Each call advances `auto`'s clock
-(`Auto(clock=...)`) by its calibrated seconds, the curve `auto` plans with, so `auto` sees exactly the
-costs it predicts: the replay isolates its acceptance estimates and choices from the cost model's errors, and leaves
-out its own Python work (about a millisecond a step). Greedy's estimate beside it is the prompt's call and one
-one-token call per further token.
+The target is a `devtools.replay.ReplayLM`: each token it scores predicts greedy's next token where the token's path
+(the cached tokens, then the scored tokens it attends to) is greedy's output so far, and a token greedy's output does
+not hold there where it is not. So every draft is accepted exactly as far as a run's greedy verification would accept
+it (but where the run itself took another branch at a bfloat16 tie). The real `auto` runs on it through
+`decoders.generate`; each call advances its clock (`Auto(clock=...)`) by its calibrated seconds, the curve `auto`
+plans with, so `auto` sees exactly the costs it predicts: the replay isolates its acceptance estimates and choices
+from the cost model's errors, and leaves out its own Python work (about a millisecond a step). Greedy's estimate
+beside it is the prompt's call and one one-token call per further token. Without a draft model `auto` also drafts
+with the target's own int8 copy where that pays; the replay leaves the copy out (`self_int8=False`): its calls would
+be the model's own.
 
 To see how `auto` fares where its calibration has gone stale, `--ratios` makes the calls cost the calibrated curve
 times a ratio per knot of it (1, 2, 3, 4, 8, 16, 32 tokens: a 5-token call between those of 4 and 8) while `auto` still
@@ -27,78 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 from pathlib import Path
 
-import torch
-
 import decoders
-from decoders.drafting.cost import TARGET_SIZES, CallCost, call_cost
-from decoders.models.cache import KVCache
+from decoders.drafting.cost import CallCost, call_cost
 from decoders.strategies.auto import Auto
-from devtools.replay_drafts import load_prompts
+from devtools.replay import Prompt, ReplayLM, load_prompts, run, stale
 
 
-class ReplayLM(decoders.LM):
-    """An LM whose calls replay `truth` (prompt + greedy output) and cost `cost`'s predicted seconds on its clock
-    (`now`). Its cache holds the token ids it has seen as keys, so it crops and keeps paths as a model's does."""
-
-    STALLS, STALL = 0.02, 3.0  # with noise (`noisy`), the share of calls stalled and how much longer they take
-
-    def __init__(self, lm: decoders.LM, cost: CallCost, noise: float = 0.0, seed: int = 0) -> None:
-        super().__init__(lm.model, lm.tokenizer, lm.name)
-        self.cost, self.truth, self.seconds = cost, [], 0.0
-        self.noise, self.random = noise, random.Random(seed)
-        self._tree_mask_ok = True  # (probed on the model itself: `replay`)
-
-    def noisy(self, length: int) -> float:
-        """A call's factor of noise: a log-normal one of spread `noise`, STALL in a share STALLS of the calls, none for
-        a prompt's call (longer than calibration measures: one such call's luck would outweigh the steps')."""
-        if not self.noise or length > TARGET_SIZES[-1]:
-            return 1.0
-        stalled = self.random.random() < self.STALLS
-        return math.exp(self.random.gauss(0.0, self.noise)) * (self.STALL if stalled else 1.0)
-
-    def now(self) -> float:
-        """The replay's clock: the calibrated seconds of the calls made so far."""
-        return self.seconds
-
-    def forward(self, tokens, cache: KVCache, positions=None, tree_mask=None, keep: int = 0) -> torch.Tensor:
-        tokens = [int(t) for t in tokens]
-        past, length = len(cache), len(tokens)
-        layer = cache.hf.layers[0] if cache.hf.layers else None
-        cached = [] if layer is None or layer.keys is None else layer.keys[0, 0, :, 0].long().tolist()  # [past]
-        ids = torch.tensor(tokens, dtype=torch.float32).reshape(1, 1, length, 1)
-        cache.hf.update(ids, ids.clone(), 0)
-        if tree_mask is None:
-            seen = torch.ones(length, length, dtype=torch.bool).tril()  # [T, T]
-        else:
-            seen = tree_mask[:, -length:].bool()  # (the cache is seen whole: a mask over it too is a draft model's)
-        on_path = cached == self.truth[:past]
-        rows = range(length - keep, length) if keep else range(length)
-        logits = torch.zeros(len(rows), self.vocab_size)
-        for row, i in enumerate(rows):
-            path = [tokens[j] for j in range(length) if seen[i, j]]
-            at = past + len(path)  # the position this token predicts
-            right = self.truth[at] if at < len(self.truth) else 0
-            agrees = on_path and path == self.truth[past: at]
-            logits[row, right if agrees else (right + 1) % self.vocab_size] = 1.0
-        self.seconds += self.cost.predict(length, past) * self.noisy(length)
-        return logits
-
-
-def stale(cost: CallCost, ratios: list[float]) -> CallCost:
-    """`cost`'s curve with each knot's seconds times its ratio (one a knot), the context terms times the first's."""
-    if len(ratios) != len(cost.sizes) or not all(r > 0 for r in ratios):
-        raise ValueError(f"give one positive ratio per knot of the calibration ({len(cost.sizes)}: sizes "
-                         f"{list(cost.sizes)}), got {ratios}")
-    return CallCost(cost.sizes, tuple(s * r for s, r in zip(cost.seconds, ratios)), cost.per_position * ratios[0],
-                    cost.per_position_per_token * ratios[0])
-
-
-def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]], options: dict | None = None,
+def replay(lm: decoders.LM, prompts: list[Prompt], options: dict | None = None,
            ratios: list[float] | None = None, noise: float = 0.0, seed: int = 0, cost: CallCost | None = None,
            decoder: type[Auto] = Auto) -> list[dict]:
     """Per prompt of [(id, category, prompt ids, greedy output)]: auto's target calls, estimated seconds, steps per
@@ -115,18 +54,7 @@ def replay(lm: decoders.LM, prompts: list[tuple[str, str, list[int], list[int]]]
     if ratios is not None:
         cost = stale(cost, ratios)
     target = ReplayLM(lm, cost, noise, seed)
-    strategy = decoder(clock=target.now, **options)  # timed by the replay's clock
-    rows = []
-    for prompt_id, category, ids, truth in prompts:
-        target.truth, start = list(ids) + list(truth), target.seconds
-        result = decoders.generate(target, list(ids), strategy=strategy, max_new_tokens=len(truth))
-        if result.tokens != list(truth):
-            raise AssertionError(f"{prompt_id}: the replay left greedy's output (a bug in the replay or in auto)")
-        greedy = cost.predict(len(ids), 0) + sum(cost.predict(1, len(ids) + i) for i in range(1, len(truth)))
-        rows.append({"prompt_id": prompt_id, "category": category, "tokens": len(truth),
-                     "calls": result.stats.target_calls, "seconds": target.seconds - start, "greedy": greedy,
-                     "steps": result.stats.details["steps"]})
-    return rows
+    return run(target, prompts, decoder(clock=target.now, **options))  # timed by the replay's clock
 
 
 def main(argv: list[str] | None = None) -> None:

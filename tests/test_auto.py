@@ -1,9 +1,10 @@
-"""`auto` under every plan its chooser could make: whatever proposer and draft length a step picks, the output is
-greedy's (the chooser's own picks depend on measured times, so the registry-wide tests see only some of them)."""
+"""`auto` under every plan its chooser could make, and its parts through its seams (`Auto(clock=..., chooser=...)`,
+its `AutoDrafter` and proposers): whatever proposer and draft length a step picks, the output is greedy's (the
+chooser's own picks depend on measured times, so the registry-wide tests see only some of them)."""
 
 import copy
+import math
 import random
-import re
 
 import pytest
 import torch
@@ -11,9 +12,12 @@ import torch
 import decoders
 import grammars
 from conftest import PROMPTS, tiny_lm
-from decoders.drafting import chooser, copies
+from decoders.drafting import Draft, DraftVerify, chooser, copies
+from decoders.drafting.cost import CallCost, CostModel
+from decoders.drafting.tree import first_branch
+from decoders.proposers import draft_tree
+from decoders.proposers.base import Fixed
 from decoders.strategies import auto
-from decoders.drafting.suffix_index import SuffixDraft
 
 
 @pytest.fixture(autouse=True)
@@ -24,32 +28,83 @@ def int8_copies_never_pay(monkeypatch):
     target's cache in the tests after it, where no tree is offered. Here a copy costs what its original costs (so it
     never pays) unless a test says otherwise (`draft_int8`, `self_int8`, or its own `copies.cheaper`), and each test
     decides anew on the shared tiny models (and on their deep copies)."""
-    from decoders.drafting.cost import CallCost
-    from test_tree import near_draft
-
-    for lm in (tiny_lm("llama"), tiny_lm("qwen2"), tiny_lm("phi3"), tiny_lm("gpt2"), near_draft()):
+    for lm in (tiny_lm("llama"), tiny_lm("llama", 1), tiny_lm("qwen2"), tiny_lm("phi3"), tiny_lm("gpt2")):
         monkeypatch.setattr(lm.model, copies.INT8_PAYS, {}, raising=False)  # (the earlier tests' verdicts back after)
     monkeypatch.setattr(copies, "call_cost", lambda lm, role="target", **options: CallCost((1,), (0.01,)))
 
 
+# --- seams: choosers, cost models and drafters made for a test ----------------------------------------------------
+
+
+def plain() -> chooser.Plan:
+    return chooser.Plan(None, 0, 1.0, 1.0)
+
+
 def choosing(choose, **options) -> auto.Auto:
-    """`auto` (with `options`) whose chooser plans each step by `choose`, in place of `Chooser.choose`."""
+    """`auto` (with `options`) whose chooser plans each step by `choose(self, offers, context, remaining)`."""
     return auto.Auto(chooser=type("Choosing", (chooser.Chooser,), {"choose": choose}), **options)
 
 
-@pytest.fixture
-def random_plans():
-    """`auto` planning every step as a random candidate (or a plain step) and a random length, half of them probes
+def taking(name: str, levels: int | None = None, probe: bool = False):
+    """A `choose` that takes `name`'s offer (its first `levels` levels, default all) wherever it is offered, else a
+    plain step."""
+
+    def choose(self, offers, context, remaining=None):
+        offer = next((o for o in offers if o.proposer == name), None)
+        if offer is None:
+            return plain()
+        return chooser.Plan(name, min(levels or len(offer.accept), len(offer.accept)), 1.0, 1.0, probe=probe)
+
+    return choose
+
+
+def priced(costs, base=chooser.Chooser, frozen: bool = False):
+    """A chooser factory (auto's `chooser=`) that has the run price its calls by `costs()` (a `CostModel`) in place of
+    its calibration; `frozen`: held there, not corrected by the tiny models' calls, which take milliseconds."""
+
+    def make(cost: CostModel) -> chooser.Chooser:
+        given = costs()
+        cost.target, cost.draft = given.target, given.draft
+        if frozen:
+            cost.observe = lambda *args, **kwargs: None
+        return base(cost)
+
+    return make
+
+
+def with_drafter(drafter: type, **options) -> auto.Auto:
+    """`auto` (with `options`, `clock` and `chooser` included) whose runs are driven by `drafter`, an `AutoDrafter`
+    subclass of the test's."""
+    return type("Auto", (auto.Auto,), {"drafter": drafter})(**options)
+
+
+def line(a: float, b: float) -> CallCost:
+    """a + b (n - 1) seconds for a call of n tokens."""
+    return CallCost((1, 2), (a, a + b))
+
+
+def random_chooser(seed: int = 0) -> type:
+    """A chooser planning every step as a random offer (or a plain step) and a random length, half of them probes
     (that length at least)."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
 
-    def choose(self, candidates, context, fed=1, remaining=None):
-        picked = rng.choice([*candidates, None])
-        if picked is None:
-            return chooser.Plan(None, 0, 1.0, 1.0)
-        return chooser.Plan(picked.proposer, rng.randint(1, len(picked.accept)), 1.0, 1.0, probe=rng.random() < 0.5)
+    class RandomPlans(chooser.Chooser):
+        def choose(self, offers, context, remaining=None):
+            picked = rng.choice([*offers, None])
+            if picked is None:
+                return plain()
+            return chooser.Plan(picked.proposer, rng.randint(1, len(picked.accept)), 1.0, 1.0,
+                                probe=rng.random() < 0.5)
 
-    return choosing(choose)
+    return RandomPlans
+
+
+@pytest.fixture
+def random_plans() -> auto.Auto:
+    return auto.Auto(chooser=random_chooser())
+
+
+# --- exactness ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])
@@ -73,16 +128,37 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
         assert result.text in (" red", " green")
 
 
-def test_a_seed_repeats_the_sample_however_the_calls_are_timed(monkeypatch):
-    """Where the caller seeds the sampling, auto plans by its calibrated costs, not by the clock: runs whose calls the
-    clock times wildly apart draw the same sample and make the same steps. Calibrated here so that the draft (the
-    target itself: always right) pays, so its chains and trees are drafted as well as the context's guesses and plain
-    steps."""
-    from decoders.drafting.cost import CallCost, CostModel
+def test_in_sampling_mode_any_plan_draws_the_first_token_from_the_targets_distribution(random_plans):
+    """Sampling mode: whether a step checks the draft model's sampled chain or tree, the suffix index's one-hot
+    guesses or nothing, the first new token follows the target's distribution."""
+    from samplers import SamplingConfig
+    from stats import chi_square_fits
+    from test_tree import near_draft
 
+    lm, draft = tiny_lm("llama"), near_draft()
+    prompt = lm.encode(PROMPTS[4]) * 2  # (repeated: the suffix index guesses too)
+    settings = dict(temperature=1.0, top_k=12)
+    with torch.inference_mode():
+        target = SamplingConfig(**settings).probs(lm.forward(prompt, lm.new_cache())[-1])
+    firsts, sources, steps = [], [], set()
+    for seed in range(600):
+        result = decoders.generate(lm, prompt, strategy=random_plans, draft=draft, max_new_tokens=2, seed=seed,
+                                   **settings)
+        firsts.append(result.tokens[0])
+        sources.append(result.sources[0])
+        steps |= set(result.stats.details["steps"])
+    assert {"draft", "target"} <= set(sources) and {"draft", "tree", "suffix", "none"} <= steps
+    assert chi_square_fits(torch.tensor(firsts), target)
+
+
+def test_a_seed_repeats_the_sample_however_the_calls_are_timed():
+    """Where the caller seeds the sampling, auto plans by its calibrated costs, not by the clock: runs whose calls the
+    clock (`Auto(clock=...)`) times wildly apart draw the same sample and make the same steps. Priced here so that the
+    draft (the target itself: always right) pays, so its chains and trees are drafted as well as the suffix index's
+    guesses and plain steps."""
     lm = tiny_lm("llama")
-    monkeypatch.setattr(auto, "calibrate", lambda target, draft=None: CostModel(
-        CallCost((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.2)), CallCost((1, 2, 4, 8), (0.05, 0.06, 0.07, 0.09))))
+    costs = priced(lambda: CostModel(CallCost((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.2)),
+                                     CallCost((1, 2, 4, 8), (0.05, 0.06, 0.07, 0.09))))
 
     def clocked(run: int, **kwargs) -> decoders.Result:
         rng, time = random.Random(run), [0.0]
@@ -91,80 +167,176 @@ def test_a_seed_repeats_the_sample_however_the_calls_are_timed(monkeypatch):
             time[0] += rng.choice([1e-4, 1e-2, 1.0])
             return time[0]
 
-        return decoders.generate(lm, PROMPTS[0] * 2, strategy=auto.Auto(clock=clock), draft=lm, max_new_tokens=32,
-                                 temperature=1.0, **kwargs)
+        return decoders.generate(lm, PROMPTS[0] * 2, strategy=auto.Auto(clock=clock, chooser=costs), draft=lm,
+                                 max_new_tokens=32, temperature=1.0, **kwargs)
 
     seeded = [clocked(run, seed=11) for run in range(4)]
     assert all(result.tokens == seeded[0].tokens for result in seeded)
     assert all(result.stats.details["steps"] == seeded[0].stats.details["steps"] for result in seeded)
+    assert all(result.stats.details["predicted_seconds"] == seeded[0].stats.details["predicted_seconds"]
+               for result in seeded)
     assert {"draft", "tree"} & set(seeded[0].stats.details["steps"])
     assert clocked(0, seed=12).tokens != seeded[0].tokens
+    with pytest.raises(TypeError, match="clock"):
+        auto.Auto(clock=1.0)
 
 
-def guess_always(monkeypatch, guess) -> None:
-    """Make the suffix index guess `guess(tokens)` after any context, sure of it."""
-    monkeypatch.setattr(auto, "propose", lambda index, store, tokens, *rest, **options: SuffixDraft(
-        [guess(tokens)], [-1], [1.0], match=1))
+# --- the loop: proposers offer, the chooser picks, every proposer learns ------------------------------------------
 
 
-def test_in_sampling_mode_guesses_the_grammar_forbids_are_dropped_from_a_chain_checked_with_them(monkeypatch):
-    """A draft model's sampled chain is checked with the context's guesses beside it (`with_guesses`), drawn under no
-    grammar: a guess the grammar forbids is rejected for certain, so it is dropped from the step, where it had ended
-    the run with "drafted a tree node the grammar does not allow"."""
-    from decoders.drafting import cost
+class Guesser:
+    """A proposer of the test's own: one level, a fixed token, believed half likely."""
 
-    def choose(self, candidates, context, fed=1, remaining=None):
-        chain = next((c for c in candidates if c.proposer == "draft"), None)
-        return chooser.Plan("draft", len(chain.accept), 1.0, 1.0) if chain else chooser.Plan(None, 0, 1.0, 1.0)
+    name = "guess"
+    corrected = False
 
+    def __init__(self, token: int) -> None:
+        self.token, self.acceptance, self.drafted = token, chooser.Acceptance(), 0
+
+    def offer(self, state, limit):
+        return chooser.Offer(self.name, (0.5,)) if limit else None
+
+    def draft(self, state, plan):
+        self.drafted += 1
+        return Draft([self.token] * plan.k, source=self.name)
+
+    def learn(self, state, step):
+        pass
+
+
+class Watched:
+    """A proposer as it is, the steps its `learn` sees recorded in `seen` under its name."""
+
+    def __init__(self, proposer, seen: dict) -> None:
+        self.proposer, self.seen = proposer, seen
+
+    def __getattr__(self, name):
+        return getattr(self.proposer, name)
+
+    def learn(self, state, step):
+        self.seen.setdefault(self.proposer.name, []).append(step)
+        self.proposer.learn(state, step)
+
+
+def test_every_proposer_learns_every_step_whoever_drafted_it():
+    """Each step passes one `Step` (the plan, the draft verified, how far it was accepted, the step's tokens) to every
+    proposer's `learn`, the built-in ones and one of the test's own, whichever drafted it or none."""
     lm = tiny_lm("llama")
-    digit = lm.tokenizer.encode("7", add_special_tokens=False)[0]
-    monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
-    guess_always(monkeypatch, lambda tokens: digit)
-    chains = choosing(choose, draft_int8=False)
-    for seed in range(5):
-        result = decoders.generate(lm, PROMPTS[1], strategy=chains, draft=tiny_lm("llama", 1),
-                                   grammar=grammars.regex(r" [a-z]+"), temperature=1.0, seed=seed, max_new_tokens=12)
-        assert re.fullmatch(r" [a-z]+", result.text)
-        assert result.stats.details["steps"].get("draft")
+    seen, plans, guessers = {}, [], []
+    RandomPlans = random_chooser(1)
+
+    class Recording(RandomPlans):
+        def choose(self, offers, context, remaining=None):
+            plans.append(super().choose(offers, context, remaining))
+            return plans[-1]
+
+    class Drafter(auto.AutoDrafter):
+        def __init__(self, state, *args):
+            super().__init__(state, *args)
+            guessers.append(Guesser(lm.encode(" the")[0]))
+            self.proposers = [Watched(p, seen) for p in [*self.proposers, guessers[-1]]]
+            self.by_name = {p.name: p for p in self.proposers}
+
+    strategy = with_drafter(Drafter, chooser=Recording)
+    taken = set()
+    for prompt in PROMPTS:
+        seen.clear()
+        plans.clear()
+        prompt = lm.encode(prompt) * 2
+        want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
+        got = decoders.generate(lm, prompt, strategy=strategy, draft=lm, max_new_tokens=30)
+        assert got.tokens == want
+        assert set(seen) == {"suffix", "draft", "tree", "guess"}
+        steps = seen["suffix"]
+        assert len(steps) == len(plans) == got.stats.target_calls
+        assert all(theirs == steps for theirs in seen.values())  # the same steps, in order, for every proposer
+        assert [step.plan for step in steps] == plans
+        assert [token for step in steps for token in step.tokens] == got.tokens
+        assert [step.start for step in steps] == [len(prompt) + sum(len(s.tokens) for s in steps[:i])
+                                                 for i in range(len(steps))]
+        for step in steps:
+            assert len(step.tokens) == step.accepted + 1 or step is steps[-1]  # (the last may end inside its draft)
+            assert step.plan.proposer is not None or not step.draft.tokens
+            assert step.seconds > 0
+        assert guessers[-1].drafted == sum(plan.proposer == "guess" for plan in plans)
+        taken |= {plan.proposer for plan in plans}
+    assert taken == {"suffix", "draft", "tree", "guess", None}
 
 
-def test_in_sampling_mode_a_guess_the_chain_holds_already_adds_nothing_to_check(monkeypatch):
-    """Where the context's guess is the chain's own token, merging adds no node: the chain is checked alone (its
-    empty list of guesses had made a float tensor that `one_hot` refused)."""
-    from decoders.drafting import cost
+class Oracle:
+    """A proposer that knows the target's greedy tokens: every level it drafts is accepted."""
 
-    def choose(self, candidates, context, fed=1, remaining=None):
-        chain = any(c.proposer == "draft" for c in candidates)
-        return chooser.Plan("draft", 1, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
+    name = "oracle"
+    corrected = False
 
+    def __init__(self, want: list[int], start: int) -> None:
+        self.want, self.start = want, start
+        self.acceptance = chooser.Acceptance()
+        self.offered, self.steps, self.finished = [], [], 0
+
+    def offer(self, state, limit):
+        rest = self.want[len(state.tokens) - self.start:][: min(limit, 4)]
+        self.offered.append(len(rest))
+        return chooser.Offer(self.name, (1.0,) * len(rest)) if rest else None
+
+    def draft(self, state, plan):
+        done = len(state.tokens) - self.start
+        return Draft(self.want[done: done + plan.k], source=self.name)
+
+    def learn(self, state, step):
+        self.steps.append(step)
+
+    def finish(self, state):
+        self.finished += 1
+
+
+@pytest.mark.parametrize("rule", ["all", "two", "none"])
+def test_fixed_runs_a_proposer_by_a_fixed_plan_rule(rule):
+    """`Fixed` makes a `Drafter` of a proposer and a fixed rule of how many offered levels to draft (`suffix` and
+    `speculative` are made so): every step drafts that many, the proposer learns each and finishes with the run."""
     lm = tiny_lm("llama")
-    want = decoders.generate(lm, PROMPTS[0], max_new_tokens=12).tokens
-    guesses = {len(lm.encode(PROMPTS[0])) + i: token for i, token in enumerate(want)}  # greedy's next token
-    monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
-    guess_always(monkeypatch, lambda tokens: guesses[len(tokens)])
-    union = auto.union  # (a chain checked alone is believed half as likely to be accepted: the guess is taken)
-    monkeypatch.setattr(auto, "union", lambda paths: tuple(p if len(paths) > 1 else p / 2 for p in union(paths)))
-    result = decoders.generate(lm, PROMPTS[0], strategy=choosing(choose, draft_int8=False), draft=lm, temperature=1.0,
-                               top_k=1, seed=0, max_new_tokens=12)  # (top_k=1: the chain drafts the target's own token)
-    assert result.tokens == want and result.stats.details["steps"].get("draft")
+    prompt = lm.encode(PROMPTS[1])
+    want = decoders.generate(lm, prompt, max_new_tokens=40).tokens
+    oracle = Oracle(want, len(prompt))
+    levels = {"two": lambda offer: min(2, len(offer.accept)), "none": lambda offer: 0}
+    fixed = Fixed(oracle, levels[rule]) if rule in levels else Fixed(oracle)
+
+    class Strategy(DraftVerify):
+        drafter = staticmethod(lambda state, options: fixed)
+
+    got = decoders.generate(lm, prompt, strategy=Strategy(), max_new_tokens=40)
+    per_call = {"all": 5, "two": 3, "none": 1}[rule]  # (the oracle offers at most 4 levels, all accepted)
+    assert got.tokens == want and got.stats.target_calls == math.ceil(len(want) / per_call)
+    assert len(oracle.steps) == len(oracle.offered) == got.stats.target_calls and oracle.finished == 1
+    assert [token for step in oracle.steps for token in step.tokens] == want
+    for step, offered in zip(oracle.steps, oracle.offered):
+        k = {"all": offered, "two": min(2, offered), "none": 0}[rule]
+        assert (step.plan.proposer, step.plan.k) == ("oracle" if k else None, k)
+        assert len(step.draft.tokens) == step.accepted == k
+    assert set(got.sources) == ({"target"} if rule == "none" else {"oracle", "target"})
 
 
-def test_only_the_draft_models_plans_learn_a_correction_from_their_own_steps(monkeypatch, random_plans):
-    """The draft model's chains and trees draft other than their plans counted on, and their plans are corrected by
-    what their steps gave (`auto.GROWN`); the draft-free proposers draft their plans' levels, whose errors their
-    acceptance estimates learn, and are not corrected. A probe's plan was not chosen for its rate, and teaches no
-    correction."""
+def test_only_the_draft_models_plans_learn_a_correction_from_their_own_steps():
+    """The draft model's chains and trees draft other than their plans counted on (`corrected`), and their plans are
+    corrected by what their steps gave (`Chooser.learn_rate`); the suffix index drafts its plans' levels, whose
+    errors its acceptance estimates learn, and is not corrected. A probe's plan was not chosen for its rate, and
+    teaches no correction; nor does the call that feeds the prompt."""
     learned = []
-    monkeypatch.setattr(chooser.Chooser, "learn_rate", lambda self, plan, *given: learned.append(plan))
+
+    class Learning(random_chooser()):
+        def learn_rate(self, plan, tokens, seconds):
+            learned.append(plan)
+            super().learn_rate(plan, tokens, seconds)
+
     lm = tiny_lm("llama")
     steps = {}
     for prompt in PROMPTS:
-        for name, count in decoders.generate(lm, prompt * 2, strategy=random_plans, draft=lm, max_new_tokens=40
-                                             ).stats.details["steps"].items():
+        got = decoders.generate(lm, prompt * 2, strategy=auto.Auto(chooser=Learning), draft=lm, max_new_tokens=40)
+        for name, count in got.stats.details["steps"].items():
             steps[name] = steps.get(name, 0) + count
-    assert {plan.proposer for plan in learned} == set(auto.GROWN) and not any(plan.probe for plan in learned)
-    assert {"suffix", "merged", "none"} <= set(steps)  # (taken, and not learned from)
+    assert {plan.proposer for plan in learned} == {"draft", "tree"} and not any(plan.probe for plan in learned)
+    assert {"suffix", "none"} <= set(steps)  # (taken, and not learned from)
+    assert len(learned) < sum(steps.get(name, 0) for name in ("draft", "tree"))  # (probes, the prompt's calls)
 
 
 def test_a_model_without_tree_masks_gets_the_suffix_trees_main_branch(monkeypatch):
@@ -172,42 +344,54 @@ def test_a_model_without_tree_masks_gets_the_suffix_trees_main_branch(monkeypatc
     from decoders.models import lm as lm_module
 
     lm = lm_module.wrap(tiny_model("llama"), tiny_tokenizer())
-    monkeypatch.setattr(lm_module.LM, "_tree_attention_mask", lambda self, tree, positions, past: None)
+    monkeypatch.setattr(lm, "_tree_attention_mask", lambda tree, positions, past: None)  # (this model's only)
+    offers = []
+
+    class Recording(chooser.Chooser):
+        def choose(self, offers_, context, remaining=None):
+            offers.extend(o for o in offers_ if o.proposer == "suffix")
+            return super().choose(offers_, context, remaining)
+
     prompt = lm.encode(PROMPTS[2]) * 2  # repeated text: the suffix index drafts
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
-    got = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=30)
+    got = decoders.generate(lm, prompt, strategy=auto.Auto(chooser=Recording), max_new_tokens=30)
     assert got.tokens == want and got.stats.details["steps"].get("suffix", 0) > 0
+    assert offers and all(o.nodes == tuple(range(1, len(o.accept) + 1)) for o in offers)  # chains: a node a level
 
 
-def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
+# --- the draft model's trees --------------------------------------------------------------------------------------
+
+
+def test_draft_trees_are_offered_where_both_models_take_tree_masks():
     """A draft of its own cache gets trees (staged's, on auto's draft cache) as wide as staged grows them for the
-    draft's measured costs: 2 where it scores two tokens a call almost for free, 1 (a chain grown best-first, with
+    draft's measured costs: 2 where it scores more rows a call almost for free, 1 (a chain grown best-first, with
     the suffix index's chain checked alongside) where its calls grow with their rows; the self draft, which drafts
     on the target's cache, and `draft_trees=False` get plain chains only."""
     offered, widths = [], []
 
-    def choose(self, candidates, context, fed=1, remaining=None):
-        offered.append({c.proposer for c in candidates})
-        tree = next((c for c in candidates if c.proposer == "tree"), None)
-        return chooser.Plan("tree", len(tree.accept), 1.0, 1.0) if tree else chooser.Plan(None, 0, 1.0, 1.0)
+    def choose(self, offers, context, remaining=None):
+        offered.append({o.proposer for o in offers})
+        return taking("tree")(self, offers, context, remaining)
 
-    grown = auto.TreeDrafter.__init__
+    class Drafter(auto.AutoDrafter):
+        def __init__(self, state, *args):
+            super().__init__(state, *args)
+            if "tree" in self.by_name:
+                widths.append(self.by_name["tree"].base.width)
 
-    def tree_drafter(self, state, options, **shared):
-        widths.append(options.width)
-        grown(self, state, options, **shared)
-
-    monkeypatch.setattr(auto.TreeDrafter, "__init__", tree_drafter)
+    Choosing = type("Choosing", (chooser.Chooser,), {"choose": choose})
     lm, prompt = tiny_lm("llama"), PROMPTS[0]
     want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
-    for width in (2, 1):  # as measured for a bf16 draft, and for an int8 one
-        monkeypatch.setattr(auto, "frontier_width", lambda cost, width=width: width)
-        got = decoders.generate(lm, prompt, strategy=choosing(choose), draft=lm, max_new_tokens=30)
+    for width, rows in ((2, CallCost((1, 8), (0.1, 0.1))), (1, line(0.1, 0.1))):  # (a bf16 draft's, an int8 one's)
+        costs = priced(lambda rows=rows: CostModel(line(1.0, 0.02), rows), Choosing)
+        got = decoders.generate(lm, prompt, strategy=with_drafter(Drafter, chooser=costs), draft=lm,
+                                max_new_tokens=30)
         assert got.tokens == want and got.stats.details["steps"].get("tree", 0) > 0 and got.stats.draft_calls > 0
         assert widths[-1] == width
     for draft, options in [("self:int8", {}), (lm, {"draft_trees": False})]:
         offered.clear()
-        got = decoders.generate(lm, prompt, strategy=choosing(choose, **options), draft=draft, max_new_tokens=30)
+        got = decoders.generate(lm, prompt, strategy=auto.Auto(chooser=Choosing, **options), draft=draft,
+                                max_new_tokens=30)
         assert got.tokens == want and offered and not any("tree" in o for o in offered)
         assert any("draft" in o for o in offered)
     with pytest.raises(ValueError, match="draft_trees"):
@@ -215,30 +399,29 @@ def test_draft_trees_are_offered_where_both_models_take_tree_masks(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", ["cheap", "dear"])
-def test_a_trees_draft_calls_check_as_much_of_the_suffix_indexs_chain_as_pays(monkeypatch, rows):
+def test_a_trees_draft_calls_check_as_much_of_the_suffix_indexs_chain_as_pays(rows):
     """The draft model's trees check the suffix index's chain under their likeliest leaf in the draft calls they make
-    (staged's lower stage), cut to what pays for the call (`AutoDrafter.lead`): where a draft call's extra rows cost
-    nothing, as far as it reaches; where each costs as much as a call of its own, none of it (a row saves a call only
-    where the draft agrees with it)."""
-    from decoders.drafting.cost import CallCost, CostModel
-
-    def line(a, b):
-        return CallCost((1, 2), (a, a + b))
-
+    (staged's lower stage), cut to what pays for the call (`TreeProposer.lower`): where a draft call's extra rows
+    cost nothing, as far as it reaches; where each costs as much as a call of its own, none of it (a row saves a call
+    only where the draft agrees with it)."""
     checked, own = [], []
-    monkeypatch.setattr(auto, "calibrate", lambda lm, draft: CostModel(
-        line(1.0, 0.02), line(0.25, 0.0 if rows == "cheap" else 0.25)))
-    trees = choosing(lambda self, candidates, context, fed=1, remaining=None: next(
-        (chooser.Plan("tree", len(c.accept), 1.0, 1.0) for c in candidates if c.proposer == "tree"),
-        chooser.Plan(None, 0, 1.0, 1.0)), draft_int8=False)
-    tree_lower = auto.AutoDrafter.tree_lower
 
-    def recording_lower(self, tokens, room):
-        own.append(self.tree.lower(tokens, room))
-        checked.append(tree_lower(self, tokens, room))
-        return checked[-1]
+    class Tree(draft_tree.TreeProposer):
+        def lower(self, context, room):
+            own.append(self.drafter.lower(context, room))  # staged's: the index's whole chain
+            checked.append(super().lower(context, room))
+            return checked[-1]
 
-    monkeypatch.setattr(auto.AutoDrafter, "tree_lower", recording_lower)
+    class Drafter(auto.AutoDrafter):
+        def __init__(self, state, *args):
+            super().__init__(state, *args)
+            tree = Tree(state, self.by_name["draft"], self.by_name["suffix"], self.cost, self.clock)
+            self.proposers = [tree if p.name == "tree" else p for p in self.proposers]
+            self.by_name = {p.name: p for p in self.proposers}
+
+    costs = priced(lambda: CostModel(line(1.0, 0.02), line(0.25, 0.0 if rows == "cheap" else 0.25)),
+                   type("Choosing", (chooser.Chooser,), {"choose": taking("tree")}), frozen=True)
+    trees = with_drafter(Drafter, chooser=costs, draft_int8=False)
     lm = tiny_lm("llama")
     for prompt in PROMPTS:
         want = decoders.generate(lm, prompt, max_new_tokens=40).tokens
@@ -254,73 +437,123 @@ def test_a_trees_draft_calls_check_as_much_of_the_suffix_indexs_chain_as_pays(mo
 def test_tree_thresholds_are_what_pays_at_the_planned_rate():
     """Hand-computed: a node pays where its path's probability reaches rate x node seconds, a draft call where the
     likeliest leaf's reaches rate x (call + node); never below staged's thresholds, never at 1."""
-    assert auto.tree_thresholds(5.0, 0.02, 0.07) == pytest.approx((0.1, 0.45))
-    assert auto.tree_thresholds(5.0, 0.001, 0.02) == (auto.TREE.min_prob, auto.TREE.expand_prob)  # cheap: staged's
-    assert auto.tree_thresholds(100.0, 1.0, 1.0) == (auto.SURE, auto.SURE)
+    staged = draft_tree.StagedOptions()
+    assert draft_tree.tree_thresholds(5.0, 0.02, 0.07) == pytest.approx((0.1, 0.45))
+    assert draft_tree.tree_thresholds(5.0, 0.001, 0.02) == (staged.min_prob, staged.expand_prob)  # cheap: staged's
+    assert draft_tree.tree_thresholds(100.0, 1.0, 1.0) == (draft_tree.SURE, draft_tree.SURE)
 
 
 @pytest.mark.parametrize("nodes", ["cheap", "dear"])
-def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(monkeypatch, nodes):
+def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(nodes):
     """Each tree grows by staged's rule with the thresholds this step's planned rate and the measured costs set: where
     a node adds a quarter of a one-token call to the target's, and a draft call costs as much, a tree planned at one
     token a second takes nodes of probability 0.25 and makes further calls under leaves of 0.5; where both are all
     but free, staged's own thresholds."""
-    from decoders.drafting.cost import CallCost, CostModel
+    grown = []
+
+    class Drafter(auto.AutoDrafter):
+        def propose(self, state, limit):
+            draft = super().propose(state, limit)
+            if self.plan.proposer == "tree":
+                options = self.by_name["tree"].drafter.options
+                grown.append((options.min_prob, options.expand_prob))
+            return draft
 
     slope = 0.0 if nodes == "cheap" else 0.25
-    monkeypatch.setattr(auto, "calibrate", lambda lm, draft: CostModel(
-        CallCost((1, 2), (1.0, 1.0 + slope)), CallCost((1, 2), (slope, 2 * slope))))
-    monkeypatch.setattr(CostModel, "observe", lambda *args, **kwargs: None)  # (the tiny model's calls take ms)
-    trees = choosing(lambda self, candidates, context, fed=1, remaining=None: next(
-        (chooser.Plan("tree", 1, 1.0, 1.0) for c in candidates if c.proposer == "tree"),
-        chooser.Plan(None, 0, 1.0, 1.0)), draft_int8=False)
-    grown, propose = [], auto.TreeDrafter.propose
-
-    def recording(self, state, limit):
-        grown.append((self.options.min_prob, self.options.expand_prob))
-        return propose(self, state, limit)
-
-    monkeypatch.setattr(auto.TreeDrafter, "propose", recording)
+    costs = priced(lambda: CostModel(line(1.0, slope), line(slope, slope)),
+                   type("Choosing", (chooser.Chooser,), {"choose": taking("tree", levels=1)}), frozen=True)
     lm = tiny_lm("llama")
     want = decoders.generate(lm, PROMPTS[1], max_new_tokens=30).tokens
-    got = decoders.generate(lm, PROMPTS[1], strategy=trees, draft=lm, max_new_tokens=30)
+    got = decoders.generate(lm, PROMPTS[1], strategy=with_drafter(Drafter, chooser=costs, draft_int8=False), draft=lm,
+                            max_new_tokens=30)
     assert got.tokens == want and grown
-    staged = (auto.TREE.min_prob, auto.TREE.expand_prob)
-    assert all(g == (pytest.approx((0.25, 0.5)) if nodes == "dear" else staged) for g in grown)
+    staged = draft_tree.StagedOptions()
+    assert all(g == (pytest.approx((0.25, 0.5)) if nodes == "dear" else (staged.min_prob, staged.expand_prob))
+               for g in grown)
 
 
-def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is(monkeypatch):
+def test_a_tree_step_teaches_the_chains_estimates_how_far_its_first_branch_went():
+    """A draft model's tree holds the chain the draft would have drafted as its first branch: a tree step teaches the
+    chain's estimates that branch's levels and how many of them the target took, fewer than the tree's accepted
+    path where the target took a second choice."""
+    from test_tree import near_draft
+
+    taught, trees = [], []  # the chain's (drafted, accepted); the trees' (draft, accepted)
+
+    class Estimates(chooser.Acceptance):
+        def learn(self, drafted, accepted, confidences=None, curves=None):
+            taught.append((drafted, accepted))
+            super().learn(drafted, accepted, confidences, curves)
+
+    class Drafter(auto.AutoDrafter):
+        def __init__(self, state, *args):
+            super().__init__(state, *args)
+            chain = self.by_name["draft"]
+            chain.acceptance = Estimates(chain.acceptance.options, chain.acceptance.prior)
+
+        def update(self, state, draft, accepted):
+            if self.plan.proposer == "tree":
+                trees.append((draft, accepted))
+            super().update(state, draft, accepted)
+
+    strategy = with_drafter(Drafter, chooser=type("Choosing", (chooser.Chooser,), {"choose": taking("tree")}))
+    lm, draft = tiny_lm("llama"), near_draft()
+    for prompt in PROMPTS:
+        want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
+        got = decoders.generate(lm, prompt, strategy=strategy, draft=draft, max_new_tokens=30)
+        assert got.tokens == want
+    assert len(taught) == len(trees) > 0  # (no chain step: the chain learns from the trees alone)
+    for (drafted, taken), (tree, accepted) in zip(taught, trees):
+        assert drafted == len(first_branch(tree.links)) and 0 <= taken <= min(drafted, accepted)
+    assert any(taken < accepted for (_, taken), (_, accepted) in zip(taught, trees))  # a second choice taken
+    assert any(0 < taken == accepted for (_, taken), (_, accepted) in zip(taught, trees))  # the first branch's
+
+
+# --- the draft model's chains and probes --------------------------------------------------------------------------
+
+
+def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is():
     """The first chain drafts after the whole prompt: that call scores the prompt, and must not be taken for a
     one-token call (it made the draft look 4x dearer than it is, and auto declined it)."""
-    from decoders.drafting.cost import CostModel
-
     observed = []
-    monkeypatch.setattr(CostModel, "observe",
-                        lambda self, kind, n, context, seconds, tree=False: observed.append((kind, n)))
-    probes = choosing(lambda self, candidates, context, fed=1, remaining=None:
-                      chooser.Plan("draft", 3, 1.0, 1.0, probe=True), draft_trees=False)
+
+    def recording(cost: CostModel) -> chooser.Chooser:
+        observe = cost.observe
+
+        def recorded(kind, n, context, seconds):
+            observed.append((kind, n))
+            observe(kind, n, context, seconds)
+
+        cost.observe = recorded
+        return type("Choosing", (chooser.Chooser,), {"choose": taking("draft", 3, probe=True)})(cost)
+
     lm = tiny_lm("llama")
     prompt = lm.encode(PROMPTS[0])
-    decoders.generate(lm, prompt, strategy=probes, draft=lm, max_new_tokens=10)
+    decoders.generate(lm, prompt, strategy=auto.Auto(chooser=recording, draft_trees=False), draft=lm,
+                      max_new_tokens=10)
     drafts = [n for kind, n in observed if kind == "draft"]
-    assert drafts[:2] == [len(prompt), 1]  # the prompt's call, then the 2 one-token calls of the first chain
+    assert drafts[:2] == [len(prompt), 1]  # the prompt's call, then the one-token calls of the first chain
 
 
 @pytest.mark.parametrize("pays", [False, True])
-def test_a_draft_probe_drafts_its_tokens_then_on_while_the_next_one_pays(monkeypatch, pays):
+def test_a_draft_probe_drafts_its_tokens_then_on_while_the_next_one_pays(pays):
     """A probe of the draft model drafts its probe tokens, then runs on as any chain does: while one more token is
-    predicted to pay (`Chooser.keep_drafting`), up to max_draft."""
-    drafted, update = [], chooser.Chooser.update
+    predicted to pay (`Chooser.should_continue`), up to max_draft."""
+    drafted = []
 
-    def recording_update(self, proposer, n, accepted, *args):
-        if proposer == "draft":
-            drafted.append(n)
-        update(self, proposer, n, accepted, *args)
+    class Probing(chooser.Chooser):
+        choose = taking("draft", 2, probe=True)
 
-    probes = choosing(lambda self, candidates, context, fed=1, remaining=None:
-                      chooser.Plan("draft", 2, 1.0, 1.0, probe=True), draft_trees=False, draft_int8=False, max_draft=6)
-    monkeypatch.setattr(chooser.Chooser, "keep_drafting", lambda self, *args, **kwargs: pays)
-    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
+        def should_continue(self, *args, **kwargs):
+            return pays
+
+    class Drafter(auto.AutoDrafter):
+        def update(self, state, draft, accepted):
+            if self.plan.proposer == "draft":
+                drafted.append(len(draft.tokens))
+            super().update(state, draft, accepted)
+
+    probes = with_drafter(Drafter, chooser=Probing, draft_trees=False, draft_int8=False, max_draft=6)
     lm = tiny_lm("llama")
     want = decoders.generate(lm, PROMPTS[0], max_new_tokens=30).tokens
     got = decoders.generate(lm, PROMPTS[0], strategy=probes, draft=lm, max_new_tokens=30)
@@ -328,260 +561,89 @@ def test_a_draft_probe_drafts_its_tokens_then_on_while_the_next_one_pays(monkeyp
     assert drafted[0] == (6 if pays else 2) and max(drafted) == drafted[0]
 
 
+class Watching(chooser.Chooser):
+    """The chooser as it is, each step's offers and plan (and the seconds spent before it) recorded in `seen`."""
+
+    seen: list
+
+    def choose(self, offers, context, remaining=None):
+        spent = self.spent
+        plan = super().choose(offers, context, remaining)
+        self.seen.append(({o.proposer: o for o in offers}, plan, spent))
+        return plan
+
+
+def watching(seen: list) -> type:
+    return type("Watching", (Watching,), {"seen": seen})
+
+
 @pytest.mark.parametrize("draft", ["separate", "self:int8"])
-def test_the_draft_is_probed_at_once_unless_it_drafts_on_the_targets_still_empty_cache(monkeypatch, draft):
-    """A draft of its own cache is offered and probed in the first step; the target's own int8 copy, which drafts on
-    the target's cache, from the second (and then drafts, probed or chosen): before the first step that cache holds
-    nothing, and drafting then would compute the prompt's keys and values only to throw them away."""
-    offered, plans, choose = [], [], chooser.Chooser.choose
-
-    def recording_choose(self, candidates, context, fed=1, remaining=None):
-        offered.append({c.proposer for c in candidates})
-        plans.append(choose(self, candidates, context, fed, remaining))
-        return plans[-1]
-
-    probed_whatever_it_costs(monkeypatch)  # (a draft that could pay)
+def test_a_draft_is_probed_once_caught_up_the_targets_int8_copy_from_the_second_step(draft):
+    """A draft of its own cache must first catch up on the prompt: not probed in the first step, where the run has
+    spent nothing yet. The target's own int8 copy, which drafts on the target's cache, has nothing to catch up on:
+    offered from the second step (before the first that cache holds nothing, and drafting then would compute the
+    prompt's keys and values only to throw them away), and probed there. Priced so that neither draft pays for its
+    rate (2 s a draft call against 1 s a target call): only a probe drafts."""
+    seen = []
+    costs = priced(lambda: CostModel(line(1.0, 0.0), line(2.0, 0.2)), watching(seen))
     lm = tiny_lm("llama")
-    decoders.generate(lm, PROMPTS[0], strategy=choosing(recording_choose), draft=lm if draft == "separate" else draft,
+    decoders.generate(lm, PROMPTS[0], strategy=auto.Auto(chooser=costs), draft=lm if draft == "separate" else draft,
                       max_new_tokens=10)
+    (first, plan, spent), (second, then, _) = seen[:2]
+    assert spent == 0.0
     if draft == "separate":
-        assert "draft" in offered[0] and plans[0].proposer == "draft" and plans[0].probe
+        assert first["draft"].catch_up > 0 and plan.proposer not in ("draft", "tree")
     else:
-        assert "draft" not in offered[0] and "draft" in offered[1] and plans[1].proposer == "draft"
+        assert "draft" not in first and second["draft"].catch_up == 0.0
+        assert (then.proposer, then.probe) == ("draft", True)
 
 
-@pytest.mark.parametrize("ride", [False, True])
-def test_lookahead_guesses_run_the_window_in_their_steps_and_it_rides_along_where_cheap(monkeypatch, ride):
-    """auto's lookahead proposer: its candidates count the Jacobi window in the tokens a call scores, a step that
-    takes them scores the window (whose logits move it on), and the result is greedy's. In the other steps the
-    window rides along where it adds at most RIDE to the call (here: never, or always, its rides paid for)."""
-    seen = {"offered": 0, "windows": 0}
+def test_a_short_answer_never_pays_for_a_separate_drafts_prefill_a_long_one_probes_it():
+    """Ski rental, end to end: a draft model of its own cache first catches up on every token of the run (its
+    prefill, 0.2 s a token here against 1 s a step), and is probed only once the run has spent as much without it.
+    Seeded, so auto plans by no clock: the seconds spent are its plans'. An answer of 8 tokens to a 46-token prompt
+    never drafts with it; one of 64 does, from the first step whose spent seconds reach its catch-up."""
+    seen = []
+    costs = priced(lambda: CostModel(line(1.0, 0.0), line(0.05, 0.2)), watching(seen))
+    lm, draft = tiny_lm("llama"), tiny_lm("llama", 1)
+    prompt = lm.encode(" ".join(PROMPTS))
 
-    def choose(self, candidates, context, fed=1, remaining=None):
-        ahead = next((c for c in candidates if c.proposer == "lookahead"), None)
-        if ahead is None:
-            return chooser.Plan(None, 0, 1.0, 1.0)
-        seen["offered"] += 1
-        assert ahead.nodes[0] > 1  # the window's tokens plus the first level's guesses
-        if seen["offered"] % 2:
-            return chooser.Plan(None, 0, 1.0, 1.0)  # a plain step, which the window may ride
-        return chooser.Plan("lookahead", len(ahead.accept), 1.0, 1.0)
+    def run(tokens: int) -> decoders.Result:
+        seen.clear()
+        return decoders.generate(lm, prompt, strategy=auto.Auto(chooser=costs, draft_int8=False), draft=draft,
+                                 max_new_tokens=tokens, temperature=1.0, seed=0)
 
-    from decoders.proposers.lookahead import LookaheadDrafter
-
-    update = LookaheadDrafter.update
-
-    def counting_update(self, state, draft, accepted):
-        seen["windows"] += draft.window is not None and draft.window.logits is not None
-        update(self, state, draft, accepted)
-
-    monkeypatch.setattr(LookaheadDrafter, "update", counting_update)
-    monkeypatch.setattr(auto, "RIDE", float("inf") if ride else -1.0)
-    monkeypatch.setattr(auto.AutoDrafter, "credit_window",
-                        lambda self, state, draft, accepted: setattr(self, "window_gain", float("inf")))
-    lm = tiny_lm("qwen2")
-    prompt = lm.encode(PROMPTS[2]) * 2  # repeated text: the pool has guesses
-    want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
-    got = decoders.generate(lm, prompt, strategy=choosing(choose), max_new_tokens=30)
-    taken = got.stats.details["steps"].get("lookahead", 0)
-    assert got.tokens == want and 0 < taken < seen["offered"]
-    assert seen["windows"] == (got.stats.target_calls if ride else taken)  # riding: every step, guesses or not
+    short = run(8)
+    assert short.stats.draft_calls == 0 and not {"draft", "tree"} & set(short.stats.details["steps"])
+    offered = [(offers["draft"], spent) for offers, _, spent in seen if "draft" in offers]  # (not in the last step:
+    # no room left for a draft token)
+    assert len(offered) >= len(seen) - 1 and all(spent < offer.catch_up for offer, spent in offered)
+    long = run(64)
+    assert long.stats.draft_calls > 0
+    first = next(i for i, (_, plan, _) in enumerate(seen) if plan.proposer in ("draft", "tree"))
+    offers, plan, spent = seen[first]
+    assert plan.probe and spent >= offers[plan.proposer].catch_up > 0
+    assert all(spent < offers["draft"].catch_up for offers, _, spent in seen[:first])
+    assert first >= 8  # (later than the short answer's end)
 
 
-@pytest.mark.parametrize("pays", [False, True])
-def test_the_window_rides_along_only_while_lookaheads_guesses_pay_for_its_rides(monkeypatch, pays):
-    """The window's rides may cost at most one plain step more than the target calls lookahead's guesses saved: where
-    its guesses give nothing (here: never taken), it rides until then and no further."""
-    from decoders.drafting.cost import CostModel
-    from decoders.proposers.lookahead import LookaheadDrafter
-
-    windows, update = [], LookaheadDrafter.update
-
-    def counting_update(self, state, draft, accepted):
-        windows.append(len(draft.window.tokens) if draft.window is not None else 0)
-        update(self, state, draft, accepted)
-
-    plain = choosing(lambda self, candidates, context, fed=1, remaining=None: chooser.Plan(None, 0, 1, 1))
-    monkeypatch.setattr(LookaheadDrafter, "update", counting_update)
-    monkeypatch.setattr(CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0 + 0.1 * n)
-    monkeypatch.setattr(auto, "RIDE", float("inf"))
-    if pays:  # as if every step's accepted tokens were lookahead's alone
-        credit = auto.AutoDrafter.credit_window
-        monkeypatch.setattr(auto.AutoDrafter, "credit_window", lambda self, state, draft, accepted: (
-            credit(self, state, draft, accepted), setattr(self, "window_gain", self.window_gain + 1.0)))
-    lm = tiny_lm("qwen2")
-    prompt = lm.encode(PROMPTS[2]) * 2
-    got = decoders.generate(lm, prompt, strategy=plain, max_new_tokens=30)
-    assert got.tokens == decoders.generate(lm, prompt, max_new_tokens=30).tokens
-    rode = [n for n in windows if n]
-    if pays:
-        assert len(rode) == len(windows) > 2
-    else:  # 0.1 s a window token: the rides' first 1.1 s, then none (the first step's window may be smaller)
-        assert 0.1 * sum(rode) <= 1.1 and windows[: len(rode)] == rode and 1 <= len(rode) < len(windows) - 2
+# --- the int8 copies ----------------------------------------------------------------------------------------------
 
 
-def test_a_merged_tree_credits_each_token_to_its_drafter_and_teaches_each_part(monkeypatch):
-    """The suffix index's and lookahead's drafts offered as one tree: a step that takes it gives
-    greedy's tokens, its accepted tokens are the drafters' (no "merged" source), and each part learns how far its own
-    guesses went, never the merged tree itself."""
-    updates = []
+class Drafting(chooser.Chooser):
+    """Takes the draft model's chain wherever offered, so that a run drafts with whatever auto drafts with."""
 
-    def choose(self, candidates, context, fed=1, remaining=None):
-        merged = next((c for c in candidates if c.proposer == "merged"), None)
-        if merged is None:
-            return chooser.Plan(None, 0, 1.0, 1.0)
-        assert merged.tree and len(merged.nodes) >= len(merged.accept)
-        return chooser.Plan("merged", len(merged.accept), 1.0, 1.0)
-
-    update = chooser.Chooser.update
-
-    def recording_update(self, proposer, drafted, accepted, *args):
-        updates.append((proposer, drafted, accepted))
-        update(self, proposer, drafted, accepted, *args)
-
-    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
-    for lm in (tiny_lm("qwen2"), echo_lm()):
-        prompt = lm.encode(PROMPTS[2]) * 3  # repeated text: the index and lookahead's pool both guess
-        want = decoders.generate(lm, prompt, max_new_tokens=30)
-        got = decoders.generate(lm, prompt, strategy=choosing(choose), max_new_tokens=30)
-        assert got.tokens == want.tokens and got.stats.details["steps"].get("merged", 0) > 0
-        assert set(got.sources) <= {"target", "suffix", "lookahead"}
-    assert got.stats.accepted > 0  # the echo's: it repeats its last token, which every part soon guesses
-    assert updates and {p for p, _, _ in updates} <= {"suffix", "lookahead"}
-    assert all(0 <= accepted <= drafted for _, drafted, accepted in updates)
-
-
-@pytest.mark.parametrize("flat", [True, False])
-def test_a_draft_models_chain_is_checked_with_the_steps_guesses_where_they_pay(monkeypatch, flat):
-    """In greedy mode a draft model's chain is merged with the suffix index's and lookahead's drafts
-    where the step's expected tokens per second are highest so: with target calls that cost the same whatever they
-    score, the guesses ride along and the step takes their tokens where the draft is wrong; where each token scored
-    costs a lot, the chain goes alone. Either way the output is greedy's, and the draft's estimates learn from its
-    own chain only (levels it drafted, levels of it the target took)."""
-    from decoders.drafting import cost
-
-    taught = []
-    update = chooser.Chooser.update
-
-    def choose(self, candidates, context, fed=1, remaining=None):
-        chain = next((c for c in candidates if c.proposer == "draft"), None)
-        return chooser.Plan("draft", 3, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
-
-    def recording_update(self, proposer, drafted, accepted, *args):
-        taught.append((proposer, drafted, accepted))
-        update(self, proposer, drafted, accepted, *args)
-
-    chains = []
-    draft_chain = auto.AutoDrafter.draft_with_model
-
-    def recording_chain(self, *args):
-        chains.append(len((chain := draft_chain(self, *args)).tokens))
-        return chain
-
-    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
-    monkeypatch.setattr(auto.AutoDrafter, "draft_with_model", recording_chain)
-    monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0 if flat else n ** 3)
-    lm = echo_lm()  # repeats its last token, which the guesses soon guess and a random draft does not
-    prompt = lm.encode(PROMPTS[2]) * 3
-    want = decoders.generate(lm, prompt, max_new_tokens=30)
-    got = decoders.generate(lm, prompt, strategy=choosing(choose, draft_int8=False), draft=tiny_lm("qwen2"),
-                            max_new_tokens=30)
-    assert got.tokens == want.tokens and got.stats.details["steps"].get("draft", 0) > 0
-    guessed = set(got.sources) - {"target", "draft"}
-    assert guessed if flat else not guessed
-    drafts = [(drafted, accepted) for proposer, drafted, accepted in taught if proposer == "draft"]
-    assert len(drafts) == len(chains)
-    assert all(0 <= accepted <= drafted <= chain for (drafted, accepted), chain in zip(drafts, chains))
-
-
-def test_in_sampling_mode_a_chain_checked_with_guesses_still_samples_from_the_target(monkeypatch):
-    """Sampling mode: the draft model's sampled chain and the suffix index's guess (here the target's likeliest token)
-    are checked in one call, each guess a one-hot sibling of the chain's first token; the first new token follows
-    the target's distribution, and comes from the chain, the guess or the target."""
-    from decoders.drafting import cost
-    from samplers import SamplingConfig
-    from stats import chi_square_fits
-    from test_tree import near_draft
-
-    def choose(self, candidates, context, fed=1, remaining=None):
-        chain = any(c.proposer == "draft" for c in candidates)
-        return chooser.Plan("draft", 1, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
-
-    lm, draft = tiny_lm("llama"), near_draft()
-    prompt = lm.encode(PROMPTS[4]) * 2
-    settings = dict(temperature=1.0, top_k=12)
-    with torch.inference_mode():
-        target = SamplingConfig(**settings).probs(lm.forward(prompt, lm.new_cache())[-1])
-    guess = int(target.argmax())
-    monkeypatch.setattr(cost.CostModel, "target_seconds", lambda self, n, context, tree=False: 1.0)
-    guess_always(monkeypatch, lambda tokens: guess)
-    firsts, sources, chains = [], [], choosing(choose, draft_int8=False)
-    for seed in range(1000):
-        result = decoders.generate(lm, prompt, strategy=chains, draft=draft, max_new_tokens=2, seed=seed, **settings)
-        firsts.append(result.tokens[0])
-        sources.append(result.sources[0])
-    assert {"draft", "suffix", "target"} <= set(sources)
-    assert chi_square_fits(torch.tensor(firsts), target)
-
-
-def echo_lm() -> decoders.LM:
-    """A tiny model that repeats its input token: its output embedding is its input embedding and its layers add
-    next to nothing to the residual stream."""
-    base = tiny_lm("qwen2")
-    model = copy.deepcopy(base.model)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.01)
-            layer.mlp.down_proj.weight.mul_(0.01)
-    return decoders.wrap(model, base.tokenizer, name="tiny-echo")
-
-
-def test_a_chain_teaches_the_trees_estimates_what_a_tree_would_have_caught(monkeypatch):
-    """A draft model's tree holds its chain with its second choice beside each token: a chain step teaches the trees'
-    estimates the chain's accepted levels, plus the rejected one where the target took the draft's second choice."""
-    from test_tree import near_draft
-
-    taught = []  # (chain's drafted, chain's accepted, tree's levels, tree's accepted)
-    update = chooser.Chooser.update
-
-    def choose(self, candidates, context, fed=1, remaining=None):
-        chain = next((c for c in candidates if c.proposer == "draft"), None)
-        assert chain is None or any(c.proposer == "tree" for c in candidates)  # (both models take tree masks)
-        return chooser.Plan("draft", 4, 1.0, 1.0, probe=True) if chain else chooser.Plan(None, 0, 1.0, 1.0)
-
-    def recording_update(self, proposer, drafted, accepted, *args):
-        if proposer == "draft":
-            taught.append([drafted, accepted])
-        elif proposer == "tree":
-            taught[-1] += [drafted, accepted]
-        update(self, proposer, drafted, accepted, *args)
-
-    monkeypatch.setattr(chooser.Chooser, "update", recording_update)
-    lm = tiny_lm("llama")
-    for prompt in PROMPTS:
-        want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
-        got = decoders.generate(lm, prompt, strategy=choosing(choose), draft=near_draft(), max_new_tokens=30)
-        assert got.tokens == want
-    assert all(len(t) == 4 for t in taught)
-    assert all(levels == min(drafted, accepted + 1) and accepted <= tree <= min(levels, accepted + 1)
-               for drafted, accepted, levels, tree in taught)
-    caught = sum(tree > accepted for _, accepted, _, tree in taught)
-    missed = sum(tree == accepted < drafted for drafted, accepted, _, tree in taught)
-    assert caught > 0 and missed > 0  # the near draft's second choice is the target's some of the time
+    choose = taking("draft", 1)
 
 
 def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monkeypatch):
     """`draft_int8`: None drafts with the draft's own int8 copy where its one-token call is measured at most CHEAPER
     of the original's (decided once per draft; a copy found dearer is let go), True always, False never; a draft that
     is already quantized drafts as it is. Whichever drafts, the tokens are greedy's."""
-    from decoders.drafting.cost import CallCost
-
     flat = lambda seconds: CallCost((1, 2), (seconds, seconds))  # noqa: E731
     assert copies.cheaper(flat(0.025), flat(0.059), 500, 0.8) and copies.cheaper(flat(0.8), flat(1.0), 0, 0.8)
     assert not copies.cheaper(flat(0.9), flat(1.0), 0, 0.8) and not copies.cheaper(flat(0.7), flat(1.0), 100, 0.6)
 
-    probed_whatever_it_costs(monkeypatch)
     lm = tiny_lm("llama")
     draft = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-draft")
     prompt = PROMPTS[1]
@@ -590,7 +652,8 @@ def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monke
 
     def drafted_by(verdict, **options):
         monkeypatch.setattr(copies, "cheaper", lambda copy, original, context, bar: verdict)
-        got = decoders.generate(lm, prompt, strategy="auto", draft=draft, max_new_tokens=30, **options)
+        got = decoders.generate(lm, prompt, strategy=auto.Auto(chooser=Drafting, **options), draft=draft,
+                                max_new_tokens=30)
         assert got.tokens == want and got.stats.draft_calls > 0
         return got.stats.details["draft"]
 
@@ -601,7 +664,7 @@ def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monke
     assert drafted_by(True) == "tiny-draft:int8" and len(made) == 2  # (the copy kept with the draft)
     assert drafted_by(True, draft_int8=False) == "tiny-draft"
     int8 = decoders.quantize(draft, "int8")
-    got = decoders.generate(lm, prompt, strategy="auto", draft=int8, max_new_tokens=30)
+    got = decoders.generate(lm, prompt, strategy=auto.Auto(chooser=Drafting), draft=int8, max_new_tokens=30)
     assert got.tokens == want and got.stats.details["draft"] == int8.name and len(made) == 3  # as it is
     with pytest.raises(ValueError, match="draft_int8"):
         decoders.generate(lm, prompt, strategy="auto", draft=draft, draft_int8="yes")
@@ -611,7 +674,6 @@ def test_without_a_draft_the_target_drafts_as_its_own_int8_copy_where_that_pays_
     """`self_int8`: without a draft model, the target's own int8 copy drafts (on the target's cache) where its
     one-token call is measured at most SELF of the target's and it takes at most MEMORY of the free memory; True
     always, False never. The tokens are greedy's either way."""
-    probed_whatever_it_costs(monkeypatch)
     lm = tiny_lm("qwen2")
     target = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-target")
     prompt = PROMPTS[0]
@@ -620,7 +682,7 @@ def test_without_a_draft_the_target_drafts_as_its_own_int8_copy_where_that_pays_
     monkeypatch.setattr(copies, "cheaper", lambda copy, original, context, bar: bars.append(bar) or True)
 
     def drafted_by(**options):
-        got = decoders.generate(target, prompt, strategy="auto", max_new_tokens=30, **options)
+        got = decoders.generate(target, prompt, strategy=auto.Auto(chooser=Drafting, **options), max_new_tokens=30)
         assert got.tokens == want
         return got.stats.details.get("draft"), got.stats.draft_calls
 
@@ -653,12 +715,6 @@ def test_a_model_that_cannot_be_quantized_drafts_as_it_is(monkeypatch):
         decoders.generate(target, PROMPTS[0], strategy="auto", max_new_tokens=20, self_int8=True)
 
 
-def probed_whatever_it_costs(monkeypatch) -> None:
-    """The break-even guard probes a draft however dear (a tiny draft as large as its target cannot pay), so that it
-    drafts in a run."""
-    monkeypatch.setattr(chooser.Chooser, "could_pay", lambda self, *args: True)
-
-
 def quantized(monkeypatch) -> list:
     """The models `decoders.quantize` makes copies of from here on, in order."""
     from decoders.models import quantize as quantizing
@@ -668,16 +724,14 @@ def quantized(monkeypatch) -> list:
     return made
 
 
-def test_the_evaluator_meters_the_int8_copy_auto_drafts_with(monkeypatch):
+def test_the_evaluator_meters_the_int8_copy_auto_drafts_with():
     """`decodekit compare` times draft calls with hooks on the draft's forward: also on the int8 copies kept with the
     draft and the target, which auto drafts with (a copy made inside a run was not hooked: its seconds are unknown)."""
-    from decoders.registry import get
     from evals import timing
 
-    probed_whatever_it_costs(monkeypatch)
     lm = tiny_lm("llama")
     draft = decoders.wrap(copy.deepcopy(lm.model), lm.tokenizer, name="tiny-draft")
-    prompt, strategy = lm.encode(PROMPTS[0]), get("auto")(draft_int8=True)
+    prompt, strategy = lm.encode(PROMPTS[0]), auto.Auto(chooser=Drafting, draft_int8=True)
     first, second = (timing.run_decodekit(lm, prompt, strategy, max_new_tokens=20, draft=draft) for _ in range(2))
     assert first.extra["draft"] == second.extra["draft"] == "tiny-draft:int8"
     assert first.draft_calls > 0 and first.draft_seconds is None

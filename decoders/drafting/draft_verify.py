@@ -14,6 +14,7 @@ A drafting strategy is a `DraftVerify` subclass that names its drafter class and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -26,9 +27,9 @@ from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, 
 
 
 class DraftVerify(Decoder):
-    """Base class of the drafting strategies: subclasses set `drafter`, a class built as `drafter(state, options)`."""
+    """Base class of the drafting strategies: subclasses set `drafter`, a callable `drafter(state, options) -> Drafter`."""
 
-    drafter: ClassVar[type[Drafter]]
+    drafter: ClassVar[Callable[..., Drafter]]
 
     def start(self, state: DecodeState) -> None:
         state.drafter = self.drafter(state, self.options)

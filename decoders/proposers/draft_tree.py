@@ -24,6 +24,8 @@ multi-candidate rejection sampling in `samplers.verify` needs to stay exact.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,11 +34,15 @@ import torch
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, DraftModel
-from decoders.drafting.cost import CallCost, call_cost
+from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
+from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import keep_path, visibility
+from decoders.drafting.tree import depths, first_branch, keep_path, visibility
 from decoders.options import check_whole, probability
+from decoders.proposers.base import Clock, Step
+from decoders.proposers.draft_chain import ChainProposer
 from decoders.proposers.lookup import lookup
+from decoders.proposers.suffix import SuffixProposer, summarize
 from samplers.verify import verify_greedy, verify_sampling
 
 
@@ -278,3 +284,98 @@ class TreeDrafter:
         path = draft.follow(state.tokens[self.start: self.start + accepted])
         keep_path(self.model.cache, self.start, [self.slots[n] for n in path if self.slots[n] is not None])
         self.model.rewind()
+
+
+SURE = 0.99  # the highest tree thresholds: `staged`'s must stay below 1
+
+
+def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float]:
+    """(min_prob, expand_prob) for a tree grown in a step expected to give `rate` tokens a second, where a node adds
+    `node` seconds to the target call and a draft call costs `call`: a node pays where its path's probability
+    reaches rate x node, a draft call where the likeliest leaf's reaches rate x (call + node); never below `staged`'s
+    own, never at 1. (Where multi-token target calls are dear, `staged`'s fixed thresholds grow trees past their
+    plans.)"""
+    base = StagedOptions()
+    return min(SURE, max(base.min_prob, rate * node)), min(SURE, max(base.expand_prob, rate * (call + node)))
+
+
+class TreeProposer:
+    """`auto`'s draft-model trees: grown as `staged` grows them on the chain proposer's draft model and cache, with
+    the suffix proposer's index as the lower stage, cut to what pays for the draft call that checks it."""
+
+    name = "tree"
+    corrected = True
+
+    def __init__(self, state: DecodeState, chain: ChainProposer, suffix: SuffixProposer, cost: CostModel,
+                 clock: Clock) -> None:
+        """`chain`: the run's `ChainProposer` (its model, its offer this step, its estimates, which the trees' first
+        branches teach); `suffix`: the run's `SuffixProposer`; `cost`: the run's `CostModel`; `clock`: its `Clock`."""
+        self.chain, self.suffix, self.cost, self.clock = chain, suffix, cost, clock
+        width = frontier_width(cost.draft)
+        self.drafter = TreeDrafter(state, replace(StagedOptions(), width=width), model=chain.model,
+                                   index=suffix.index, lower=self.lower)
+        self.base = self.drafter.options
+        self.acceptance = Acceptance(chain.acceptance.options)
+        # per level of the trees drafted: draft seconds (a call grows one, more where the draft agrees with the lower
+        # stage) and nodes; priors: a call of `width` leaves a level, `branching` nodes a level
+        self.level_seconds = RunningMean(cost.draft.predict(width, len(state.tokens)), 1)
+        self.level_nodes = RunningMean(float(self.base.branching), 1)
+        self.limit = self.step = 0
+
+    def size(self, levels: int) -> int:
+        """The nodes a tree of `levels` levels is expected to hold."""
+        return min(self.base.budget, max(levels, round(self.level_nodes.mean * levels)))
+
+    def offer(self, state: DecodeState, limit: int) -> Offer | None:
+        chain = self.chain.offered
+        if chain is None:
+            return None
+        room, self.limit = min(len(chain.accept), self.base.max_depth), limit
+        suffix = self.suffix.offered.accept if self.suffix.offered is not None else ()
+        accept = at_least([self.acceptance.chain(room), chain.accept, suffix], room)
+        drafting = tuple(chain.catch_up + self.level_seconds.mean * d for d in range(1, room + 1))
+        return Offer(self.name, accept, drafting, tuple(self.size(d) for d in range(1, room + 1)), chain.catch_up)
+
+    def draft(self, state: DecodeState, plan: Plan) -> Draft:
+        context, start, calls, self.step = len(state.cache), self.clock.now(), state.stats.draft_calls, len(state.tokens)
+        catch_up = self.chain.offered.catch_up
+        planned, budget = self.size(plan.k), self.base.budget
+        big, small = (self.cost.target_seconds(1 + n, context) for n in (budget, planned))
+        call = self.cost.draft.predict(self.base.width, context)
+        min_prob, expand_prob = tree_thresholds(plan.rate, (big - small) / max(1, budget - planned), call)
+        self.drafter.options = replace(self.base, min_prob=min_prob, expand_prob=expand_prob)
+        draft = self.drafter.propose(state, plan.k if plan.probe else self.limit)
+        state.lm.synchronize()
+        if levels := max((d + 1 for d in depths(draft.links)), default=0):
+            spent = self.clock.elapsed(start, (state.stats.draft_calls - calls) * call + catch_up)
+            self.level_seconds.add(max(0.0, spent - catch_up) / levels)
+            self.level_nodes.add(len(draft.tokens) / levels)
+        return draft
+
+    def lower(self, context: list[int], room: int) -> list[int]:
+        """The suffix index's chain after `context` (the run's tokens and a tree path), cut to the length that saves
+        most draft calls in expectation: each guessed token the draft agrees with saves a call, each adds a row."""
+        branch = propose(self.drafter.index, None, context, room, self.drafter.suffix).main_branch()
+        levels = summarize(branch)
+        accept = self.suffix.acceptance.chain(len(levels), levels, [self.suffix.curve(branch.match + d)
+                                                                    for d in range(len(levels))])
+        model = self.chain.model
+        draft_context = len(model.cache)
+        fed = len(model.uncached()) if len(context) == self.step else self.base.width  # (the root's call)
+        per_token = self.cost.draft_seconds(1, draft_context)
+        reach = list(itertools.accumulate(accept, operator.mul))
+        first = [self.cost.draft_seconds(1, draft_context, fed + n) for n in range(len(reach) + 1)]
+        return branch.tokens[: max(range(len(first)), key=lambda n: per_token * sum(reach[:n]) - first[n])]
+
+    def learn(self, state: DecodeState, step: Step) -> None:
+        if step.plan.proposer != self.name:
+            return
+        self.drafter.update(state, step.draft, step.accepted)  # keeps the accepted path in the draft cache
+        if not step.draft.tokens:
+            return
+        levels = max(d + 1 for d in depths(step.draft.links))
+        # a level the tree did not grow is one not accepted
+        self.acceptance.learn(levels + (levels < step.plan.k and step.accepted == levels), step.accepted)
+        main, path = first_branch(step.draft.links), step.draft.follow(step.tokens[: step.accepted])
+        taken = next((i for i, (a, b) in enumerate(zip(main, path)) if a != b), min(len(main), len(path)))
+        self.chain.acceptance.learn(len(main), taken)  # its first branch is the chain the draft would have drafted

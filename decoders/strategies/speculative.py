@@ -20,15 +20,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decoders.base import DecodeState
-from decoders.drafting import Draft, DraftVerify, draft_model, stack_probs
-from decoders.drafting.chooser import Candidate, Chooser
+from decoders.drafting import DraftVerify, draft_model
+from decoders.drafting.chooser import Chooser, Offer
 from decoders.drafting.cost import CostModel, calibrate
 from decoders.drafting.draft_model import SELF_ACCEPTANCE, SharedCacheDraft
 from decoders.options import whole
+from decoders.proposers.base import Fixed
+from decoders.proposers.draft_chain import ChainProposer
 from decoders.registry import register
 
 ACCEPTANCE = 0.85  # the per-token acceptance `default_k` plans for with a separate draft model: lower planned
-# acceptances picked k=3-4 for the int8 0.5B draft, 6-14% slower than k=5 in the replays above
+# acceptances picked k=3-4 for the int8 0.5B draft, 6-14% slower than k=5 in replays
 MOST = 16  # the longest k `default_k` considers
 
 
@@ -47,26 +49,19 @@ def default_k(cost: CostModel, context: int, acceptance: float) -> int:
     """The k of most expected tokens per second for a draft each of whose tokens is accepted with probability
     `acceptance`: k draft calls and one target call of k + 1 tokens after `context` cached ones, priced by `cost`
     (the chooser's own rule, `Chooser.best`)."""
-    draft = Candidate("draft", (acceptance,) * MOST, per_token_seconds=cost.draft_seconds(1, context))
+    call = cost.draft_seconds(1, context)
+    draft = Offer("draft", (acceptance,) * MOST, tuple(call * k for k in range(1, MOST + 1)))
     return Chooser(cost).best(draft, context).k
 
 
-class FixedDrafter:
-    """Drafts exactly k tokens (fewer only near max_new_tokens) with the draft model."""
-
-    def __init__(self, state: DecodeState, options: SpeculativeOptions) -> None:
-        self.model, self.k = draft_model(state), options.k
-        if self.k is None:
-            acceptance = SELF_ACCEPTANCE if isinstance(self.model, SharedCacheDraft) else ACCEPTANCE
-            self.k = default_k(calibrate(state.lm, state.draft), len(state.tokens), acceptance)
-            state.stats.details = {"chosen_k": self.k}  # for reports
-
-    def propose(self, state: DecodeState, limit: int) -> Draft:
-        tokens, rows, _ = self.model.draft_chain(min(self.k, limit))
-        return Draft(tokens, stack_probs(rows))
-
-    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        self.model.rewind()
+def fixed_chain(state: DecodeState, options: SpeculativeOptions) -> Fixed:
+    """The draft model's chain of exactly k tokens a step (fewer only near max_new_tokens)."""
+    model, k = draft_model(state), options.k
+    if k is None:
+        acceptance = SELF_ACCEPTANCE if isinstance(model, SharedCacheDraft) else ACCEPTANCE
+        k = default_k(calibrate(state.lm, state.draft), len(state.tokens), acceptance)
+        state.stats.details = {"chosen_k": k}  # for reports
+    return Fixed(ChainProposer(model, max_draft=k))
 
 
 @register("speculative")
@@ -74,5 +69,5 @@ class Speculative(DraftVerify):
     """Speculative decoding with a fixed draft length k (by default the one this device's measured costs favour)."""
 
     Options = SpeculativeOptions
-    drafter = FixedDrafter
+    drafter = staticmethod(fixed_chain)
     needs_draft = takes_draft = True

@@ -18,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decoders.base import DecodeState
-from decoders.drafting import Draft, DraftVerify
-from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, SuffixStore, propose
+from decoders.drafting import DraftVerify
+from decoders.drafting.suffix_index import SuffixOptions, SuffixStore
 from decoders.options import check_flags
+from decoders.proposers.base import Fixed
+from decoders.proposers.suffix import SuffixProposer
 from decoders.registry import register
 
 
@@ -38,28 +40,9 @@ class SuffixDecodingOptions(SuffixOptions):
             raise TypeError(f"store= takes a decoders.SuffixStore, got {type(self.store).__name__}")
 
 
-class SuffixDrafter:
-    """The run's own suffix index, grown with every accepted token."""
-
-    def __init__(self, state: DecodeState, options: SuffixDecodingOptions) -> None:
-        self.options = options
-        self.index = SuffixIndex(options.store.depth if options.store is not None else 48)
-        self.index.follow("run", state.tokens)
-
-    def propose(self, state: DecodeState, limit: int) -> Draft:
-        tree = propose(self.index, self.options.store, state.tokens, limit, self.options, state.lm.vocab_size)
-        return Draft(tree.tokens, None, tree.parents, source="suffix")
-
-    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        self.index.follow("run", state.tokens)
-
-    def finish(self, state: DecodeState) -> None:
-        """Remember the run's output (and prompt) in the store for later calls."""
-        store = self.options.store
-        if store is not None:
-            if self.options.remember_prompts:
-                store.add(state.tokens[: state.prompt_len], kind="prompt")
-            store.add(state.new_tokens)
+def suffix_drafter(state: DecodeState, options: SuffixDecodingOptions) -> Fixed:
+    """The suffix index's whole tree each step."""
+    return Fixed(SuffixProposer(state, options, options.store, remember_prompts=options.remember_prompts))
 
 
 @register("suffix")
@@ -67,5 +50,5 @@ class Suffix(DraftVerify):
     """Draft-free decoding: token trees from a suffix index of the context and of earlier outputs."""
 
     Options = SuffixDecodingOptions
-    drafter = SuffixDrafter
+    drafter = staticmethod(suffix_drafter)
     needs_tree_mask = True

@@ -1,0 +1,81 @@
+"""The suffix index's trees: what followed the longest matching suffix of the context (`suffix`, and `auto`).
+
+Oliaro et al. 2024, "SuffixDecoding". The index (`decoders.drafting.suffix_index`) holds the run's own tokens and,
+with a `SuffixStore`, earlier outputs; its trees are deterministic (one-hot for the verifier). Their acceptance is
+estimated per level on calibration curves of the index's probabilities, one per length of the matched suffix
+(`match_curve`): the counts of what followed a match are blind to its length, which tells most.
+"""
+
+from __future__ import annotations
+
+from decoders.base import DecodeState
+from decoders.drafting.chooser import Acceptance, ChooserOptions, Offer, Plan, given_above
+from decoders.drafting.draft import Draft
+from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, SuffixStore, propose
+from decoders.drafting.tree import depth, depths, levels_above, per_level
+from decoders.proposers.base import Step
+
+
+def match_curve(match: int) -> str:
+    """The calibration curve of a guess continuing a `match`-token suffix: one per match length 1, 2-3, 4-7, 8+."""
+    return f"suffix:{min(8, 1 << (max(match, 1).bit_length() - 1))}"
+
+
+def summarize(tree: SuffixDraft) -> list[float]:
+    """Per level of a suffix tree: the index's probability of its best node given the best node above."""
+    found = depths(tree.parents)
+    best = [max(p for p, d in zip(tree.probs, found) if d == level) for level in range(max(found, default=-1) + 1)]
+    return [min(1.0, p) for p in given_above(best)]
+
+
+class SuffixProposer:
+    """The run's suffix index, grown with every accepted token, and the trees it drafts."""
+
+    name = "suffix"
+    corrected = False
+
+    def __init__(self, state: DecodeState, options: SuffixOptions, store: SuffixStore | None = None,
+                 trees: bool = True, chooser: ChooserOptions | None = None, remember_prompts: bool = False) -> None:
+        """`trees`: False drafts the main branch alone (a model that cannot take tree masks); `store`: earlier
+        outputs to draft from, to which the run's output (and with `remember_prompts` its prompt) is added."""
+        self.options, self.store, self.trees, self.remember = options, store, trees, remember_prompts
+        self.vocab = state.lm.vocab_size  # (a store may hold a bigger vocabulary's ids)
+        self.index = SuffixIndex(store.depth if store is not None else 48)
+        self.index.follow("run", state.tokens)
+        self.acceptance = Acceptance(chooser)
+        self.tree, self.levels, self.curves = SuffixDraft(), [], []
+        self.offered: Offer | None = None  # this step's offer
+
+    def guess(self, context: list[int], limit: int) -> SuffixDraft:
+        """The index's tree (its main branch where `trees` is False) after `context`, at most `limit` levels."""
+        tree = propose(self.index, self.store, context, limit, self.options, self.vocab)
+        return tree if self.trees else tree.main_branch()
+
+    def curve(self, match: int) -> str:
+        """The calibration curve of a guess continuing a `match`-token suffix (`match_curve`)."""
+        return match_curve(match)
+
+    def offer(self, state: DecodeState, limit: int) -> Offer | None:
+        self.tree = self.guess(state.tokens, limit)
+        self.levels = summarize(self.tree)
+        self.curves = [self.curve(self.tree.match + d) for d in range(len(self.levels))]
+        self.offered = Offer(self.name, self.acceptance.chain(len(self.levels), self.levels, self.curves),
+                             nodes=per_level(self.tree.parents)) if self.levels else None
+        return self.offered
+
+    def draft(self, state: DecodeState, plan: Plan) -> Draft:
+        tree = Draft(self.tree.tokens, None, self.tree.parents, source=self.name)
+        return levels_above(tree, plan.k)
+
+    def learn(self, state: DecodeState, step: Step) -> None:
+        if step.plan.proposer == self.name and step.draft.tokens:
+            levels = depth(step.draft)  # fewer than planned where an EOS or the grammar cut it
+            self.acceptance.learn(levels, step.accepted, self.levels[:levels], self.curves[:levels])
+        self.index.follow("run", state.tokens)
+
+    def finish(self, state: DecodeState) -> None:
+        """Add the run's output (and its prompt, if remembered) to the store."""
+        if self.store is not None:
+            if self.remember:
+                self.store.add(state.tokens[: state.prompt_len], kind="prompt")
+            self.store.add(state.new_tokens)
