@@ -155,20 +155,15 @@ class DecodeState:
         return self.tokens[len(self.cache):]
 
     def score(self, extra: Sequence[int] = ()) -> torch.Tensor:
-        """One target call on the uncached tokens plus `extra`.
-
-        Returns [len(extra) + 1, vocab]: row i scores the position after the last accepted token and extra[:i].
-        """
+        """One target call on the uncached tokens plus `extra`: logits [len(extra) + 1, vocab], row i scoring the
+        position after the last accepted token and extra[:i]."""
         self.stats.target_calls += 1
         return self.lm.forward(self.uncached() + list(extra), self.cache, keep=len(extra) + 1)
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from one position's target logits [vocab], by the run's sampling settings and grammar.
-
-        With a grammar the logits are masked to its allowed tokens first (then temperature, top-k ... apply). A token
-        the grammar forces is returned without sampling, so the random stream is the same whether or not a strategy
-        skipped the model call for it.
-        """
+        """The next token from one position's target logits [vocab], by the run's sampling settings and grammar (its
+        mask first, then temperature, top-k ...). A token the grammar forces is returned without sampling, so the
+        random stream is the same whether or not a strategy skipped the model call for it."""
         if self.grammar is not None:
             forced = self.grammar.forced()
             if forced:
@@ -178,13 +173,10 @@ class DecodeState:
 
     def accept(self, tokens: Sequence[int], sources: Sequence[str], rows: torch.Tensor | None = None) -> int:
         """Append new tokens until EOS, a stop string or max_new_tokens ends the run; returns how many were added.
-        `rows` [len(tokens), vocab]: the target logits each token was chosen from (None: forced by the grammar).
-
-        With a grammar, each token advances the matcher before it joins the output (a forbidden token raises
-        `grammars.GrammarError`), and the grammar can end the run, as finish_reason "eos": when the model emits EOS
-        (allowed only where the grammar can finish), or as soon as the grammar is complete - nothing but EOS could
-        follow - without spending a target call on that EOS (which is then not part of the output).
-        """
+        `rows` [len(tokens), vocab]: the target logits each token was chosen from (None: forced by the grammar). With
+        a grammar, each token advances the matcher before it joins the output (a forbidden token raises
+        `grammars.GrammarError`), and the run ends as "eos" when the model emits EOS (allowed only where the grammar
+        can finish) or once the grammar is complete, without a target call for that EOS (then not in the output)."""
         added = 0
         for token, source in zip(tokens, sources, strict=True):
             if self.finished:

@@ -4,38 +4,32 @@
     out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft,
                          max_new_tokens=128, streamer=TextStreamer(tok))
 
-transformers prepares the call as for any decoding method - the model's generation_config merged with the keyword
-arguments, `max_new_tokens` turned into `max_length`, the logits processors and stopping criteria built - and hands
-the prepared pieces to `custom_generate`, which runs `strategy` on them. What carries over:
+transformers prepares the call as for any decoding method (generation_config merged with the keyword arguments,
+`max_new_tokens` turned into `max_length`, logits processors and stopping criteria built) and `custom_generate` runs
+`strategy` on the prepared pieces. What carries over:
 
 - length and EOS: `max_new_tokens` / `max_length`, `eos_token_id` (as the generation config resolves them).
 - sampling: `do_sample=False` is greedy; with `do_sample=True` the temperature / top-k / top-p / min-p warpers
-  transformers built (the model's generation_config defaults included, e.g. top_k=50) set decodekit's sampling.
-  `seed=` seeds it; without one the seed is drawn from torch's global RNG, so `torch.manual_seed` before the call
-  makes a run reproducible as with transformers (with `strategy="auto"`, wherever its calibration is cached: seeded,
-  it plans by the calibrated costs, not by the call times it measures).
-- `stopping_criteria` (and max_time): evaluated token by token on the growing sequence (scores=None, as transformers'
-  own loop passes them without output_scores); the output ends at the first token where one fires.
+  transformers built (generation_config defaults included, e.g. top_k=50) set decodekit's sampling. `seed=` seeds it,
+  else torch's global RNG does, so `torch.manual_seed` makes a run reproducible (`strategy="auto"`, seeded, plans by
+  its cached calibration, not by the call times it measures).
+- `stopping_criteria` (and max_time): checked after every token (scores=None); the output ends where one fires.
 - `streamer`: the prompt first (transformers puts it), then one `put` of shape [1, n] per accepted step, then `end()`.
-- `assistant_model`: the draft model, wrapped with the target's tokenizer; or `draft=`, which takes what
-  `decoders.generate` takes (an `LM`, a model name, "self:int8"). `strategy=` (default "greedy"), `grammar=`, `seed=`
-  and the strategy's options (`k=4`) are keyword arguments of the same call.
+- `assistant_model`: the draft model, with the target's tokenizer; or `draft=`, as `decoders.generate` takes it.
+  `strategy=` (default "greedy"), `grammar=`, `seed=` and the strategy's options (`k=4`) are keywords of the call.
 - `return_dict_in_generate=True`: a `DecodekitOutput` (a `GenerateDecoderOnlyOutput`) with `sequences` and
   `decodekit_stats` (`Stats.as_dict()` of the run plus "strategy", "finish_reason" and "sources", one per new token).
 
 Returns what `generate` returns: prompt plus new tokens, [1, T] on the prompt's device.
 Refused with an error naming the argument: a batch of several prompts or left padding, beams and other decoding
-modes, any logits processor besides those four warpers (repetition_penalty, min_new_tokens, logits_processor=...),
-output_scores / output_logits / output_attentions / output_hidden_states, num_return_sequences > 1, a prefilled cache,
-model inputs other than input_ids. Accepted and not needed: pad_token_id (a batch of one is never padded),
-use_cache / cache_implementation (decodekit keeps its own rollback cache).
+modes, any logits processor besides those four warpers, output_scores / output_logits / output_attentions /
+output_hidden_states, num_return_sequences > 1, a prefilled cache, model inputs other than input_ids. Accepted and
+not needed: pad_token_id, use_cache / cache_implementation (decodekit keeps its own rollback cache).
 
-The tokenizer: transformers 5.x drops `tokenizer=` (and `streamer=`, `assistant_model=`) before calling a callable
-`custom_generate`. The streamer and assistant model are read back from the running `generate` call's arguments
-(`_generate_call_arguments`); the tokenizer is not needed - the run uses token ids only, and the streamer decodes for
-itself - so the model is wrapped with an ids-only stand-in. `grammar=` and `stop_strings=` need the real tokenizer
-(transformers itself refuses stop strings without one): use the exported folder (`hub_generate`,
-`decodekit export-hub`), which receives `tokenizer=` intact.
+transformers 5.x drops `tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`:
+the latter two are read back from the running call (`_generate_call_arguments`), and the model is wrapped with an
+ids-only stand-in (the run needs token ids only). `grammar=` and `stop_strings=` need the real tokenizer: use the
+exported folder (`hub_generate`, `decodekit export-hub`), which receives `tokenizer=` intact.
 
 A fresh `LM` wraps the model on every call, so a tree strategy's mask probe (a few short forward calls) runs per call.
 """
@@ -145,11 +139,9 @@ class TokenIds:
 
 
 class CustomGenerate:
-    """transformers' `custom_generate` callable running a decodekit strategy (see this module's docstring).
-
-    Its signature, which transformers reads to decide which keyword arguments are ours, lists `strategy`, `draft`,
-    `seed`, `grammar`, `tokenizer` and every option of every registered strategy.
-    """
+    """transformers' `custom_generate` callable running a decodekit strategy (see this module's docstring). Its
+    signature, which transformers reads to decide which keyword arguments are ours, lists `strategy`, `draft`, `seed`,
+    `grammar`, `tokenizer` and every option of every registered strategy."""
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer  # a tokenizer handed over outside the call (the exported folder's path)
@@ -225,12 +217,9 @@ _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
 
 def _generate_call_arguments(model) -> tuple[Any, Any]:
-    """(streamer, assistant_model) of the running `model.generate` call.
-
-    transformers 5.x passes a callable `custom_generate` only the keyword arguments its signature adds to `_sample`'s,
-    taken from `**kwargs`: `streamer` and `assistant_model`, named parameters of `generate`, never arrive. They are
-    read, unchanged, from that call's frame: the innermost `GenerationMixin.generate` running for `model`.
-    """
+    """(streamer, assistant_model) of the running `model.generate` call, read unchanged from its frame (the innermost
+    `GenerationMixin.generate` running for `model`): transformers 5.x never passes these named parameters of
+    `generate` to a callable `custom_generate`."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _GENERATE_CODE and frame.f_locals.get("self") is model:

@@ -1,10 +1,9 @@
 """What `auto` drafts with: the draft model as given or its own int8 copy, and without a draft model the target's own
 int8 copy or nothing, each as a measured one-token call finds it pays (`drafting_model`).
 
-An int8 copy (`decoders.quantize`) reads about half the bytes of bfloat16 weights per call, so where a call is bound by
-reading the weights (one token on a CPU) it costs about half as much; where it is not (a GPU, say) it may cost as much
-or more. So the copy is measured, not assumed: once per model and role, from the cached calibration of both
-(`decoders.drafting.cost.call_cost`).
+An int8 copy (`decoders.quantize`) reads half the bytes of bfloat16 weights, which pays only where a call is bound by
+reading them (one token on a CPU), so it is measured once per model and role (`cost.call_cost`), not assumed. The
+evidence for CHEAPER and SELF is in docs/design/evidence.md.
 """
 
 from __future__ import annotations
@@ -16,24 +15,14 @@ from decoders.models.lm import LM, free_memory
 from decoders.models.quantize import int8_bytes
 
 
-CHEAPER = 0.8  # auto drafts with the draft model's own int8 copy where the copy's one-token call is measured at most
-# this share of the original's (`int8_copy`): the copy's tokens are nearly the original's (`threshold` with the 0.5B's
-# int8 copy and with the 0.5B in bfloat16 drafting for the 1.5B took the same target calls within one on each of
-# seven prompts, AMD EPYC), so its cheaper calls are what it brings; the margin covers the acceptance it may lose
-SELF = 0.7  # without a draft model, auto drafts with the target's own int8 copy where the copy's one-token call is
-# measured at most this share of the target's: 0.49 for the 1.5B in bfloat16 on the AMD EPYC, where `auto` with it
-# ran bench 2.01 / 2.71 / 1.73x greedy against 1.22 / 2.13 / 1.12x without it (one run), 0.28-0.36 for SmolLM2-135M
-# in float32 there (seven prompts 1.4-3.4x, without it 1.0-3.6x), and 0.51 for the 1.5B on the Intel Xeon with AMX
-# (`auto` with `draft="self:int8"` 1.51x overall there). It was 0.6 until the Intel Xeon without AMX measured the
-# 1.5B's copy at 0.60-0.65 (just over, most calibrations): there, two interleaved repeats of bench took 132.9 s with
-# the copy (`auto@self_int8=True`, 63 target calls) against 174.2 s without (247), and SmolLM2's seven prompts 54.7 s
-# against 54.9 (the chooser still drafts with the copy only where its chain pays)
+CHEAPER = 0.8  # auto drafts with the draft model's own int8 copy where its one-token call is measured at most this
+# share of the original's: its tokens are nearly the original's, so its cheaper calls are what it brings
+SELF = 0.7  # the same share for the target's own int8 copy against the target, where there is no draft model
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
 
 
-INT8_PAYS = "_decodekit_int8_pays"  # the torch module's attribute holding role -> whether its int8 copy pays
-# (`int8_copy`): on the module, so that a copy found too dear is not made again for each run, nor for each LM wrapping
-# the module (transformers' `model.generate` wraps it anew in each call)
+INT8_PAYS = "_decodekit_int8_pays"  # the torch module's attribute holding role -> whether its int8 copy pays: on the
+# module, so a copy found too dear is not made again per run nor per LM wrapping it (as `model.generate` does)
 
 
 def drafting_model(lm: LM, draft: LM | None, context: int, draft_int8: bool | None = None,
@@ -52,12 +41,7 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
     (`call_cost`, cached per model and device) at most `bar` of a one-token call of `model` in `role` ("draft":
     the run's draft model, "target": the target itself, without a draft) and the copy takes at most MEMORY of the
     memory free on the model's device. Decided once per model and role; a copy found too dear is let go again.
-
-    The copy's linear layers hold int8 weights with one scale per output, its embeddings and norms are the
-    original's: where a call reads its weights once (one token on a CPU) it reads half the bytes of bfloat16. On the
-    AMD EPYC the 0.5B's copy took 28 ms a call where the 0.5B in bfloat16 took 65, and the 1.5B's 0.48-0.51 of the
-    1.5B's call. Making it costs seconds once, in the first run with the model (1.3-1.7 s for the 0.5B there, 2.7-3.9
-    s for the 1.5B)."""
+    Making the copy costs seconds, once, in the first run with the model."""
     if int8 is False or model.quantized_from is not None:
         return None
     verdicts = vars(model.model).setdefault(INT8_PAYS, {})

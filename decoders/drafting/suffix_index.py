@@ -7,19 +7,16 @@ it, best first by empirical path probability (the product of count(child) / coun
 (prompt + output so far, a `SuffixIndex`) and a `SuffixStore` of earlier outputs shared across runs; the tree with the
 higher score (sum of path probabilities, the expected number of accepted tokens) is drafted.
 
-How the index works. A trie of every substring of at most `depth` tokens of the indexed sequences; node w holds
-count(w), how often w occurs, and `cont`, how many of those occurrences are followed by a token in the trie (the rest
-end a sequence or reach `depth`). A substring that occurs once gets no node: its parent holds a *leaf* instead, an int
-packing the position of that one occurrence's token, and everything below it is read from the sequence itself. So
-text seen once costs one dict entry per token, not `depth` nodes; a second occurrence turns the leaf into a node, and
-removing a sequence turns a node left with one occurrence back into a leaf (when that occurrence's sequence is known
-to be alive: always with the store's first-in first-out eviction, since a node remembers its newest occurrence).
+The index is a trie of every substring of at most `depth` tokens; node w holds count(w) and `cont`, how many of those
+occurrences a token in the trie follows (the rest end a sequence or reach `depth`). A substring seen once gets no node:
+its parent holds a *leaf*, an int packing the position of that occurrence's token, and what follows is read from the
+sequence itself, so text seen once costs one dict entry per token. A second occurrence turns the leaf into a node;
+removing a sequence turns a node left with one occurrence back into a leaf (when that occurrence's sequence is alive:
+always under the store's first-in first-out eviction, since a node remembers its newest occurrence).
 
-Appending a token extends every suffix that ends at the previous token. A suffix whose path ends inside a leaf is the
-leaf's one occurrence and grows for free; only the *open* suffixes, whose whole path is nodes (they occurred before),
-cost work: O(1 + r) per token, r <= depth the length of the longest earlier-seen suffix ending there. Removing a
-sequence is O(its length x that r). Matching is a binary search over suffix lengths, O(max_match log max_match);
-a draft of n nodes costs O(n log n) plus one sort of each expanded node's children (cached until they change).
+Costs: appending a token O(1 + r), r <= depth the longest earlier-seen suffix ending there (only the *open* suffixes,
+whose whole path is nodes, cost work); removing a sequence O(its length x r); matching O(max_match log max_match), a
+binary search over suffix lengths; a draft of n nodes O(n log n) plus one sort per expanded node (cached).
 """
 
 from __future__ import annotations
@@ -41,18 +38,11 @@ INDEX = (1 << SHIFT) - 1
 
 @dataclass(frozen=True)
 class SuffixOptions:
-    """Options of suffix drafting. Defaults are ArcticInference / vLLM's (min_token_prob 0.1, trees of up to 24
-    tokens) but for `depth_factor`: 2.0 here against their max_spec_factor 1.0.
+    """Options of suffix drafting: ArcticInference / vLLM's defaults (min_token_prob 0.1, trees of up to 24 tokens)
+    but `depth_factor` 2.0 against their max_spec_factor 1.0: in copied text a short match is followed by a long run
+    seen once, which a tree of twice the match length follows further in one call (docs/design/evidence.md)."""
 
-    Where 2.0 came from: `python -m devtools.replay_drafts` on `compare` results of Qwen2.5-Coder-1.5B (bfloat16, 128
-    tokens; calls costed by its calibrated curve on a 2-core AMD EPYC). Against 1.0, 2.0 made 994 instead of 1082
-    target calls on `agentic` with `store=run` (234.6 against 248.0 estimated seconds), 1201 / 1280 cold, 241 / 249 on
-    `bench`, 274 / 288 on `mixed` (summarization 32 / 39, the other kinds within 4), and 796 / 823 on
-    Qwen2.5-Coder-0.5B's outputs of prose and code; 3.0 and 4.0 saved a few more calls but cost as much time or more
-    (bigger trees); min_prob 0.2 / 0.3 and max_tree 32 / 48 changed next to nothing. In copied text a short match is
-    followed by a long run seen once: a tree of twice the match length follows it further in one call."""
-
-    max_tree: int = 24  # the most draft-tree nodes per target call (on a CPU, 24 extra tokens cost ~1.5x a call)
+    max_tree: int = 24  # the most draft-tree nodes per target call
     depth_factor: float = 2.0  # a match of m tokens drafts at most depth_factor x m nodes: long matches earn big trees
     min_prob: float = 0.1  # drop continuations whose empirical path probability is lower
     max_match: int = 24  # the longest context suffix looked up (also capped by the index depth - 1)
@@ -318,11 +308,8 @@ KINDS = ("output", "prompt")
 class SuffixStore:
     """Earlier outputs (and, if added, prompts) shared across `generate` calls: a `SuffixIndex` of at most
     `max_tokens` tokens, evicting whole sequences first in, first out. Safe to draft from while another thread adds:
-    every method holds one lock (adding a 1k-token output takes a few ms; a draft well under one).
-
-    `max_tokens` 100k: hours of CPU generation, and in CPython ~140 bytes a token on text that rarely repeats and
-    ~550 on code (which repeats more: more nodes), so at most ~55 MB. `depth` 48 = max_match + max_tree of the default
-    `SuffixOptions`, so the longest match still leaves room for the deepest tree."""
+    every method holds one lock. `max_tokens` 100k: hours of CPU generation in tens of MB; `depth` 48 = max_match +
+    max_tree of the default `SuffixOptions`, so the longest match still leaves room for the deepest tree."""
 
     def __init__(self, max_tokens: int = 100_000, depth: int = 48) -> None:
         self.max_tokens = max_tokens  # evict the oldest sequences beyond this many tokens

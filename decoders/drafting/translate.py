@@ -6,10 +6,9 @@ vocabularies", arXiv 2502.05202; transformers' universal assisted decoding):
 - The draft follows the run's text, not its tokens: the accepted target tokens are decoded (special tokens kept as
   text) and re-encoded with the draft's tokenizer, a few draft tokens back from the end each step, since the last one
   may merge with what follows. Its KV cache keeps the longest prefix it shares with those ids.
-- Greedy mode, string-level exact match: the draft continues the text in its own tokens; the drafted text is encoded
-  with the target's tokenizer together with the last accepted tokens, and what follows them is the draft in target
-  ids. The last of those may be cut short (" hel" where the target would write " hello"): it is still proposed, as
-  verifying it costs one position of the target call, while waiting for the next draft token would cost a draft call.
+- Greedy mode, string-level exact match: the drafted text, encoded with the target's tokenizer after the last
+  accepted tokens, is the draft in target ids. Its last token may be cut short (" hel" for " hello"): it is still
+  proposed, as checking it costs one position of the target call, and waiting for the next draft token a draft call.
 - Sampling mode, token-level intersection: the draft samples only tokens whose text is also one target token, so its
   distribution is a distribution over target tokens (zero elsewhere) and rejection sampling stays exact.
 
@@ -65,7 +64,7 @@ _SHARED: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 def shared_tokens(lm: LM, draft: LM) -> tuple[torch.Tensor, torch.Tensor]:
     """(draft ids [s], target ids [s]): the tokens both vocabularies spell alike, paired one to one. Made once per
-    pair of vocabularies (a second or two for 150k-token vocabularies) and kept."""
+    pair of vocabularies and kept."""
     key = (lm.vocab_key, draft.vocab_key)
     if key not in _SHARED:
         targets: dict[str, int] = {}

@@ -38,8 +38,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Bytes free for new tensors on `device`: the memory available on a CPU, the free memory of a CUDA device; None
-    where unknown."""
+    """Bytes free for new tensors on `device` (a CPU's available memory, a CUDA device's free memory), or None."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "cpu":
@@ -168,7 +167,7 @@ class LM:
         COPIES.get(self.model, {}).pop(scheme, None)
 
     def check_draft(self, draft: LM) -> None:
-        """Raise unless `draft` shares this model's tokenizer (the same token -> id map, padding of the logits aside)."""
+        """Raise unless `draft` shares this model's tokenizer (the same token -> id map, the logits' padding aside)."""
         if draft.vocab_key == self.vocab_key:
             return
         ours, theirs = self.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
@@ -181,12 +180,10 @@ class LM:
     def _tree_attention_mask(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):
         """Additive 4D masks [1, 1, T, past + T]: the cached prefix is visible to every node, the nodes per `tree_mask`.
 
-        Sliding-window layers also hide keys more than `sliding_window` positions behind the query. Models that mix
-        full and sliding layers get one mask per layer type (transformers accepts that mapping). A [T, past + T]
-        `tree_mask` sets the visibility of cached positions too; the window then takes a cached key's position to be
-        its cache index (exact for a plain prefix; for cached tree nodes the window may keep a few more keys, which only
-        a draft model's tree growth does).
-        """
+        Sliding-window layers also hide keys more than `sliding_window` positions behind the query; models mixing full
+        and sliding layers get one mask per layer type. A [T, past + T] `tree_mask` sets the visibility of cached
+        positions too, the window then taking a cached key's position to be its cache index (exact for a plain prefix;
+        for cached tree nodes, which only a draft model's tree growth has, it may keep a few more keys)."""
         length = tree_mask.shape[0]
         allowed = torch.ones(length, past + length, dtype=torch.bool, device=self.device)
         allowed[:, past + length - tree_mask.shape[1]:] = tree_mask.to(self.device, torch.bool)
@@ -209,11 +206,8 @@ class LM:
 
     def check_tree_mask(self, role: str = "target") -> None:
         """Raise a clear error unless a tree-masked call scores every node exactly as its own path would; `role`
-        ("target" or "draft") names this model's part in the run, for the error.
-
-        Probed once per LM on a short input (prefix longer than any sliding window is not needed: the window rule is
-        built into the mask), because some model classes ignore or reject custom 4D masks.
-        """
+        ("target" or "draft") names this model's part in the run, for the error. Probed once per LM on a short input
+        (the sliding-window rule is built into the mask), as some model classes ignore or reject custom 4D masks."""
         if getattr(self, "_tree_mask_ok", None) is None:
             self._tree_mask_ok = _probe_tree_mask(self)
         if self._tree_mask_ok is not True:

@@ -3,31 +3,21 @@
     draft = decoders.quantize(lm, "int8")   # a new LM; `lm` and its weights are untouched
     decoders.generate(lm, prompt, strategy="speculative", draft=draft)   # or draft="self:int8"
 
-Every linear layer (`nn.Linear`, and transformers' `Conv1D` in GPT-2, whose weight is [in, out]), the LM head
-included, becomes an `Int8Linear`: int8 weights with one symmetric scale per output channel, so each weight is off
-by at most half its row's scale. Embeddings, norms and biases stay float and are shared with the original, not copied:
-the copy costs the int8 weights plus one scale per output channel. A tied LM head gets its own int8 copy; the
-embedding it was tied to stays as it is.
+Every linear layer (`nn.Linear`, and GPT-2's `Conv1D`, whose weight is [in, out]), the LM head included (a tied one
+gets its own copy), becomes an `Int8Linear`: int8 weights with one symmetric scale per output channel, each weight off
+by at most half its row's scale. Embeddings, norms and biases stay float and are shared with the original, not copied.
 
-Kernel: torch's `aten._weight_int8pack_mm(x [rows, in], w [out, in] int8, scales [out])`, which wants a 2D input
-contiguous in its last dimension and scales in the input's dtype. On CPU it runs in bfloat16 whatever the model's
-dtype: only its bfloat16 loop is vectorized (float32 and float16 take a scalar loop, about 10x slower than a float32
-matmul in a micro-timing here), and that loop reads 16 inputs at a time with aligned loads, so it needs `in` to be a
-multiple of 16 and an aligned input: other widths would crash, not raise, and use the fallback. Elsewhere it runs in
-the model's dtype where torch has a kernel (CUDA, MPS, XPU have one in torch 2.13), probed once per layer. The
-fallback dequantizes the weight inside the matmul: correct, but slower than the float layer it replaced.
+Kernel: torch's `aten._weight_int8pack_mm(x [rows, in], w [out, in] int8, scales [out])`. On CPU it runs in bfloat16
+whatever the model's dtype (only that loop is vectorized) and needs `in` a multiple of 16 and an aligned input (other
+widths would crash, not raise); elsewhere it runs in the model's dtype where torch has a kernel, probed once per
+layer. Else the weight is dequantized inside the matmul: correct, but slower than the float layer it replaced.
 
-Long calls run in float. The CPU kernel's time grows with the rows of its input as fast as at one row (0.2 ms a row
-for a 1536 x 8960 layer here, 104 ms at 512 rows, where the bfloat16 matmul took 33 ms and already won at 16 rows), so a
-draft's prefill and its catch-up calls after long accepted runs cost up to 3x its float original's. Each layer keeps a
-reference to its float weight (shared, no copy) and uses it from the number of rows where it measured faster on this
-device (`float_from`, timed once per layer shape at `quantize`); where the float weight never measured faster it is not
-kept. So a self draft costs no more memory for this (the target holds those weights anyway), while a draft loaded with
-`quantize="int8"` keeps its float weights too.
+Long calls run in float, as the CPU kernel's time grows with its input's rows as fast as at one row: each layer keeps
+its float weight (shared, no copy) for calls of at least `float_from` rows, where float measured faster on this device
+(timed once per layer shape at `quantize`); where it never did, it is not kept. So a self draft costs no more memory
+for this (the target holds those weights anyway), while a draft loaded with `quantize="int8"` keeps them too.
 
-Only "int8" is offered. int4 (`_weight_int4pack_mm_for_cpu`, groups of 32) was left out: in the same micro-timing it
-was not clearly faster than int8 at batch 1 (faster on one shape, slower on another), and its outputs were about 10%
-off on random weights, which would cost acceptance.
+Only "int8" is offered: int4 was not clearly faster at batch 1 and lost accuracy (docs/design/evidence.md).
 """
 
 from __future__ import annotations
@@ -111,16 +101,14 @@ def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 
     Each scale is rounded up to `dtype` before the weights are divided by it, so every quotient is within [-127, 127]
     (the clamp only guards the division's rounding) and the bound holds for the scales actually stored. Done about a
-    million weights at a time, which stay in the CPU's cache: a 151936 x 1536 head took 0.2-0.5 s instead of 6 s.
-    """
+    million weights at a time, which stay in the CPU's cache."""
     parts = [_quantize_rows(chunk, dtype) for chunk in weight.split(max(1, 2**20 // weight.shape[1]))]
     return torch.cat([q for q, _ in parts]), torch.cat([scales for _, scales in parts])
 
 
 def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     # In float32 where it matters (the row maxima are exact in any float dtype, and dividing by float32 scales promotes
-    # the weights as it reads them): the same bits as converting the chunk to float32 first, in fewer passes (making
-    # the bfloat16 1.5B's copy took 4.9 s that way on the AMD EPYC, 2.7-3.9 s this way)
+    # the weights as it reads them): the same bits as converting the chunk to float32 first, in fewer passes
     scales = (weight.abs().amax(dim=1).float() / 127).clamp(min=torch.finfo(dtype).tiny)  # [out], a zero row: tiny
     stored = scales.to(dtype)
     stored = torch.where(stored.float() < scales, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
@@ -147,7 +135,7 @@ _crossovers: dict[tuple, int | None] = {}  # (device, dtype, out, in) -> float_f
 
 def _float_from(layer: Int8Linear, weight: torch.Tensor) -> int | None:
     """The fewest rows at which `weight` (float) multiplies faster than `layer`'s int8 path on this device, or None.
-    Timed on zero inputs, best of three per size, once per layer shape and device: about 20 ms for a 1.5B model."""
+    Timed on zero inputs, best of three per size, once per layer shape and device."""
     key = (weight.device, weight.dtype, *weight.shape)
     if key not in _crossovers:
         _crossovers[key] = None
@@ -174,10 +162,8 @@ def _seconds(call, device: torch.device) -> float:
 
 
 def quantize(lm: LM, scheme: str = "int8") -> LM:
-    """A new `LM` whose linear layers, the LM head included, run with weight-only int8; `lm` is left untouched.
-
-    The copy shares `lm`'s tokenizer and every parameter that stays float (embeddings, norms, biases).
-    """
+    """A new `LM` whose linear layers, the LM head included, run with weight-only int8; `lm` is left untouched. The
+    copy shares `lm`'s tokenizer and every parameter that stays float (embeddings, norms, biases)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
     if (done := is_quantized(lm)) is not None:

@@ -127,8 +127,7 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> pathlib.Pa
     models = cache_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
     _sweep_stale(models, model)
-    # Everything is built inside a hidden staging folder and renamed into place at the end, so an interrupted pull
-    # never leaves a half folder that `local_path` would take for a finished one.
+    # Built in a hidden staging folder and renamed into place at the end: no half folder for `local_path` to take.
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".pull-{model.name}-", dir=models))
     try:
         start = time.perf_counter()
@@ -145,8 +144,7 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> pathlib.Pa
 
 
 def _sweep_stale(models: pathlib.Path, model: ZooModel, max_age: float = 24 * 3600) -> None:
-    # A killed pull (SIGKILL, power loss) skips its `finally`; reclaim its gigabyte a day later. Not sooner, since a
-    # second process may be pulling the same model right now.
+    # A killed pull skips its `finally`: reclaim it a day later (not sooner: another process may be pulling it now).
     for old in models.glob(f".pull-{model.name}-*"):
         if time.time() - old.stat().st_mtime > max_age:
             shutil.rmtree(old, ignore_errors=True)
@@ -280,7 +278,7 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
         raise ZooError(f"could not convert zoo model {model.name!r} with transformers {transformers.__version__}: "
                        f"{type(exc).__name__}: {exc}. Try another transformers/gguf version, or report it.") from exc
     problems = []
-    # bf16 rounding gives 0.2-0.5% here; a random lm_head or a misplaced tensor gives ~100%. NaN fails too.
+    # bf16 rounding stays well under the bar; a random lm_head or a misplaced tensor gives ~100%. NaN fails too.
     if not error <= 0.05:
         problems.append(f"logits differ from the GGUF model by {error:.1%} (relative L2)")
     if tokenizer2.get_vocab() != tokenizer.get_vocab() or tokenizer2(_PROBE).input_ids != ids[0].tolist():

@@ -1,24 +1,19 @@
 """Lookahead's proposer: n-grams from a Jacobi window and the context, checked in the same call as the window.
 
 Used by `lookahead` (its whole drafter) and `auto` (its `lookahead` guesses, the window riding along in other steps).
-
 Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". Each target call scores,
 after the uncached tail, two branches side by side under one mask (`decoders.drafting.tree.score_tree`):
 
 - the **verification branch**: up to `guesses` candidate n-grams (N - 1 tokens each) from an n-gram pool that
   continue the last accepted token, merged into a prefix tree and verified like any draft (source "lookahead");
 - the **lookahead branch**: a Jacobi window of `window` (W) columns and up to N - 1 levels, level l holding the l-th
-  latest Jacobi iteration's guesses for the W positions from l on. Token (l, j) sits at offset l + j after the last
-  accepted token and sees level 0 up to column j, then column j up to level l: one trajectory of guesses. The
-  target's predictions after the top level give the next level; once all levels are filled, each column's
-  trajectory plus that prediction is an N-gram for the pool.
+  latest Jacobi iteration's guesses for the W positions from l on; token (l, j), at offset l + j after the last
+  accepted token, sees level 0 up to column j, then column j up to level l. The target's predictions after the top
+  level give the next level; once all are filled, each column's trajectory plus that prediction is a pool N-gram.
 
 The pool is seeded with the prompt's n-grams and also learns the accepted text's (so copied text is found as prompt
 lookup finds it); n-grams whose token before the key matches too are tried first. Candidates are deterministic, so
 they are one-hot drafts for the verifier, exact in both modes.
-
-Defaults are for a CPU, where a forward pass of 16 tokens costs 1.2-2x one token's (not about the same, as on a GPU):
-a small window and few guesses, see `LookaheadOptions`.
 """
 
 from __future__ import annotations
@@ -35,11 +30,8 @@ from decoders.options import check_whole
 
 @dataclass(frozen=True)
 class LookaheadOptions:
-    """Options of `lookahead`. Defaults measured on qwen2.5-coder-1.5b, bfloat16, 2-core CPU, where a call of 16
-    tokens costs 1.2-1.5x one token's and 32 tokens 1.6-2.2x: W=2, N=4, G=4 (at most 1 + 12 + 6 = 19 tokens a call)
-    gave the most tokens per second among W in 0..3, N in 3..5, G in 2..8. Without the window (W=0) code generation
-    gets 1.31 tokens per call instead of 1.60; wider windows, longer n-grams or more guesses cost more than they add.
-    """
+    """Options of `lookahead`. Defaults suit a CPU, where a call of 16 tokens costs more than one token's (about the
+    same on a GPU): a small window and few guesses, at most 1 + 12 + 6 = 19 tokens a call (docs/design/evidence.md)."""
 
     window: int = 2  # W: Jacobi window columns (0 = no window: candidates come from the prompt and the text only)
     ngram: int = 4  # N: n-gram size; the window has N - 1 levels, candidates are N - 1 tokens

@@ -4,15 +4,8 @@ Leviathan et al. 2023 / Chen et al. 2023. Exact in greedy mode (accept while the
 sampling mode (rejection sampling in `samplers.verify`).
 
 k is fixed for the run. Unless given, it is the k this device's measured call costs favour (`default_k`): the best k
-turns on what a draft call costs against a target call, and that changes with the draft (bfloat16, int8, the
-target's own int8 copy) and the machine. Replayed on the 1.5B's greedy outputs (`devtools.replay_chains`, AMD EPYC,
-estimated seconds): with the bfloat16 0.5B draft (a call 0.42 of the target's) k=2 / 3 / 5 took 44.9 / 48.1 / 50.6 s
-on `mixed` (k=5 lost to greedy on translation, 0.81x in a real run) and 32.2 / 32.3 / 31.4 s on `bench`; with the
-int8 0.5B draft (0.19) k=3 / 5 / 8 took 22.3 / 19.6 / 20.8 s on `bench`; with the target's own int8 copy (0.48,
-accepted at every position) k=5 / 8 / 12 took 27.8 / 26.4 / 26.7 s. `default_k` picked 3, 5 and 9 there from a
-calibration at 1, 8 and 32 tokens; calibrated at 1-4, 8, 16 and 32 (the 1.5B's calls cost the same for 1 to 5 tokens
-there) it picks 3, 6 and 11 (not replayed; in compare runs k=6 / k=11 gave 2.84 / 2.80 / 1.83x and 2.01 / 1.70 / 2.15x
-greedy on bench's code / edit / prose, k=5 / k=7 2.95 / 3.08 / 2.08x and 2.14 / 1.67 / 2.07x in the session before).
+turns on what a draft call costs against a target call, which changes with the draft (bfloat16, int8, the target's
+own int8 copy) and the machine (evidence: docs/design/evidence.md).
 """
 
 from __future__ import annotations
@@ -29,8 +22,7 @@ from decoders.proposers.base import Fixed
 from decoders.proposers.draft_chain import ChainProposer
 from decoders.registry import register
 
-ACCEPTANCE = 0.85  # the per-token acceptance `default_k` plans for with a separate draft model: lower planned
-# acceptances picked k=3-4 for the int8 0.5B draft, 6-14% slower than k=5 in replays
+ACCEPTANCE = 0.85  # the per-token acceptance `default_k` plans for with a separate draft (lower ones pick too short k)
 MOST = 16  # the longest k `default_k` considers
 
 

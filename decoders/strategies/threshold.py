@@ -18,14 +18,9 @@ from decoders.registry import register
 
 @dataclass(frozen=True)
 class ThresholdOptions:
-    """Options of `threshold`. Defaults measured with qwen2.5-coder-1.5b / -0.5b, bfloat16, on a 2-core CPU, where a
-    draft call costs about 0.4 of a target call: a drafted token pays off only while its chance of acceptance stays
-    well above that, so the threshold is not let down below 0.3 (min_threshold 0.3 and step 0.05 gave 1.64x greedy
-    over code, editing and prose against 1.55x for 0.05 and 0.1). Where draft calls are relatively cheaper (a GPU, a
-    smaller draft), a lower min_threshold lets drafts run longer. With the int8 0.5B draft (a call at 0.2-0.27 of a
-    target call) the same defaults hold: min_threshold 0.2, 0.15 (threshold 0.3) and max_draft 24 made the same
-    target calls on the bench suite within one or two (11 / 10 / 34 for code / edit / prose), their times within that
-    run's noise (2.37 / 2.43 / 1.63x greedy at the defaults, 2.31-2.55 / 2.43-2.80 / 1.56-1.66x for the others)."""
+    """Options of `threshold`. A drafted token pays only while its chance of acceptance stays well above a draft call's
+    cost against a target call's (about 0.4 on a CPU), hence min_threshold 0.3; where draft calls are relatively
+    cheaper (a GPU, a smaller draft), a lower min_threshold lets drafts run longer (docs/design/evidence.md)."""
 
     max_draft: int = 16  # the most draft tokens per target call
     threshold: float = 0.4  # initial cumulative-probability threshold
@@ -46,10 +41,8 @@ class ThresholdOptions:
 
 
 def adapt_threshold(threshold: float, cumulative: list[float], accepted: int, options: ThresholdOptions) -> float:
-    """The next threshold after a verification that accepted `accepted` of len(cumulative) drafted tokens.
-
-    cumulative[i] is the draft's probability of its first i + 1 tokens together.
-    """
+    """The next threshold after a verification that accepted `accepted` of len(cumulative) drafted tokens, where
+    cumulative[i] is the draft's probability of its first i + 1 tokens together."""
     if accepted < len(cumulative):
         threshold = (threshold + cumulative[accepted]) / 2  # toward the confidence at the first rejection
     else:
