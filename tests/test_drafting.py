@@ -196,40 +196,27 @@ def test_sampling_with_an_int8_draft_follows_the_target_distribution(strategy):
     assert chi_square_fits(firsts, target)
 
 
-def test_a_draft_chain_checks_guesses_in_the_calls_it_makes():
+def test_a_draft_chain_is_one_call_a_token_and_knows_the_drafts_second_choices():
     from decoders.drafting.draft_model import DraftModel
 
     lm, draft = tiny_lm("llama"), tiny_lm("llama", seed=5)
     state, _ = _prepare(lm, PROMPTS[1], strategy="speculative", draft=draft, max_new_tokens=20)
-
-    def chain(guess=None):
-        model, calls = DraftModel(state), state.stats.draft_calls
-        with torch.inference_mode():
-            tokens, rows, cumulative = model.draft_chain(8, guess=guess)
-        return tokens, cumulative, state.stats.draft_calls - calls, len(model.cache)
-
-    plain, probs, calls, cached = chain()
-    assert calls == 8 and cached == len(state.tokens) + 7
-    with torch.inference_mode():  # beside each drafted token, the draft's second choice there
-        logits = draft.forward(state.tokens + plain[:-1], draft.new_cache())[len(state.tokens) - 1:]  # [8, vocab]
-    model = DraftModel(state)
+    model, calls = DraftModel(state), state.stats.draft_calls
     with torch.inference_mode():
-        model.draft_chain(8)
-    assert model.runner_ups == logits.topk(2, dim=-1).indices[:, 1].tolist()
-    right = chain(lambda drafted, room: plain[len(drafted): len(drafted) + room])  # the first call agrees with all
-    assert right[:2] == (plain, pytest.approx(probs, rel=1e-4)) and right[2:] == (1, cached)
-    wrong = chain(lambda drafted, room: [(t + 1) % VOCAB for t in plain[len(drafted): len(drafted) + room]])
-    assert wrong[:2] == (plain, pytest.approx(probs, rel=1e-4)) and wrong[2:] == (8, cached)  # each guess dropped
-
-    def two_right(drafted, room):  # then a wrong one, while there is room
-        at = len(drafted)
-        return plain[at: at + 2] + [(plain[at + 2] + 1) % VOCAB] if room > 2 else plain[at: at + room]
-
-    half = chain(two_right)
-    assert half[:2] == (plain, pytest.approx(probs, rel=1e-4)) and half[2:] == (3, cached)  # 3 + 3 + 2 tokens
+        tokens, rows, cumulative = model.draft_chain(8)
+        logits = draft.forward(state.tokens + tokens[:-1], draft.new_cache())[len(state.tokens) - 1:]  # [8, vocab]
+    assert state.stats.draft_calls - calls == 8 and len(model.cache) == len(state.tokens) + 7
+    assert tokens == logits.argmax(-1).tolist() and rows == [None] * 8
+    probs = torch.softmax(logits.float(), -1)
+    expected = torch.cumprod(probs[torch.arange(8), tokens], 0)
+    assert cumulative == pytest.approx(expected.tolist(), rel=1e-4)
+    assert model.runner_ups == logits.topk(2, dim=-1).indices[:, 1].tolist()  # beside each token, the second choice
+    with torch.inference_mode():  # stopped by keep_going after the third token
+        model = DraftModel(state)
+        assert model.draft_chain(8, keep_going=lambda p: len(model.runner_ups) < 3)[0] == tokens[:3]
 
 
-def test_a_sampled_draft_chain_with_guesses_draws_from_the_draft():
+def test_a_sampled_draft_chain_draws_from_the_draft():
     from decoders.drafting.draft_model import DraftModel
 
     lm, draft = tiny_lm("llama"), tiny_lm("llama", seed=5)
@@ -237,10 +224,10 @@ def test_a_sampled_draft_chain_with_guesses_draws_from_the_draft():
                         top_k=12)
     with torch.inference_mode():
         expected = state.sampling.probs(draft.forward(state.tokens, draft.new_cache())[-1])
-        likely = int(expected.argmax())
         firsts = []
-        for _ in range(1200):  # the guess (the draft's likeliest token) is kept only as often as the draft draws it
-            tokens, rows, _ = DraftModel(state).draft_chain(2, guess=lambda drafted, room: [likely])
+        for _ in range(1200):
+            tokens, rows, cumulative = DraftModel(state).draft_chain(2)
             assert torch.allclose(rows[0], expected, atol=1e-5) and len(tokens) == 2
+            assert cumulative[0] == pytest.approx(float(expected[tokens[0]]), rel=1e-5)
             firsts.append(tokens[0])
     assert chi_square_fits(torch.tensor(firsts), expected)

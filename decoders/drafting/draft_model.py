@@ -9,15 +9,12 @@ padded vocabulary) is fed to it as a stand-in id. A draft of another tokenizer d
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 
 from decoders.base import DecodeState
 from decoders.models.lm import LM
-from samplers.verify import verify_greedy, verify_sampling
 
-Guess = Callable[[list[int], int], list[int]]  # (tokens drafted so far, room) -> a guess at the tokens after them
 
 
 def draft_model(state: DecodeState) -> DraftModel:
@@ -50,8 +47,7 @@ class DraftModel:
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
         self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read
         self.warned = False
-        self.runner_ups: list[int] = []  # the draft's second choice at each token of the last chain drafted (what a
-        # tree of its top choices holds beside it)
+        self.runner_ups: list[int] = []  # the draft's second choice at each token of the last chain
 
     def room(self, limit: int) -> int:
         """How many of `limit` tokens the draft may propose before its next position would pass its context."""
@@ -74,44 +70,33 @@ class DraftModel:
         self.state.stats.draft_calls += 1
         return self.lm.forward(self.readable(tokens), self.cache, **kwargs)
 
-    def check(self, feed: list[int], lead: list[int], allowed: torch.Tensor | None = None
-              ) -> tuple[list[int], list[torch.Tensor | None], list[float], list[int]]:
-        """One draft call on `feed` + `lead` that checks the guessed chain `lead` as a target checks a draft (greedy:
-        the draft's argmax; sampling: rejection sampling against the draft's distribution, so every token returned
-        is a draw from it) and adds its own next token. Returns (the part of `lead` it agrees with plus that token,
-        their distributions [vocab] or None, their probabilities, the likeliest other token at each). `allowed`: a
-        grammar's mask for a call without a lead."""
+    def next_token(self, feed: list[int], allowed: torch.Tensor | None = None
+                   ) -> tuple[int, torch.Tensor | None, float, int]:
+        """One draft call on `feed`: the draft's next token (greedy: its argmax; sampling: a draw from the run's
+        filtered distribution, under the grammar's mask `allowed` if any), that distribution [vocab] (None in greedy
+        mode), the token's probability, and the likeliest other token (what a tree would hold beside it)."""
         state = self.state
-        logits = self.forward(feed + lead, keep=len(lead) + 1)[:, : self.width]  # [lead + 1, width]
+        logits = self.forward(feed, keep=1)[0, : self.width]  # [width]
         if allowed is not None:
             logits = logits.masked_fill(~allowed[: self.width].to(logits.device), float("-inf"))
         if state.sampling.greedy:
-            agreed, token = verify_greedy(torch.tensor(lead, dtype=torch.long), logits)
-            tokens = lead[:agreed] + [token]  # the draft's argmax at each
-            probs = torch.softmax(logits[: agreed + 1].float(), -1)  # [agreed + 1, width]
-            return tokens, [None] * len(tokens), [float(p[t]) for p, t in zip(probs, tokens)], _others(probs, tokens)
-        rows = torch.zeros(len(lead) + 1, state.lm.vocab_size, device=state.lm.device)  # [lead + 1, vocab]
-        rows[:, : self.width] = state.sampling.probs(logits).to(rows.device)
-        if lead:
-            agreed, token = verify_sampling(torch.tensor(lead, dtype=torch.long), None, rows, state.generator)
+            token, row = int(logits.argmax()), None
+            probs = torch.softmax(logits.float(), -1)
         else:
-            agreed, token = 0, int(torch.multinomial(rows[0], 1, generator=state.generator))
-        tokens = lead[:agreed] + [token]
-        return (tokens, list(rows[: agreed + 1]), [float(row[t]) for row, t in zip(rows, tokens)],
-                _others(rows[: agreed + 1], tokens))
+            row = torch.zeros(state.lm.vocab_size, device=state.lm.device)  # [vocab]
+            row[: self.width] = state.sampling.probs(logits[None])[0].to(row.device)
+            token = int(torch.multinomial(row, 1, generator=state.generator))
+            probs = row
+        first, second = probs.topk(2).indices.tolist()
+        return token, row, float(probs[token]), second if first == token else first
 
     def uncached(self) -> list[int]:
         """The run's tokens this draft model has not seen yet."""
         return self.state.tokens[len(self.cache):]
 
-    def draft_chain(self, limit: int, keep_going=lambda prob: True, guess: Guess | None = None
-                    ) -> tuple[list[int], list, list[float]]:
+    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
         """Draft up to `limit` tokens one call at a time, under the run's grammar if any, while `keep_going(p)` holds
-        for p = the draft's probability of the chain so far. Returns (tokens, distributions, cumulative probs).
-
-        `guess(drafted, room)`: before each call, a guess at up to `room` tokens after the ones drafted so far (the
-        suffix index's copy of the context, say), which the call checks (`check`): what the draft agrees with of it
-        is drafted in that one call. Not with a grammar."""
+        for p = the draft's probability of the chain so far. Returns (tokens, distributions, cumulative probs)."""
         grammar = self.state.grammar.fork() if self.state.grammar is not None else None
         tokens, rows, cumulative = [], [], []
         self.runner_ups = []
@@ -120,23 +105,17 @@ class DraftModel:
         while len(tokens) < room:
             if grammar is not None and grammar.is_complete():
                 break
-            allowed = grammar.allowed() if grammar is not None else None
-            left = room - len(tokens) - 1  # room for guessed tokens, the draft's own next one after them
-            lead = guess(tokens, left)[:left] if guess is not None and grammar is None and left > 0 else []
-            new, new_rows, probs, others = self.check(feed, lead, allowed)
-            if len(new) <= len(lead):
-                self.cache.crop(len(self.cache) - (len(lead) + 1 - len(new)))  # the guesses it did not agree with
-            for token, row, prob, other in zip(new, new_rows, probs, others):
-                running *= prob
-                tokens.append(token)
-                rows.append(row)
-                cumulative.append(running)
-                self.runner_ups.append(other)
-                if token in self.state.lm.eos_token_ids or not keep_going(running):
-                    return tokens, rows, cumulative
+            token, row, prob, other = self.next_token(feed, grammar.allowed() if grammar is not None else None)
+            self.runner_ups.append(other)
+            running *= prob
+            tokens.append(token)
+            rows.append(row)
+            cumulative.append(running)
+            if token in self.state.lm.eos_token_ids or not keep_going(running):
+                break
             if grammar is not None:
-                grammar.advance(new)
-            feed = [new[-1]]
+                grammar.advance([token])
+            feed = [token]
         return tokens, rows, cumulative
 
     def rewind(self) -> None:
@@ -161,22 +140,15 @@ class SharedCacheDraft(DraftModel):
         super().__init__(state)
         self.cache = state.cache
 
-    def draft_chain(self, limit: int, keep_going=lambda prob: True, guess: Guess | None = None
-                    ) -> tuple[list[int], list, list[float]]:
+    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
         committed = len(self.cache)
         try:
-            return super().draft_chain(limit, keep_going, guess)
+            return super().draft_chain(limit, keep_going)
         finally:
             self.cache.crop(committed)
 
     def rewind(self) -> None:
         """Nothing to forget: `draft_chain` left the target's cache as it found it."""
-
-
-def _others(probs: torch.Tensor, tokens: list[int]) -> list[int]:
-    """The likeliest token other than tokens[i] under each row of `probs` [len(tokens), vocab]."""
-    top = probs.topk(2, dim=-1).indices.tolist()  # [len(tokens), 2]
-    return [second if first == token else first for (first, second), token in zip(top, tokens)]
 
 
 def stack_probs(rows: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -49,7 +49,7 @@ class DraftVerify(Decoder):
             draft, masks = restrict_to_grammar(grammar, draft, type(drafter).__name__, state.lm.eos_token_ids)  # masks: [k + 1, vocab]
         start = len(state.tokens)  # where the draft begins in the target cache after the call
         path, token, rows = verify(state, draft, masks)
-        sources = [draft.source_of(i) for i in path] + ["target"]
+        sources = [draft.source] * len(path) + ["target"]
         added = state.accept([draft.tokens[i] for i in path] + [token], sources, rows)
         kept = min(len(path), added)  # fewer when the run ended (EOS, stop string) inside the accepted draft
         drafted = len(draft.tokens) if kept == len(path) else kept  # a run that ended counts what it used

@@ -96,11 +96,9 @@ def first_branch(parents: Sequence[int]) -> list[int]:
 
 
 def merge(drafts: Sequence[Draft]) -> Draft:
-    """One tree holding every path of `drafts` (one-hot drafts of several drafters), shared prefixes stored once and
-    each node credited to the first draft that holds it (`Draft.origins`)."""
+    """One tree holding every path of `drafts` (one-hot drafts), shared prefixes stored once."""
     tokens: list[int] = []
     parents: list[int] = []
-    origins: list[str] = []
     nodes: dict[tuple[int, int], int] = {}  # (parent in the tree, token) -> node in the tree
     for draft in drafts:
         place: list[int] = []
@@ -110,22 +108,8 @@ def merge(drafts: Sequence[Draft]) -> Draft:
                 nodes[key] = len(tokens)
                 tokens.append(key[1])
                 parents.append(key[0])
-                origins.append(draft.source)
             place.append(nodes[key])
-    return Draft(tokens, None, parents, "merged", origins=origins)
-
-
-def common(part: Draft, whole: Draft) -> list[int]:
-    """The nodes of `part` whose paths from the root `whole` holds too (what is left of a merged tree's part after
-    the tree was cut: to the levels verified, by a grammar, after an EOS)."""
-    children = {(parent, token): node for node, (parent, token) in enumerate(zip(whole.links, whole.tokens))}
-    place, kept = {-1: -1}, []
-    for node, parent in enumerate(part.links):
-        found = children.get((place[parent], part.tokens[node])) if parent in place else None
-        if found is not None:
-            place[node] = found
-            kept.append(node)
-    return kept
+    return Draft(tokens, None, parents)
 
 
 def per_level(parents: Sequence[int]) -> tuple[int, ...]:

@@ -1,21 +1,17 @@
 """The draft model's token trees: grown best-first, a draft-free lower stage drafting for the draft model.
 
-Used by `staged` (its whole drafter) and `auto` (its `tree` plans, on auto's draft cache and suffix index).
+Used by `staged` (its whole drafter) and `auto` (its `tree` plans, on auto's draft cache and suffix index). Spector &
+Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding". Two changes to `speculative`:
 
-Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding". Two changes to `speculative`:
-
-1. **A tree, not a chain.** A long chain that diverged from the target early wastes its tail; a few alternatives at
-   each depth catch the target's other likely choices instead. The tree grows best-first by cumulative draft
-   probability: each draft call expands the `width` most probable leaves at once (one call, with a tree mask over
-   the draft's own cache), each expanded node gets up to `branching` children, until `budget` nodes or `max_depth`.
-   The target then checks the whole tree in one call (the shared loop in `decoders.drafting`).
-2. **A lower stage under the draft model.** In every draft call, a draft-free proposer (`lower="suffix"`: the main
-   branch of the run's suffix index, `decoders.drafting.suffix_index`; `lower="lookup"`: prompt lookup,
-   `decoders.proposers.lookup.lookup`), on the context plus the path to the most probable leaf, proposes a
-   chain under that leaf, which the draft model verifies in the same call exactly as the target verifies drafts
-   (greedy: its argmax; sampling: rejection sampling against its own distribution). Copied text thus grows the
-   tree's main branch by several levels per draft call: on this CPU a draft call costs about half a target call, so
-   draft calls are what staged saves.
+1. **A tree, not a chain**, which catches the target's other likely choices where a chain would waste its tail. It
+   grows best-first by cumulative draft probability: each draft call expands the `width` most probable leaves at once
+   (one call, a tree mask over the draft's own cache), each expanded node gets up to `branching` children, until
+   `budget` nodes or `max_depth`. The target checks the whole tree in one call (the loop in `decoders.drafting`).
+2. **A lower stage under the draft model.** In every draft call a draft-free proposer (`lower="suffix"`: the main
+   branch of the run's suffix index; `lower="lookup"`: prompt lookup), on the context plus the path to the most
+   probable leaf, proposes a chain under that leaf, which the draft verifies in the same call exactly as the target
+   verifies drafts (greedy: its argmax; sampling: rejection sampling against its own distribution). Copied text thus
+   grows the main branch by several levels per draft call, and draft calls are what staged saves.
 
 Children are the draft's top tokens in greedy mode. In sampling mode they are drawn one after another without
 replacement from the draft's distribution (under the grammar's mask, if any) and never dropped once drawn: what the
@@ -52,26 +48,15 @@ WIDE_CALL = 0.05  # a second leaf per draft call pays where it adds less than th
 
 @dataclass(frozen=True)
 class StagedOptions:
-    """Options of `staged`. Defaults measured with qwen2.5-coder-1.5b / -0.5b, bfloat16, on a 2-core CPU, where a
-    draft call costs about half a target call and a 16-token target call about 1.2-1.5 one-token calls: nodes are
-    cheap, draft calls are not (depth 8 -> 12 and min_prob 0.02 -> 0.05 helped; width 3, budget 20, branching 3 or
-    expand_prob 0.5 did not). The suffix lower stage against prompt lookup, same pair and bench suite (code / edit /
-    prose): 97 / 53 / 79 draft calls against 96 / 53 / 80, 1.97 / 2.89 / 1.43x greedy against 1.81 / 2.67 / 1.36x in
-    one run. It follows the longest matching context (up to 24 tokens) and its most frequent continuation, where
-    prompt lookup follows the most recent match of at most `ngram` tokens.
-
-    `width` follows the draft's measured cost: expanding a second leaf in the same call costs little where one more
-    token adds little to a draft call (the bfloat16 0.5B: 2.5%, from its calibration), and a lot where it does (its
-    int8 copy: 10-18%, torch's int8 kernel grows with the rows). Bench, 1.5B target, one run each: with the int8
-    draft width 1 ran 2.14 / 2.48 / 1.30x greedy (code / edit / prose) against 1.91 / 2.14 / 1.24x for width 2 (83
-    against 104 ms a draft call); with the bfloat16 draft 2.21 / 2.58 / 1.23x against 2.06 / 2.54 / 1.42x (prose
-    needs the second leaf)."""
+    """Options of `staged`, tuned where a draft call costs about half a target call and a 16-token target call little
+    more than a one-token one: nodes are cheap, draft calls are not. The suffix lower stage follows the longest
+    matching context and its most frequent continuation, prompt lookup the most recent match of at most `ngram`
+    tokens. `width` follows the draft's measured cost (`frontier_width`). Evidence: docs/design/evidence.md."""
 
     branching: int = 2  # children per expanded node: the draft's top tokens, or draws without replacement
     budget: int = 16  # the most tree nodes per target call
     max_depth: int = 12  # the longest root-to-leaf path (draft tokens accepted per target call at most)
-    width: int | None = None  # leaves expanded per draft call (the frontier), most probable first; None: 2 where
-    # one more token adds under WIDE_CALL to a draft call (measured, `decoders.drafting.cost`), else 1
+    width: int | None = None  # leaves expanded per draft call, most probable first; None: `frontier_width`'s choice
     min_prob: float = 0.05  # add a child only while P(parent's path) x the mass not drawn yet reaches this (cheap)
     expand_prob: float = 0.3  # another draft call only if the most probable leaf's path has at least this probability
     ngram: int = 3  # longest context suffix prompt lookup matches (lower="lookup"); 0 turns the lower stage off
@@ -108,10 +93,9 @@ Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of a
 def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower) -> list[Node]:
     """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order).
 
-    Every draft call also carries the lower stage's chain under its most probable leaf (the first call: under
-    the root, after the uncached tail), so copied text adds several levels per call. The draft cache ends up holding
-    the accepted tokens plus the nodes with a `slot` (and rejected chain tokens, which no mask ever shows again).
-    """
+    Every draft call also carries the lower stage's chain under its most probable leaf (the first call: under the
+    root, after the uncached tail). The draft cache ends up holding the accepted tokens plus the nodes with a `slot`
+    (and rejected chain tokens, which no mask ever shows again)."""
     cap = min(o.max_depth, limit, o.budget)
     nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
     frontier: list[int] = []  # empty: the first call, which expands the root
@@ -239,10 +223,9 @@ def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, m
 
 
 def frontier_width(cost: CallCost) -> int:
-    """`StagedOptions.width` for a draft model of these calibrated call costs (`decoders.drafting.cost`, measured once
-    per model, dtype, device and threads, and cached): 2 if a call's rows add under WIDE_CALL of a 1-token call each,
-    else 1. Each is taken as the mean from 1 to 8 rows: the bfloat16 0.5B's 2-row call, measured alone, lies within
-    its noise of the bar (51-54 ms against 51), and the int8 kernel's rows come in blocks of four (2 rows cost as 1)."""
+    """`StagedOptions.width` for a draft model of these calibrated call costs (`decoders.drafting.cost`): 2 if a
+    call's rows add under WIDE_CALL of a 1-token call each (the mean from 1 to 8 rows: a 2-row call alone is within
+    its noise of the bar, and the int8 kernel's rows come in blocks of four), else 1."""
     one = cost.predict(1, 0)
     return 2 if one + (cost.predict(8, 0) - one) / 7 < (1 + WIDE_CALL) * one else 1
 
@@ -368,6 +351,13 @@ class TreeProposer:
         return branch.tokens[: max(range(len(first)), key=lambda n: per_token * sum(reach[:n]) - first[n])]
 
     def learn(self, state: DecodeState, step: Step) -> None:
+        if step.plan.proposer == self.chain.name and step.draft.tokens:
+            # what a tree would have caught: its main branch is the chain, the draft's second choice beside each token
+            # (taught only by their own steps, trees lose to chains that won the first steps)
+            levels = min(len(step.draft.tokens), step.accepted + 1, self.base.max_depth)
+            missed = step.tokens[step.accepted] if step.accepted < len(step.tokens) else None
+            caught = step.accepted < levels and missed == self.chain.model.runner_ups[step.accepted]
+            self.acceptance.learn(levels, min(levels, step.accepted + caught))
         if step.plan.proposer != self.name:
             return
         self.drafter.update(state, step.draft, step.accepted)  # keeps the accepted path in the draft cache
