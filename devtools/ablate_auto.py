@@ -123,6 +123,9 @@ class SuffixSwapped(Planned):
         new = self.suffix(state, old.options, old.store, trees=old.trees if self.trees is None else self.trees,
                           chooser=self.chooser.options, remember_prompts=old.remember)
         self.proposers[self.proposers.index(old)] = self.by_name[new.name] = new
+        for proposer in self.proposers:  # (lookahead credits its guesses against the suffix index's)
+            if getattr(proposer, "suffix", None) is old:
+                proposer.suffix = new
 
 
 class OneCurveDrafter(SuffixSwapped):
@@ -137,7 +140,18 @@ class MainBranch(SuffixSwapped):
     trees = False
 
 
+class NoLookahead(Planned):
+    """`lookahead`: no lookahead proposer (its guesses and its window's rides). The replay undervalues it: its window's
+    tokens are off greedy's path, so their predictions never see the future."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.proposers = [p for p in self.proposers if p.name != "lookahead"]
+        self.by_name.pop("lookahead", None)
+
+
 MECHANISMS: dict[str, type[Planned]] = {"online_correction": Untimed, "match_curves": OneCurveDrafter,
+                                         "lookahead": NoLookahead,
                                         "suffix_trees": MainBranch}
 
 

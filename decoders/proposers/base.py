@@ -62,6 +62,9 @@ class Proposer(Protocol):
     def learn(self, state: DecodeState, step: Step) -> None:
         """After verification: `state.tokens` holds the step's tokens."""
 
+    # Optional: `ride(state, draft, plan) -> Draft`, the step's draft (any proposer's) with what this proposer needs
+    # scored unverified in the same call (lookahead's Jacobi window).
+
 
 class Fixed:
     """A `Drafter` (`decoders.drafting.draft`) from a proposer and a fixed plan rule: each step drafts `levels(offer)`

@@ -2,7 +2,7 @@
 
 Used by `lookahead` (its whole drafter) and `auto` (its `lookahead` guesses, the window riding along in other steps).
 Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". Each target call scores,
-after the uncached tail, two branches side by side under one mask (`decoders.drafting.tree.score_tree`):
+after the uncached tail, two branches side by side under one mask (`decoders.drafting.tree.tree_call`):
 
 - the **verification branch**: up to `guesses` candidate n-grams (N - 1 tokens each) from an n-gram pool that
   continue the last accepted token, merged into a prefix tree and verified like any draft (source "lookahead");
@@ -18,14 +18,18 @@ they are one-hot drafts for the verifier, exact in both modes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, Window
-from decoders.drafting.tree import merge
+from decoders.drafting.chooser import Acceptance, ChooserOptions, Offer, Plan
+from decoders.drafting.cost import CostModel
+from decoders.drafting.tree import depth, levels_above, merge, per_level
 from decoders.options import check_whole
+from decoders.proposers.base import Step
+from decoders.proposers.suffix import SuffixProposer
 
 
 @dataclass(frozen=True)
@@ -126,3 +130,54 @@ class LookaheadDrafter:
             self.levels.append(top)
         self.pool.add_text(state.tokens, o.ngram, start=self.seen - o.ngram + 1)
         self.seen = len(state.tokens)
+
+
+RIDE = 0.1  # the most a target call may grow to carry the window along in another proposer's step
+
+
+class LookaheadProposer:
+    """`auto`'s lookahead: the pool's n-grams as guesses, and the Jacobi window riding along in plain and suffix
+    steps (it only moves on in calls that score it) while a ride adds at most RIDE to the call and the rides so far
+    are paid for by the target calls its guesses saved, one plain step of credit ahead."""
+
+    name = "lookahead"
+    corrected = False
+
+    def __init__(self, state: DecodeState, suffix: SuffixProposer, cost: CostModel,
+                 chooser: ChooserOptions | None = None) -> None:
+        self.drafter, self.suffix, self.cost = LookaheadDrafter(state, LookaheadOptions()), suffix, cost
+        self.acceptance = Acceptance(chooser)
+        self.guesses = Draft([])
+        self.rides = self.saved = 0.0  # seconds the window's rides added, seconds its guesses saved
+
+    def offer(self, state: DecodeState, limit: int) -> Offer | None:
+        self.guesses = self.drafter.propose(state, limit)
+        if not self.guesses.tokens:
+            return None
+        window = len(self.guesses.window.tokens) if self.guesses.window is not None else 0
+        nodes = tuple(window + n for n in per_level(self.guesses.parents))
+        return Offer(self.name, self.acceptance.chain(len(nodes)), nodes=nodes)
+
+    def draft(self, state: DecodeState, plan: Plan) -> Draft:
+        return levels_above(self.guesses, plan.k)  # (the window rides along)
+
+    def ride(self, state: DecodeState, draft: Draft, plan: Plan) -> Draft:
+        """`draft` (another proposer's) with the window along where that pays, as the class says."""
+        window = self.guesses.window
+        if window is None or draft.window is not None or plan.proposer not in (None, self.suffix.name):
+            return draft
+        context, scored = len(state.cache), len(state.uncached()) + len(draft.tokens)
+        call = self.cost.target_seconds(scored, context)
+        extra = self.cost.target_seconds(scored + len(window.tokens), context) - call
+        if extra > RIDE * call or self.rides + extra > self.saved + self.cost.target_seconds(1, context):
+            return draft
+        self.rides += extra
+        return replace(draft, window=window)
+
+    def learn(self, state: DecodeState, step: Step) -> None:
+        if step.plan.proposer == self.name and step.draft.tokens:
+            self.acceptance.learn(depth(step.draft), step.accepted)
+            rival = Draft(self.suffix.tree.tokens, None, self.suffix.tree.parents)  # what the suffix index held
+            held = len(rival.follow(step.tokens[: step.accepted]))
+            self.saved += max(0, step.accepted - held) * self.cost.target_seconds(1, len(state.cache))
+        self.drafter.update(state, step.draft, step.accepted)

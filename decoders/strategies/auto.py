@@ -2,8 +2,9 @@
 
 The loop: ask each proposer (`decoders.proposers`) what it could draft, let the `Chooser` pick the plan of highest
 expected tokens per second (or a plain step), draft it, verify it in the shared draft-then-verify loop, and pass the
-`Step` to every proposer's `learn`. The proposers: the suffix index of the run's text (always), and with a draft
-model its chains and, where both models take tree masks, its trees. The cost model (`decoders.drafting.cost`) is
+`Step` to every proposer's `learn`. The proposers: the suffix index of the run's text (always), lookahead's n-grams
+(its Jacobi window riding along in other steps' calls where cheap), and with a draft model its chains and, where both
+models take tree masks, its trees. The cost model (`decoders.drafting.cost`) is
 measured once per model, dtype, device and thread count, cached on disk, and corrected by the calls the run times.
 
 Every token is verified by the target: exact in greedy and in sampling mode. Where the caller seeds a sampling run,
@@ -28,6 +29,7 @@ from decoders.options import check_whole, whole
 from decoders.proposers.base import Clock, Proposer, Step
 from decoders.proposers.draft_chain import ChainProposer
 from decoders.proposers.draft_tree import TreeProposer
+from decoders.proposers.lookahead import LookaheadProposer
 from decoders.proposers.suffix import SuffixProposer
 from decoders.registry import register
 
@@ -81,6 +83,8 @@ class AutoDrafter:
         suffix = SuffixProposer(state, SuffixOptions(max_tree=options.max_tree), trees=trees,
                                 chooser=self.chooser.options)
         self.proposers: list[Proposer] = [suffix]
+        if trees:  # (lookahead's window needs tree masks)
+            self.proposers.append(LookaheadProposer(state, suffix, self.cost, self.chooser.options))
         if state.draft is not None:
             model = draft_model(state)
             chain = ChainProposer(model, self.cost, self.chooser, self.clock, options.max_draft)
@@ -101,6 +105,9 @@ class AutoDrafter:
         self.start = len(state.tokens)
         self.record(state, plan)
         draft = self.by_name[plan.proposer].draft(state, plan) if plan.proposer else Draft([])
+        for proposer in self.proposers:  # what rides along unverified (lookahead's window)
+            if (ride := getattr(proposer, "ride", None)) is not None:
+                draft = ride(state, draft, plan)
         self.called = self.clock.now()
         return draft
 
@@ -108,7 +115,8 @@ class AutoDrafter:
         state.lm.synchronize()
         ended = self.clock.now()
         if self.clock.timed:
-            self.cost.observe("target", self.fed + len(draft.tokens), self.context, ended - self.called)
+            window = len(draft.window.tokens) if draft.window is not None else 0
+            self.cost.observe("target", self.fed + len(draft.tokens) + window, self.context, ended - self.called)
         step = Step(self.plan, draft, self.start, accepted, state.tokens[self.start:],
                     self.clock.elapsed(self.began, self.plan.seconds, ended))
         if self.fed <= 1:  # (a prompt's call says nothing of the steps' rates)
