@@ -2,10 +2,12 @@
 
     lm = decoders.load("zoo:smollm2-135m")
     result = decoders.generate(lm, "The capital of France is", strategy="greedy", max_new_tokens=32)
+    results = decoders.generate(lm, ["def add(a, b):", "Once upon a time"], strategy="suffix")  # batched
 
 Layout: strategies/ holds one file per strategy (the place to add one); proposers/ one file per source of guesses,
 shared by those strategies and `auto`; drafting/ the draft-then-verify machinery they share; models/ the model
-wrapper, cache, zoo and quantization; base.py, driver.py, registry.py and capabilities.py the run itself.
+wrapper, cache, zoo and quantization; base.py, driver.py, registry.py and capabilities.py the run itself; batch.py
+many runs sharing each target call.
 """
 
 from decoders.base import Chunk, DecodeState, Decoder, Result, Stats

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -23,6 +24,29 @@ if TYPE_CHECKING:
     from grammars import GrammarMatcher
 
 SOURCES = ("target", "draft", "lookup", "lookahead", "suffix", "grammar")  # where a new token came from
+
+
+@dataclass
+class Call:
+    """One target call a step asks for: `tokens` scored after the run's cached ones (the cache grows by them)."""
+
+    tokens: list[int]  # [T]
+    positions: list[int] | None = None  # [T] position ids; None: len(cache) + 0..T-1
+    tree_mask: torch.Tensor | None = None  # [T, T] bool, True where token i sees token j; None: causal
+    keep: int = 0  # logits of the last `keep` positions only (0: all)
+
+
+Steps = Generator[Call, torch.Tensor, None]  # a step: yields each target call, is sent its logits [keep or T, vocab]
+
+
+def drive(steps: Steps, forward: Callable[[Call], torch.Tensor]) -> None:
+    """Run a step to its end, each target call it yields answered by `forward`."""
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(forward(call))
+    except StopIteration:
+        pass
 
 
 @dataclass(frozen=True)
@@ -57,8 +81,19 @@ class Decoder:
         """Set up per-run helpers (a drafter, in `state.drafter`) before the first step."""
 
     def step(self, state: DecodeState) -> None:
-        """Append at least one token to the run with `state.accept`."""
-        raise NotImplementedError
+        """Append at least one token to the run with `state.accept` (by default: `steps`, its calls run at once)."""
+        drive(self.steps(state), state.forward)
+
+    def steps(self, state: DecodeState) -> Steps:
+        """`step` as a generator that yields its target calls (`Call`) and is sent their logits, so that one forward
+        can serve the calls of many runs (`decoders.batch`). A strategy that implements only `step` runs one prompt at
+        a time."""
+        raise NotImplementedError(f"strategy {self.name!r} implements neither step nor steps")
+
+    @classmethod
+    def batchable(cls) -> bool:
+        """Whether its steps can be batched with other runs' (it implements `steps`)."""
+        return cls.steps is not Decoder.steps
 
     def finish(self, state: DecodeState) -> None:
         """Called once after the run's last step (e.g. to remember its output)."""
@@ -154,11 +189,19 @@ class DecodeState:
         """The tokens the target has not seen yet (at least the last accepted one)."""
         return self.tokens[len(self.cache):]
 
-    def score(self, extra: Sequence[int] = ()) -> torch.Tensor:
-        """One target call on the uncached tokens plus `extra`: logits [len(extra) + 1, vocab], row i scoring the
+    def call(self, extra: Sequence[int] = ()) -> Call:
+        """The target call on the uncached tokens plus `extra`, whose logits [len(extra) + 1, vocab] score, row i, the
         position after the last accepted token and extra[:i]."""
+        return Call(self.uncached() + list(extra), keep=len(extra) + 1)
+
+    def forward(self, call: Call) -> torch.Tensor:
+        """Run `call` on this run's target cache, alone."""
         self.stats.target_calls += 1
-        return self.lm.forward(self.uncached() + list(extra), self.cache, keep=len(extra) + 1)
+        return self.lm.forward(call.tokens, self.cache, call.positions, call.tree_mask, call.keep)
+
+    def score(self, extra: Sequence[int] = ()) -> torch.Tensor:
+        """`forward(call(extra))`."""
+        return self.forward(self.call(extra))
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from one position's target logits [vocab], by the run's sampling settings and grammar (its
@@ -212,6 +255,7 @@ class Chunk:
     tokens: list[int]
     text: str  # the text these tokens add
     sources: list[str]
+    index: int | None = None  # the prompt's index, when several are decoded at once
 
 
 @dataclass
@@ -222,6 +266,7 @@ class Result:
     tokens: list[int]  # the new tokens only (an ending EOS included)
     sources: list[str]  # one per new token: "target", "draft", "lookup", "lookahead" or "grammar"
     stats: Stats
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop", "length", or "error" (a batch row whose own step raised: `error`)
     prompt_tokens: list[int]
     strategy: str
+    error: str | None = None

@@ -18,27 +18,50 @@ from samplers import SamplingConfig, make_generator
 Prompt = str | Sequence[int]
 
 
-def stream(lm: LM, prompt: Prompt, **kwargs) -> Iterator[Chunk]:
-    """Run a strategy and yield the tokens of each step as they are accepted (same arguments as `generate`)."""
+BATCH_SIZE = 8  # rows in flight by default: on a 2-core CPU a call of 8 rows x 1 token costs 1.2x one row's (the
+# 1.5B in bfloat16), so 8 rows decode about 6x faster than one, and a GPU's calls are flatter still
+
+
+def stream(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Iterator[Chunk]:
+    """Run a strategy and yield the tokens of each step as they are accepted (same arguments as `generate`). With a
+    list of prompts, chunks of all of them come as their rows step, each carrying its prompt's `index`."""
+    if is_batch(prompt):
+        for _, chunk, _ in _run_batch(lm, prompt, **kwargs):
+            yield chunk
+        return
     yield from prepare(lm, prompt, **kwargs).chunks()
 
 
-def generate(lm: LM, prompt: Prompt, **kwargs) -> Result:
+def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | list[Result]:
     """Decode `prompt` with a strategy; returns the new text, tokens, their sources and the run's stats.
 
     Args:
         lm: the target model (`decoders.load` or `decoders.wrap`).
-        prompt: text (tokenized with the model's tokenizer) or one sequence of token ids.
+        prompt: text (tokenized with the model's tokenizer) or one sequence of token ids; or a list of those, decoded
+            together (continuous batching, `decoders.batch`): a list of `Result`s in the same order. Each row is
+            exactly its own run's (greedy: the same tokens as decoding it alone). A row whose own step raises ends
+            with finish_reason "error" and the error in `result.error`; the other rows go on.
+        batch_size: with a list of prompts, the most rows in flight at once (default BATCH_SIZE); a row that ends is
+            refilled with the next prompt at once.
         strategy: a registered name (`decoders.available()`) or a `Decoder` instance. Default "greedy".
         max_new_tokens: the most tokens to add (> 0). Default 128.
         draft: the draft model for strategies that take one: an `LM`, a name for `decoders.load`, or "self:int8"
             (the target's own int8 copy).
         temperature, top_k, top_p, min_p: sampling settings; temperature 0 (the default) is greedy.
-        seed: seeds the sampling generator.
-        grammar: a `grammars` constraint.
-        stop: stop strings; generation ends at the token that completes one. EOS always stops.
+        seed: seeds the sampling generator. With a list of prompts: an int s seeds row i with s + i, or a list gives
+            one seed (or None) per prompt.
+        grammar: a `grammars` constraint; with a list of prompts, one for all or a list of one per prompt (or None).
+        stop: stop strings; generation ends at the token that completes one. EOS always stops. With a list of
+            prompts, a string or a list of strings applies to every row; a list of one entry per prompt, each None or
+            a list of strings, gives each its own.
         **options: the strategy's options (e.g. k=5).
     """
+    if is_batch(prompt):
+        results: list[Result | None] = [None] * len(prompt)
+        for index, _, result in _run_batch(lm, prompt, **kwargs):
+            if result is not None:
+                results[index] = result
+        return results
     run = prepare(lm, prompt, **kwargs)
     for _ in run.chunks(with_text=False):
         pass
@@ -167,6 +190,47 @@ def _prepare(
     return state, decoder
 
 
+def is_batch(prompt) -> bool:
+    """Whether `prompt` is a list of prompts (strings or sequences of ids), not one prompt."""
+    return isinstance(prompt, list | tuple) and len(prompt) > 0 and all(
+        isinstance(p, str) or (isinstance(p, Iterable) and not isinstance(p, bytes)) for p in prompt)
+
+
+def _per_row(value, count: int, name: str, rows: bool) -> list:
+    """`value` for each of `count` prompts: `value` itself, or its items where `rows` says it has one per prompt."""
+    if not rows:
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{name}= has {len(value)} entries for {count} prompts: give one for all, or one per prompt")
+    return list(value)
+
+
+def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, seed=None, grammar=None, stop=None,
+               **kwargs):
+    """Check every prompt (an error names its index) before any runs, then decode them batched (`decoders.batch`)."""
+    from decoders import batch
+
+    batch_size = whole("batch_size", batch_size)
+    many = isinstance(seed, list | tuple)
+    seeds = _per_row(seed, len(prompts), "seed", many)
+    if not many and seed is not None:
+        seeds = [whole("seed", seed, 0, 2**64 - len(prompts)) + i for i in range(len(prompts))]
+    grammars = _per_row(grammar, len(prompts), "grammar", isinstance(grammar, list | tuple))
+    per_row_stop = isinstance(stop, list | tuple) and all(s is None or isinstance(s, list | tuple) for s in stop)
+    stops = _per_row(stop, len(prompts), "stop", per_row_stop)
+    runs = []
+    for i, prompt in enumerate(prompts):
+        try:
+            runs.append(_prepare(lm, prompt, seed=seeds[i], grammar=grammars[i], stop=stops[i], **kwargs))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"prompt {i}: {error}") from None
+    try:
+        lm.check_tree_mask()
+    except TypeError as error:
+        raise TypeError(f"cannot decode a batch with this model: {error}") from None
+    yield from batch.run(lm, runs, batch_size)
+
+
 def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
     """The draft model: an `LM` as given, "self:int8" for the target's own int8 copy (made once per target and
     kept on it), or a name for `decoders.load` in the target's dtype and device."""
@@ -181,7 +245,7 @@ def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
 
 def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
     """The prompt as a list of token ids: text, or one sequence of ids (list, tuple, numpy array, [T] or [1, T]
-    tensor). A batch of several prompts is refused: decoding here is batch 1."""
+    tensor). A tensor of several rows is refused: pass a list of prompts instead."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty; give some text or token ids to continue")
@@ -191,11 +255,12 @@ def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
     else:
         shape = tuple(getattr(prompt, "shape", ()))
         if len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):
-            raise ValueError(f"got a batch of prompts (shape {list(shape)}); decodekit decodes one prompt at a time: "
-                             "pass one sequence of token ids, e.g. input_ids[0]")
+            raise ValueError(f"got a batch of prompts (shape {list(shape)}): pass one sequence of token ids, or a list "
+                             "of prompts to decode them together")
         tokens = prompt.reshape(-1).tolist() if shape else list(prompt)
         if any(isinstance(t, (list, tuple)) or getattr(t, "ndim", 0) for t in tokens):
-            raise ValueError("got a batch of prompts (a list of sequences); decodekit decodes one prompt at a time")
+            raise ValueError("got a nested sequence inside one prompt; a list of prompts is a list of strings or of "
+                             "token-id lists")
     if not tokens:
         raise ValueError("the prompt is empty; give some text or token ids to continue")
     bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < lm.vocab_size]

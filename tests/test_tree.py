@@ -18,7 +18,7 @@ from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.driver import _prepare
 from decoders.drafting import Draft, Window
 from decoders.drafting.grammar import restrict_to_grammar
-from decoders.drafting.tree import ancestry, first_branch, merge, score_tree
+from decoders.drafting.tree import ancestry, common, first_branch, merge, tree_call
 from decoders.proposers.lookahead import NgramPool, prefix_tree, window_mask
 from samplers import SamplingConfig, make_generator
 from samplers.verify import tree_children, verify_tree_greedy, verify_tree_sampling
@@ -70,7 +70,8 @@ def test_tree_masked_forward_matches_each_path(arch):
     state, _ = _prepare(lm, prefix + tail, max_new_tokens=20)
     with torch.inference_mode():
         lm.forward(prefix, state.cache)
-        logits = score_tree(state, Draft(tokens, None, parents, window=window))  # [11, vocab]
+        logits = state.forward(tree_call(state, Draft(tokens, None, parents, window=window)))  # [11 + 6, vocab]
+        window.logits = logits[11:]
         assert len(state.cache) == len(prefix) + 2 + 10 + 6
         torch.testing.assert_close(logits[0], fresh_last(lm, prefix + tail), rtol=1e-4, atol=1e-4)
         for node in range(len(tokens)):
@@ -495,16 +496,22 @@ def test_first_branch_follows_each_nodes_first_child():
     assert first_branch(Draft([]).links) == []
 
 
-def test_merge_holds_every_path_once():
-    suffix = Draft([1, 2, 3, 4], parents=[-1, 0, 1, 0])  # 1 2 3, and 1 4
-    lookup = Draft([1, 2, 5])  # 1 2 5: shares 1 2
-    ahead = Draft([6, 1], parents=[-1, 0])  # 6 1: a 1 under another parent is another node
-    merged = merge([suffix, lookup, ahead])
+def test_merge_holds_every_path_once_and_credits_each_node_to_its_first_drafter():
+    suffix = Draft([1, 2, 3, 4], parents=[-1, 0, 1, 0], source="suffix")  # 1 2 3, and 1 4
+    lookup = Draft([1, 2, 5], source="lookup")  # 1 2 5: shares 1 2
+    ahead = Draft([6, 1], parents=[-1, 0], source="lookahead")  # 6 1: a 1 under another parent is another node
+    merged = merge([suffix, lookup, ahead], "merged")
     paths = {tuple(merged.tokens[n] for n in _path(merged, leaf)) for leaf in range(len(merged.tokens))
              if leaf not in merged.links}
     assert paths == {(1, 2, 3), (1, 4), (1, 2, 5), (6, 1)}
     assert len(merged.tokens) == 7  # 1 2 3 4 5 6 1
+    assert [merged.source_of(merged.follow(p)[-1]) for p in ([1], [1, 2, 5], [6, 1])] == ["suffix", "lookup",
+                                                                                           "lookahead"]
     assert merge([lookup]).tokens == lookup.tokens and merge([]).tokens == []
+    # what is left of each part once the merged tree is cut to its first two levels
+    cut = merged.subset([n for n, d in enumerate(ancestry(merged.links)[1]) if d < 2])
+    assert common(suffix, cut) == [0, 1, 3] and common(lookup, cut) == [0, 1] and common(ahead, cut) == [0, 1]
+    assert common(suffix, Draft([4, 2])) == []  # no path from the root in common
 
 
 def _path(draft: Draft, node: int) -> list[int]:

@@ -38,6 +38,8 @@ class Draft:
     parents: list[int] | None = None  # [k] index of each node's parent in `tokens`, -1 for the root's children
     source: str = "draft"  # what `result.sources` calls an accepted draft token
     window: Window | None = None  # scored alongside, not verified
+    origins: list[str] | None = None  # [k] each node's source where they differ (a tree merged from several
+    # drafters' drafts, `tree.merge`); None: every node's is `source`
 
     @property
     def links(self) -> list[int]:
@@ -49,6 +51,10 @@ class Draft:
         """True when it can take the fast path: no tree, no window."""
         return self.window is None and self.links == list(range(-1, len(self.tokens) - 1))
 
+    def source_of(self, node: int) -> str:
+        """What `result.sources` calls node `node` once accepted."""
+        return self.origins[node] if self.origins is not None else self.source
+
     def subset(self, nodes: list[int]) -> Draft:
         """The draft with only `nodes` (increasing, each one's parent kept too): a chain's prefix, a pruned tree."""
         if len(nodes) == len(self.tokens):
@@ -56,7 +62,8 @@ class Draft:
         index = {node: i for i, node in enumerate(nodes)}
         parents = None if self.parents is None else [index.get(self.parents[n], -1) for n in nodes]
         probs = None if self.probs is None else self.probs[nodes]
-        return Draft([self.tokens[n] for n in nodes], probs, parents, self.source, self.window)
+        origins = None if self.origins is None else [self.origins[n] for n in nodes]
+        return Draft([self.tokens[n] for n in nodes], probs, parents, self.source, self.window, origins)
 
     def until(self, stop: frozenset[int]) -> Draft:
         """The draft without whatever follows a `stop` token (EOS): the run would end there."""

@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from decoders.base import DecodeState
+from decoders.models.cache import KVCache
 from decoders.models.lm import LM
 
 
@@ -25,7 +26,8 @@ def draft_model(state: DecodeState) -> DraftModel:
         from decoders.drafting.translate import TranslatedDraftModel
 
         return TranslatedDraftModel(state)
-    if state.draft is not None and state.draft.quantized_from is not None and state.draft.quantized_from() is state.lm:
+    if (state.draft is not None and state.draft.quantized_from is not None and state.draft.quantized_from() is state.lm
+            and isinstance(state.cache, KVCache)):  # (a batch row's cache is shared: the copy drafts on its own)
         return SharedCacheDraft(state)
     return DraftModel(state)
 

@@ -19,10 +19,10 @@ from typing import ClassVar
 
 import torch
 
-from decoders.base import DecodeState, Decoder
+from decoders.base import DecodeState, Decoder, Steps
 from decoders.drafting.draft import Draft, Drafter
 from decoders.drafting.grammar import restrict_to_grammar
-from decoders.drafting.tree import depth, keep_path, score_tree
+from decoders.drafting.tree import depth, keep_path, tree_call
 from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 
@@ -34,7 +34,7 @@ class DraftVerify(Decoder):
     def start(self, state: DecodeState) -> None:
         state.drafter = self.drafter(state, self.options)
 
-    def step(self, state: DecodeState) -> None:
+    def steps(self, state: DecodeState) -> Steps:
         drafter = state.drafter
         grammar = state.grammar
         if grammar is not None and (forced := grammar.forced()):
@@ -48,8 +48,9 @@ class DraftVerify(Decoder):
         if grammar is not None:
             draft, masks = restrict_to_grammar(grammar, draft, type(drafter).__name__, state.lm.eos_token_ids)  # masks: [k + 1, vocab]
         start = len(state.tokens)  # where the draft begins in the target cache after the call
-        path, token, rows = verify(state, draft, masks)
-        sources = [draft.source] * len(path) + ["target"]
+        logits = yield state.call(draft.tokens) if draft.is_chain else tree_call(state, draft)  # [k + 1 (+ w), vocab]
+        path, token, rows = verify(state, draft, masks, logits)
+        sources = [draft.source_of(i) for i in path] + ["target"]
         added = state.accept([draft.tokens[i] for i in path] + [token], sources, rows)
         kept = min(len(path), added)  # fewer when the run ended (EOS, stop string) inside the accepted draft
         drafted = len(draft.tokens) if kept == len(path) else kept  # a run that ended counts what it used
@@ -58,20 +59,22 @@ class DraftVerify(Decoder):
         state.cache.crop(min(len(state.cache), len(state.tokens) - 1))
         drafter.update(state, draft, len(path))
 
-
     def finish(self, state: DecodeState) -> None:
         finish = getattr(state.drafter, "finish", None)  # optional in the Drafter protocol
         if finish is not None:
             finish(state)
 
 
-def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None) -> tuple[list[int], int, torch.Tensor]:
-    """One target call on the uncached tail plus the draft; returns (accepted node indices, next token, the logits
-    [len(path) + 1, vocab] each of those tokens was verified or chosen with).
-
-    `masks` [k + 1, vocab] (a grammar's allowed tokens at each scored position) restrict the target first.
-    """
-    logits = state.score(draft.tokens) if draft.is_chain else score_tree(state, draft)  # [k + 1, vocab]
+def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None, logits: torch.Tensor
+           ) -> tuple[list[int], int, torch.Tensor]:
+    """Verify `draft` by the target's `logits` [k + 1 (+ window), vocab] of its call; returns (accepted node indices,
+    next token, the logits [len(path) + 1, vocab] each of those tokens was verified or chosen with). A window's rows
+    go back to it. `masks` [k + 1, vocab] (a grammar's allowed tokens at each scored position) restrict the target
+    first."""
+    k = len(draft.tokens)
+    if draft.window is not None:
+        draft.window.logits = logits[k + 1:]  # [w, vocab]
+    logits = logits[: k + 1]
     if masks is not None:
         logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
     greedy = state.sampling.greedy

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from decoders.base import Call
 from decoders.drafting.draft import Draft, Window
 from decoders.models.cache import KVCache
 
@@ -47,9 +48,9 @@ def visibility(rows: Sequence[Sequence[int]], prefix: int, width: int) -> torch.
     return mask
 
 
-def score_tree(state: DecodeState, draft: Draft) -> torch.Tensor:
-    """One target call on tail + tree + window with the combined mask; returns [k + 1, vocab] (row 0 after the last
-    accepted token, row 1 + i after node i) and hands the window its logits."""
+def tree_call(state: DecodeState, draft: Draft) -> Call:
+    """The target call on tail + tree + window with the combined mask; its logits [k + 1 + w, vocab] score row 0 after
+    the last accepted token, row 1 + i after node i, then the window's tokens."""
     tail = state.uncached()
     window = draft.window or Window([], [], torch.zeros(0, 0, dtype=torch.bool))
     t, k, w = len(tail), len(draft.tokens), len(window.tokens)
@@ -61,11 +62,7 @@ def score_tree(state: DecodeState, draft: Draft) -> torch.Tensor:
     mask[t + k:, t + k:] = window.mask
     base = len(state.tokens)  # the position right after the last accepted token
     positions = list(range(len(state.cache), base)) + [base + d for d in levels] + [base + o for o in window.offsets]
-    state.stats.target_calls += 1
-    logits = state.lm.forward(tail + draft.tokens + window.tokens, state.cache, positions, mask, keep=k + w + 1)
-    if draft.window is not None:
-        draft.window.logits = logits[k + 1:]  # [w, vocab]
-    return logits[: k + 1]
+    return Call(tail + draft.tokens + window.tokens, positions, mask, keep=k + w + 1)
 
 
 def keep_path(cache: KVCache, start: int, slots: Sequence[int]) -> None:
@@ -95,10 +92,12 @@ def first_branch(parents: Sequence[int]) -> list[int]:
     return path
 
 
-def merge(drafts: Sequence[Draft]) -> Draft:
-    """One tree holding every path of `drafts` (one-hot drafts), shared prefixes stored once."""
+def merge(drafts: Sequence[Draft], source: str = "draft") -> Draft:
+    """One tree holding every path of `drafts` (one-hot drafts), shared prefixes stored once, each node credited to
+    the first draft that holds it (`Draft.origins`)."""
     tokens: list[int] = []
     parents: list[int] = []
+    origins: list[str] = []
     nodes: dict[tuple[int, int], int] = {}  # (parent in the tree, token) -> node in the tree
     for draft in drafts:
         place: list[int] = []
@@ -108,8 +107,22 @@ def merge(drafts: Sequence[Draft]) -> Draft:
                 nodes[key] = len(tokens)
                 tokens.append(key[1])
                 parents.append(key[0])
+                origins.append(draft.source)
             place.append(nodes[key])
-    return Draft(tokens, None, parents)
+    return Draft(tokens, None, parents, source, origins=origins)
+
+
+def common(part: Draft, whole: Draft) -> list[int]:
+    """The nodes of `part` whose paths from the root `whole` holds too (what is left of a merged tree's part after the
+    tree was cut to the levels verified, by a grammar, after an EOS)."""
+    children = {(parent, token): node for node, (parent, token) in enumerate(zip(whole.links, whole.tokens))}
+    place, kept = {-1: -1}, []
+    for node, parent in enumerate(part.links):
+        found = children.get((place[parent], part.tokens[node])) if parent in place else None
+        if found is not None:
+            place[node] = found
+            kept.append(node)
+    return kept
 
 
 def per_level(parents: Sequence[int]) -> tuple[int, ...]:

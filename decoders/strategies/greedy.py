@@ -5,7 +5,7 @@ With temperature > 0 it is plain ancestral sampling from the filtered target dis
 
 from __future__ import annotations
 
-from decoders.base import DecodeState, Decoder
+from decoders.base import DecodeState, Decoder, Steps
 from decoders.registry import register
 
 
@@ -13,6 +13,6 @@ from decoders.registry import register
 class Greedy(Decoder):
     """One target call per token: score the uncached tail (the whole prompt on the first step), pick the next token."""
 
-    def step(self, state: DecodeState) -> None:
-        logits = state.score()  # [1, vocab]: only the last position predicts a new token
+    def steps(self, state: DecodeState) -> Steps:
+        logits = yield state.call()  # [1, vocab]: only the last position predicts a new token
         state.accept([state.choose(logits[-1])], ["target"], rows=logits[-1:])

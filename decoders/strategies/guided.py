@@ -12,7 +12,7 @@ for token, and in sampling mode it follows the same masked target distribution; 
 
 from __future__ import annotations
 
-from decoders.base import DecodeState, Decoder
+from decoders.base import DecodeState, Decoder, Steps
 from decoders.registry import register
 
 
@@ -22,11 +22,11 @@ class Guided(Decoder):
 
     needs_grammar = True
 
-    def step(self, state: DecodeState) -> None:
+    def steps(self, state: DecodeState) -> Steps:
         forced = state.grammar.forced()
         if forced:
             state.accept(forced, ["grammar"] * len(forced))
             if state.finished:  # the grammar completed, or max_new_tokens ran out
                 return
-        logits = state.score()  # [1, vocab]: scores the uncached tail, forced tokens included, in one call
+        logits = yield state.call()  # [1, vocab]: scores the uncached tail, forced tokens included, in one call
         state.accept([state.choose(logits[-1])], ["target"], rows=logits[-1:])

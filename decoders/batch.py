@@ -1,0 +1,278 @@
+"""Many prompts at once: continuous batching of any strategy whose steps yield their target calls.
+
+Each row of the batch is an ordinary run (its own `DecodeState`: tokens, grammar, random stream, drafter); what the
+rows share is the target model's forward. Every round, each row steps until its strategy asks for a target call
+(`Decoder.steps` yields a `Call`), the calls of all rows go through one forward (`BatchCache.forward`: one row of the
+batch per run, the queries right-aligned, a 4D mask hiding every other row's slots, padding and what each row's own
+call must not see), and each row is sent its own logits and steps on. A row whose run ends is refilled with the next
+prompt at once; the newcomer's prompt is prefilled in a call of its own, so the other rows wait one prefill, not a
+whole run.
+
+Rows advance by different numbers of tokens; the cache keeps, per row, which slots hold its tokens (`valid`) and
+their positions, so rejected drafts and finished rows are just slots no mask shows, gathered away when the slots grow
+past twice what the rows hold (`compact`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from decoders.base import Call, Chunk, DecodeState, Decoder, Result
+from decoders.models.cache import KVCache
+from decoders.models.lm import LM
+
+
+class RowCache:
+    """One row's view of a `BatchCache`, with `KVCache`'s rollback (`crop`, `keep`) over the row's own slots."""
+
+    def __init__(self, batch: BatchCache, row: int) -> None:
+        self.batch, self.row = batch, row
+
+    def __len__(self) -> int:
+        return int(self.batch.valid[self.row].sum())
+
+    def slots(self) -> torch.Tensor:
+        """[len] the batch slots holding this row's tokens, in order."""
+        return self.batch.valid[self.row].nonzero()[:, 0]
+
+    def crop(self, n: int) -> None:
+        """Keep the first `n` positions."""
+        slots = self.slots()
+        if not 0 <= n <= len(slots):
+            raise ValueError(f"cannot crop a cache of {len(slots)} positions to {n}")
+        self.batch.valid[self.row, slots[n:]] = False
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep only the positions `indices` (increasing)."""
+        slots = self.slots()
+        kept = torch.zeros_like(self.batch.valid[self.row])
+        kept[slots[torch.as_tensor(list(indices), dtype=torch.long)]] = True
+        self.batch.valid[self.row] = kept
+
+    @property
+    def hf(self):
+        raise TypeError("a batched run's cache is shared by its rows: a draft cannot run on it (the target's own "
+                        "int8 copy drafts on a cache of its own in a batch)")
+
+
+class BatchCache:
+    """The target's keys and values for `rows` runs: per layer [rows, heads, slots, head_dim], with which slots hold
+    each row's tokens (`valid` [rows, slots]) and their positions (`positions` [rows, slots])."""
+
+    def __init__(self, lm: LM, rows: int) -> None:
+        self.lm, self.rows = lm, rows
+        self.hf = DynamicCache()
+        self.valid = torch.zeros(rows, 0, dtype=torch.bool)
+        self.positions = torch.zeros(rows, 0, dtype=torch.long)
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+    def row(self, b: int) -> RowCache:
+        return RowCache(self, b)
+
+    def _layers(self):
+        return [layer for layer in self.hf.layers if getattr(layer, "keys", None) is not None]
+
+    def _grow(self, slots: int, template: KVCache) -> None:
+        """Make room for `slots` slots (invalid for every row), shaping the layers after `template`'s."""
+        extra = slots - self.slots
+        if extra <= 0:
+            return
+        layers = self._layers()
+        if not layers:  # the first prompt: shape the batch's layers after its cache
+            for i, layer in enumerate(template.hf.layers):
+                shape = (self.rows, layer.keys.shape[1], 0, layer.keys.shape[-1])
+                empty = layer.keys.new_zeros(shape), layer.values.new_zeros(shape[:3] + (layer.values.shape[-1],))
+                self.hf.update(*empty, i)
+            layers = self._layers()
+        for layer in layers:
+            pad = lambda t: t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3])  # noqa: E731
+            layer.keys, layer.values = torch.cat([layer.keys, pad(layer.keys)], 2), torch.cat(
+                [layer.values, pad(layer.values)], 2)
+        self.valid = torch.cat([self.valid, torch.zeros(self.rows, extra, dtype=torch.bool)], 1)
+        self.positions = torch.cat([self.positions, torch.zeros(self.rows, extra, dtype=torch.long)], 1)
+
+    def load(self, b: int, prefix: KVCache) -> None:
+        """Row `b` now holds exactly `prefix`'s positions (a prompt prefilled alone), in its first slots."""
+        n = len(prefix)
+        self.valid[b] = False
+        self._grow(n, prefix)
+        for layer, source in zip(self._layers(), prefix.hf.layers):
+            layer.keys[b, :, :n] = source.keys[0]
+            layer.values[b, :, :n] = source.values[0]
+        self.valid[b, :n] = True
+        self.positions[b, :n] = torch.arange(n)
+
+    def compact(self) -> None:
+        """Gather each row's slots to the front and drop the rest (rejected drafts, finished rows, padding)."""
+        counts = self.valid.sum(1)
+        width = int(counts.max()) if self.rows else 0
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]  # valid slots first
+        for layer in self._layers():
+            index = order.to(layer.keys.device)[:, None, :, None]
+            layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        self.positions = self.positions.gather(1, order)
+        self.valid = torch.arange(width)[None, :] < counts[:, None]
+
+    def forward(self, calls: dict[int, Call]) -> dict[int, torch.Tensor]:
+        """One forward serving each row's call (rows without one only pad); returns each row's logits as `LM.forward`
+        would for that row alone. Its new slots hold the rows' call tokens, right-aligned."""
+        lm, device = self.lm, self.lm.device
+        if self.slots > 64 and self.slots > 2 * int(self.valid.sum(1).max()):
+            self.compact()
+        past, width = self.slots, max(len(call.tokens) for call in calls.values())
+        ids = torch.zeros(self.rows, width, dtype=torch.long)
+        positions = torch.zeros(self.rows, width, dtype=torch.long)
+        allowed = torch.zeros(self.rows, width, past + width, dtype=torch.bool)
+        allowed[:, torch.arange(width), past + torch.arange(width)] = True  # padding sees itself (no empty softmax)
+        for b, call in calls.items():
+            n, cached = len(call.tokens), int(self.valid[b].sum())
+            pad = width - n
+            ids[b, pad:] = torch.as_tensor(call.tokens)
+            positions[b, pad:] = (torch.as_tensor(call.positions) if call.positions is not None else
+                                  torch.arange(cached, cached + n))
+            own = torch.ones(n, n, dtype=torch.bool).tril() if call.tree_mask is None else call.tree_mask.bool()
+            allowed[b, pad:, :past] = self.valid[b]
+            allowed[b, pad:, past + pad:] = own
+        key_positions = torch.cat([self.positions, positions], 1)  # [rows, past + width]
+        mask = self._additive(allowed, key_positions, positions)
+        keep = max(call.keep or len(call.tokens) for call in calls.values())
+        out = lm.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
+                       use_cache=True, logits_to_keep=keep, **{lm.cache_keyword: self.hf})
+        self.valid = torch.cat([self.valid, torch.zeros(self.rows, width, dtype=torch.bool)], 1)
+        self.positions = key_positions
+        logits = {}
+        for b, call in calls.items():
+            n = len(call.tokens)
+            self.valid[b, past + width - n:] = True
+            want = call.keep or n
+            logits[b] = out.logits[b, keep - want:]  # [want, vocab]
+        return logits
+
+    def _additive(self, allowed: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor):
+        """Additive 4D masks [rows, 1, width, past + width] from `allowed`, with the sliding window (by position)
+        where the model has one, one per layer type where it mixes them (as `LM._tree_attention_mask`)."""
+        lm = self.lm
+        masks = {"full_attention": allowed}
+        window = getattr(lm.config, "sliding_window", None)
+        if window:
+            masks["sliding_attention"] = allowed & (keys[:, None, :] > queries[:, :, None] - window)
+        blocked = torch.finfo(lm.dtype).min
+        additive = {kind: torch.zeros(m.shape, dtype=lm.dtype).masked_fill(~m, blocked)[:, None].to(lm.device)
+                    for kind, m in masks.items()}
+        layer_types = set(getattr(lm.config, "layer_types", None) or [])
+        if len(layer_types) > 1:
+            return {kind: additive[kind] for kind in layer_types}
+        if window and layer_types <= {"sliding_attention"}:
+            return additive["sliding_attention"]
+        return additive["full_attention"]
+
+
+@dataclass
+class Row:
+    """A run in the batch: its index in the caller's prompts, state, strategy and the step in progress."""
+
+    index: int
+    state: DecodeState
+    decoder: Decoder
+    began: float
+    steps: Iterator | None = None
+    pending: Call | None = None
+    before: int = 0  # len(state.tokens) when its step began
+    error: Exception | None = None  # what its own step raised
+    text: str = ""  # the text streamed so far
+
+
+def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int) -> Iterator[tuple[int, Chunk, Result | None]]:
+    """Decode `runs` (checked, ready states and their strategies) with at most `batch_size` in flight; yields (the
+    run's index, the chunk a step added, its `Result` once finished) as rows step."""
+    for _, decoder in runs:
+        if not decoder.batchable():
+            raise TypeError(f"strategy {decoder.name!r} implements `step` only and cannot run batched; implement "
+                            "`steps` (see decoders.base.Decoder) or decode its prompts one at a time")
+    queue = deque(enumerate(runs))
+    batch = BatchCache(lm, min(batch_size, len(runs)))
+    rows: list[Row | None] = [None] * batch.rows
+    with torch.inference_mode():
+        while queue or any(rows):
+            for b in range(batch.rows):
+                if rows[b] is None and queue:
+                    rows[b] = admit(lm, batch, b, *queue.popleft())
+            for row in filter(None, rows):
+                _advance(row, None)
+            calls = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
+            if calls:
+                for b, logits in batch.forward(calls).items():
+                    rows[b].state.stats.target_calls += 1
+                    _advance(rows[b], logits)
+            lm.synchronize()
+            for b, row in enumerate(rows):
+                if row is not None and row.steps is None:  # its step is done
+                    state = row.state
+                    added = state.tokens[row.before:]
+                    if not added and not state.finished and row.error is None:
+                        raise RuntimeError(f"strategy {row.decoder.name!r} made a step that accepted no token")
+                    elapsed = time.perf_counter() - row.began
+                    state.stats.ttft_seconds = state.stats.ttft_seconds or elapsed
+                    state.stats.seconds = elapsed
+                    full = state.lm.decode(state.new_tokens)
+                    if full.endswith("\ufffd") and not state.finished and row.error is None:
+                        full = full[:-1]  # an incomplete UTF-8 character: streamed with the next step
+                    piece, row.text = full[len(row.text):], full
+                    chunk = Chunk(added, piece, state.sources[len(state.sources) - len(added):], row.index)
+                    if row.error is not None:
+                        state.finish_reason = "error"
+                    if state.finished:
+                        if row.error is None:
+                            row.decoder.finish(state)
+                        batch.valid[b] = False
+                        rows[b] = None
+                        yield row.index, chunk, result(state, row.decoder, row.error)
+                    else:
+                        yield row.index, chunk, None
+
+
+def admit(lm: LM, batch: BatchCache, b: int, index: int, run: tuple[DecodeState, Decoder]) -> Row:
+    """Start run `index` in row `b`: its prompt but the last token prefilled alone, then its strategy's `start`."""
+    state, decoder = run
+    prefix = lm.new_cache()
+    if len(state.tokens) > 1:
+        lm.forward(state.tokens[:-1], prefix, keep=1)
+    batch.load(b, prefix)
+    state.cache = batch.row(b)
+    row = Row(index, state, decoder, time.perf_counter())
+    decoder.start(state)
+    return row
+
+
+def _advance(row: Row, logits: torch.Tensor | None) -> None:
+    """Step `row` on until its strategy asks for a target call (`row.pending`) or its step ends (`row.steps` None).
+    `logits`: the answer to its pending call; None to start a step."""
+    try:
+        if row.steps is None:
+            if logits is not None:
+                raise RuntimeError("logits for a row with no step in progress")
+            row.before, row.steps = len(row.state.tokens), row.decoder.steps(row.state)
+            row.pending = next(row.steps)
+        elif logits is not None:
+            row.pending = row.steps.send(logits)
+    except StopIteration:
+        row.steps = row.pending = None
+    except Exception as error:  # noqa: BLE001  (its strategy's, grammar's or drafter's: the other rows go on)
+        row.steps = row.pending = None
+        row.error = error
+
+
+def result(state: DecodeState, decoder: Decoder, error: Exception | None = None) -> Result:
+    return Result(text=state.lm.decode(state.new_tokens), tokens=state.new_tokens, sources=state.sources,
+                  stats=state.stats, finish_reason=state.finish_reason, prompt_tokens=state.tokens[: state.prompt_len],
+                  strategy=decoder.name, error=None if error is None else f"{type(error).__name__}: {error}")
