@@ -140,18 +140,32 @@ class MainBranch(SuffixSwapped):
     trees = False
 
 
-class NoLookahead(Planned):
-    """`lookahead`: no lookahead proposer (its guesses and its window's rides). The replay undervalues it: its window's
-    tokens are off greedy's path, so their predictions never see the future."""
+class Without(Planned):
+    """`auto`'s drafter without the proposers named in `dropped`."""
+
+    dropped: tuple[str, ...] = ()
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.proposers = [p for p in self.proposers if p.name != "lookahead"]
-        self.by_name.pop("lookahead", None)
+        self.proposers = [p for p in self.proposers if p.name not in self.dropped]
+        self.by_name = {p.name: p for p in self.proposers}
+
+
+class NoLookahead(Without):
+    """`lookahead`: no lookahead guesses, alone or merged, and no window rides. The replay undervalues it: its
+    window's tokens are off greedy's path, so their predictions never see the future."""
+
+    dropped = ("lookahead", "merged")
+
+
+class NoMerged(Without):
+    """`merged`: the suffix index's and lookahead's guesses never checked in one tree."""
+
+    dropped = ("merged",)
 
 
 MECHANISMS: dict[str, type[Planned]] = {"online_correction": Untimed, "match_curves": OneCurveDrafter,
-                                         "lookahead": NoLookahead,
+                                         "lookahead": NoLookahead, "merged": NoMerged,
                                         "suffix_trees": MainBranch}
 
 

@@ -129,7 +129,7 @@ def test_a_variant_switches_its_mechanism_off_in_autos_own_proposers(suite, monk
 def test_unknown_mechanisms_are_refused_and_noise_gives_each_seeds_ratios(suite):
     lm, prompts = suite
     with pytest.raises(ValueError, match="unknown mechanisms"):
-        ablate(lm, {"a": prompts}, ("here",), ("merged",), here=HERE, progress=False)
+        ablate(lm, {"a": prompts}, ("here",), ("no_such_mechanism",), here=HERE, progress=False)
     noisy = ablate(lm, {"a": prompts[:1]}, ("here",), ("suffix_trees",), noise=0.15, seeds=2, here=HERE,
                    progress=False)
     per_seed = noisy["regimes"]["here"]["runs"]["suffix_trees"]["all"]["per_seed"]

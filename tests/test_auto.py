@@ -246,7 +246,7 @@ def test_every_proposer_learns_every_step_whoever_drafted_it():
         want = decoders.generate(lm, prompt, max_new_tokens=30).tokens
         got = decoders.generate(lm, prompt, strategy=strategy, draft=lm, max_new_tokens=30)
         assert got.tokens == want
-        assert set(seen) == {"suffix", "lookahead", "draft", "tree", "guess"}
+        assert set(seen) == {"suffix", "lookahead", "merged", "draft", "tree", "guess"}
         steps = seen["suffix"]
         assert len(steps) == len(plans) == got.stats.target_calls
         assert all(theirs == steps for theirs in seen.values())  # the same steps, in order, for every proposer

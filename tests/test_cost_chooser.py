@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from decoders.drafting.chooser import (Acceptance, Chooser, ChooserOptions, Offer, Plan, at_least, expected_tokens,
-                                       given_above)
+                                       given_above, union)
 from decoders.drafting.cost import CallCost, CostModel
 from decoders.proposers.suffix import match_curve
 
@@ -369,3 +369,15 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="prior_strength"):
         ChooserOptions(prior_strength=0.0)
     assert math.isclose(Acceptance(ChooserOptions(prior_mean=0.2)).level(1), 0.2)
+def test_a_merged_tree_is_likely_as_its_guesses_together_where_they_part_ways():
+    """Guesses that agree on their first d tokens count once, as likely as the likeliest says; guesses of different
+    tokens each may be right: the level is missed only when all are wrong."""
+    # both guess token 1 first (0.5 and 0.8: 0.8), then 2 (0.25) or 3 (0.2): 1 - 0.75 * 0.8 = 0.4 = 0.8 * 0.5
+    assert union([([1, 2], (0.5, 0.5)), ([1, 3], (0.8, 0.25))]) == pytest.approx((0.8, 0.5))
+    assert union([([1], (0.5,)), ([2], (0.4,))]) == pytest.approx((0.7,))  # 1 - 0.5 * 0.6
+    # a shorter guess helps its own levels only: depth 2 is the first path's 0.25, 0.25 / 0.8 of depth 1's
+    assert union([([1, 2], (0.5, 0.5)), ([3], (0.6,))]) == pytest.approx((0.8, 0.3125))
+    # never likelier at depth 2 than at depth 1: 1 - 0.5 * 0.5 = 0.75 would exceed 0.6 (over-confident parts)
+    assert union([([1, 2], (0.6, 0.84)), ([1, 3], (0.6, 0.84))]) == pytest.approx((0.6, 1.0))
+    assert union([([1, 2], (1.0, 0.0)), ([1], (0.5,))]) == pytest.approx((1.0, 0.0))
+

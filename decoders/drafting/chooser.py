@@ -99,6 +99,20 @@ def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
     return given_above(reach)
 
 
+def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ...]:
+    """Acceptance per level of a tree merged from drafts, from each one's main path (tokens) and acceptance per level:
+    paths agreeing on their first d tokens are one guess, as likely as the likeliest; paths that part ways are
+    independent guesses, the first d levels accepted unless all are wrong, never more often than the first d - 1."""
+    reach = []
+    for d in range(1, max((min(len(t), len(a)) for t, a in paths), default=0) + 1):
+        guesses: dict[tuple[int, ...], float] = {}
+        for tokens, accept in paths:
+            if min(len(tokens), len(accept)) >= d:
+                guesses[tuple(tokens[:d])] = max(guesses.get(tuple(tokens[:d]), 0.0), math.prod(accept[:d]))
+        reach.append(min(reach[-1] if reach else 1.0, 1.0 - math.prod(1.0 - p for p in guesses.values())))
+    return given_above(reach)
+
+
 class Acceptance:
     """One proposer's acceptance estimates: Beta posteriors per depth with forgetting, and calibration curves of the
     drafter's own probabilities, one per named curve (a proposer may judge kinds of its drafts apart)."""

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from decoders.drafting.chooser import Acceptance, Offer, Plan, expected_tokens
+from decoders.drafting.chooser import Offer, Plan, expected_tokens
 from decoders.drafting.draft import Draft
 
 if TYPE_CHECKING:
@@ -49,7 +49,6 @@ class Proposer(Protocol):
     """A source of guesses for one run, built from the run's state."""
 
     name: str  # what `result.sources`, `auto`'s report and its estimates call it
-    acceptance: Acceptance  # its estimates, which its `learn` updates
     corrected: bool  # its drafts run past their plans (a chain on while the next token pays, a tree grown by its own
     # rule), so the chooser corrects its plans by what its steps gave
 

@@ -147,16 +147,20 @@ class LookaheadProposer:
                  chooser: ChooserOptions | None = None) -> None:
         self.drafter, self.suffix, self.cost = LookaheadDrafter(state, LookaheadOptions()), suffix, cost
         self.acceptance = Acceptance(chooser)
-        self.guesses = Draft([])
+        self.guesses, self.offered = Draft([]), None
         self.rides = self.saved = 0.0  # seconds the window's rides added, seconds its guesses saved
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
-        self.guesses = self.drafter.propose(state, limit)
-        if not self.guesses.tokens:
-            return None
-        window = len(self.guesses.window.tokens) if self.guesses.window is not None else 0
-        nodes = tuple(window + n for n in per_level(self.guesses.parents))
-        return Offer(self.name, self.acceptance.chain(len(nodes)), nodes=nodes)
+        self.guesses, self.offered = self.drafter.propose(state, limit), None
+        if self.guesses.tokens:
+            window = len(self.guesses.window.tokens) if self.guesses.window is not None else 0
+            nodes = tuple(window + n for n in per_level(self.guesses.parents))
+            self.offered = Offer(self.name, self.acceptance.chain(len(nodes)), nodes=nodes)
+        return self.offered
+
+    def current(self) -> Draft:
+        """This step's guesses (from the last `offer`), without the window."""
+        return replace(self.guesses, window=None)
 
     def draft(self, state: DecodeState, plan: Plan) -> Draft:
         return levels_above(self.guesses, plan.k)  # (the window rides along)
@@ -164,7 +168,7 @@ class LookaheadProposer:
     def ride(self, state: DecodeState, draft: Draft, plan: Plan) -> Draft:
         """`draft` (another proposer's) with the window along where that pays, as the class says."""
         window = self.guesses.window
-        if window is None or draft.window is not None or plan.proposer not in (None, self.suffix.name):
+        if window is None or draft.window is not None or plan.proposer not in (None, self.suffix.name, "merged"):
             return draft
         context, scored = len(state.cache), len(state.uncached()) + len(draft.tokens)
         call = self.cost.target_seconds(scored, context)
@@ -174,10 +178,14 @@ class LookaheadProposer:
         self.rides += extra
         return replace(draft, window=window)
 
+    def teach(self, state: DecodeState, draft: Draft, accepted: int, path: list[int]) -> None:
+        """Learn that `accepted` levels of `draft` (this step's guesses, cut from below) were accepted, the step's
+        accepted tokens `path`; what the suffix index did not hold too counts as saved target calls."""
+        self.acceptance.learn(depth(draft), accepted)
+        held = len(self.suffix.current().follow(path))
+        self.saved += max(0, accepted - held) * self.cost.target_seconds(1, len(state.cache))
+
     def learn(self, state: DecodeState, step: Step) -> None:
         if step.plan.proposer == self.name and step.draft.tokens:
-            self.acceptance.learn(depth(step.draft), step.accepted)
-            rival = Draft(self.suffix.tree.tokens, None, self.suffix.tree.parents)  # what the suffix index held
-            held = len(rival.follow(step.tokens[: step.accepted]))
-            self.saved += max(0, step.accepted - held) * self.cost.target_seconds(1, len(state.cache))
+            self.teach(state, step.draft, step.accepted, step.tokens[: step.accepted])
         self.drafter.update(state, step.draft, step.accepted)

@@ -63,14 +63,21 @@ class SuffixProposer:
                              nodes=per_level(self.tree.parents)) if self.levels else None
         return self.offered
 
+    def current(self) -> Draft:
+        """This step's tree (from the last `offer`)."""
+        return Draft(self.tree.tokens, None, self.tree.parents, source=self.name)
+
     def draft(self, state: DecodeState, plan: Plan) -> Draft:
-        tree = Draft(self.tree.tokens, None, self.tree.parents, source=self.name)
-        return levels_above(tree, plan.k)
+        return levels_above(self.current(), plan.k)
+
+    def teach(self, draft: Draft, accepted: int) -> None:
+        """Learn that `accepted` levels of `draft` (this step's tree, cut from below) were accepted."""
+        levels = depth(draft)  # fewer than planned where an EOS or the grammar cut it
+        self.acceptance.learn(levels, accepted, self.levels[:levels], self.curves[:levels])
 
     def learn(self, state: DecodeState, step: Step) -> None:
         if step.plan.proposer == self.name and step.draft.tokens:
-            levels = depth(step.draft)  # fewer than planned where an EOS or the grammar cut it
-            self.acceptance.learn(levels, step.accepted, self.levels[:levels], self.curves[:levels])
+            self.teach(step.draft, step.accepted)
         self.index.follow("run", state.tokens)
 
     def finish(self, state: DecodeState) -> None:

@@ -3,8 +3,8 @@
 The loop: ask each proposer (`decoders.proposers`) what it could draft, let the `Chooser` pick the plan of highest
 expected tokens per second (or a plain step), draft it, verify it in the shared draft-then-verify loop, and pass the
 `Step` to every proposer's `learn`. The proposers: the suffix index of the run's text (always), lookahead's n-grams
-(its Jacobi window riding along in other steps' calls where cheap), and with a draft model its chains and, where both
-models take tree masks, its trees. The cost model (`decoders.drafting.cost`) is
+(its Jacobi window riding along in other steps' calls where cheap) and both merged into one tree, and with a draft
+model its chains and, where both models take tree masks, its trees. The cost model (`decoders.drafting.cost`) is
 measured once per model, dtype, device and thread count, cached on disk, and corrected by the calls the run times.
 
 Every token is verified by the target: exact in greedy and in sampling mode. Where the caller seeds a sampling run,
@@ -30,6 +30,7 @@ from decoders.proposers.base import Clock, Proposer, Step
 from decoders.proposers.draft_chain import ChainProposer
 from decoders.proposers.draft_tree import TreeProposer
 from decoders.proposers.lookahead import LookaheadProposer
+from decoders.proposers.merged import MergedProposer
 from decoders.proposers.suffix import SuffixProposer
 from decoders.registry import register
 
@@ -84,7 +85,8 @@ class AutoDrafter:
                                 chooser=self.chooser.options)
         self.proposers: list[Proposer] = [suffix]
         if trees:  # (lookahead's window needs tree masks)
-            self.proposers.append(LookaheadProposer(state, suffix, self.cost, self.chooser.options))
+            lookahead = LookaheadProposer(state, suffix, self.cost, self.chooser.options)
+            self.proposers += [lookahead, MergedProposer(suffix, lookahead)]
         if state.draft is not None:
             model = draft_model(state)
             chain = ChainProposer(model, self.cost, self.chooser, self.clock, options.max_draft)

@@ -1,0 +1,50 @@
+"""`auto`'s merged guesses: the suffix index's tree and lookahead's n-grams as one tree, checked in one call.
+
+Where a call of a few more tokens costs little more than one (a CPU reading bfloat16 weights, a GPU), checking every
+draft-free guess at once takes the tokens of whichever is right. Each node keeps the source of the guess that holds
+it, and each part learns how far its own guesses went.
+"""
+
+from __future__ import annotations
+
+from decoders.base import DecodeState
+from decoders.drafting.chooser import Offer, Plan, union
+from decoders.drafting.draft import Draft
+from decoders.drafting.tree import common, first_branch, levels_above, merge, per_level
+from decoders.proposers.base import Step
+from decoders.proposers.lookahead import LookaheadProposer
+from decoders.proposers.suffix import SuffixProposer
+
+
+class MergedProposer:
+    """The union of the suffix proposer's and lookahead's drafts of this step (offered after theirs)."""
+
+    name = "merged"
+    corrected = False
+
+    def __init__(self, suffix: SuffixProposer, lookahead: LookaheadProposer) -> None:
+        self.suffix, self.lookahead = suffix, lookahead
+        self.parts: list[tuple[Draft, Offer]] = []
+        self.tree = Draft([])
+
+    def offer(self, state: DecodeState, limit: int) -> Offer | None:
+        offered = [(self.suffix.current(), self.suffix.offered), (self.lookahead.current(), self.lookahead.offered)]
+        self.parts = [(draft, offer) for draft, offer in offered if offer is not None and draft.tokens]
+        if len(self.parts) < 2:
+            return None
+        self.tree = merge([draft for draft, _ in self.parts], self.name)
+        paths = [([draft.tokens[n] for n in first_branch(draft.links)], offer.accept) for draft, offer in self.parts]
+        return Offer(self.name, union(paths), nodes=per_level(self.tree.links))
+
+    def draft(self, state: DecodeState, plan: Plan) -> Draft:
+        return levels_above(self.tree, plan.k)
+
+    def learn(self, state: DecodeState, step: Step) -> None:
+        if step.plan.proposer != self.name or not step.draft.tokens:
+            return
+        path = step.tokens[: step.accepted]
+        suffix, ahead = (draft.subset(common(draft, step.draft)) for draft, _ in self.parts)
+        if suffix.tokens:
+            self.suffix.teach(suffix, len(suffix.follow(path)))
+        if ahead.tokens:
+            self.lookahead.teach(state, ahead, len(ahead.follow(path)), path)
