@@ -192,9 +192,10 @@ class Row:
     text: str = ""  # the text streamed so far
 
 
-def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int) -> Iterator[tuple[int, Chunk, Result | None]]:
+def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_text: bool = True
+        ) -> Iterator[tuple[int, Chunk, Result | None]]:
     """Decode `runs` (checked, ready states and their strategies) with at most `batch_size` in flight; yields (the
-    run's index, the chunk a step added, its `Result` once finished) as rows step."""
+    run's index, the chunk a step added (its text only `with_text`), its `Result` once finished) as rows step."""
     for _, decoder in runs:
         if not decoder.batchable():
             raise TypeError(f"strategy {decoder.name!r} implements `step` only and cannot run batched; implement "
@@ -224,10 +225,12 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int) -> Ite
                     elapsed = time.perf_counter() - row.began
                     state.stats.ttft_seconds = state.stats.ttft_seconds or elapsed
                     state.stats.seconds = elapsed
-                    full = state.lm.decode(state.new_tokens)
-                    if full.endswith("\ufffd") and not state.finished and row.error is None:
-                        full = full[:-1]  # an incomplete UTF-8 character: streamed with the next step
-                    piece, row.text = full[len(row.text):], full
+                    piece = ""
+                    if with_text:
+                        full = state.lm.decode(state.new_tokens)
+                        if full.endswith("\ufffd") and not state.finished and row.error is None:
+                            full = full[:-1]  # an incomplete UTF-8 character: streamed with the next step
+                        piece, row.text = full[len(row.text):], full
                     chunk = Chunk(added, piece, state.sources[len(state.sources) - len(added):], row.index)
                     if row.error is not None:
                         state.finish_reason = "error"
@@ -242,14 +245,16 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int) -> Ite
 
 
 def admit(lm: LM, batch: BatchCache, b: int, index: int, run: tuple[DecodeState, Decoder]) -> Row:
-    """Start run `index` in row `b`: its prompt but the last token prefilled alone, then its strategy's `start`."""
+    """Start run `index` in row `b`: its prompt but the last token prefilled alone, then its strategy's `start`. Its
+    clock starts before the prefill, as a run alone counts its prompt's call."""
     state, decoder = run
+    began = time.perf_counter()
     prefix = lm.new_cache()
     if len(state.tokens) > 1:
         lm.forward(state.tokens[:-1], prefix, keep=1)
     batch.load(b, prefix)
     state.cache = batch.row(b)
-    row = Row(index, state, decoder, time.perf_counter())
+    row = Row(index, state, decoder, began)
     decoder.start(state)
     return row
 

@@ -26,7 +26,7 @@ def stream(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Iterator[Chun
     """Run a strategy and yield the tokens of each step as they are accepted (same arguments as `generate`). With a
     list of prompts, chunks of all of them come as their rows step, each carrying its prompt's `index`."""
     if is_batch(prompt):
-        for _, chunk, _ in _run_batch(lm, prompt, **kwargs):
+        for _, chunk, _ in _run_batch(lm, prompt, with_text=True, **kwargs):
             yield chunk
         return
     yield from prepare(lm, prompt, **kwargs).chunks()
@@ -58,7 +58,7 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
     """
     if is_batch(prompt):
         results: list[Result | None] = [None] * len(prompt)
-        for index, _, result in _run_batch(lm, prompt, **kwargs):
+        for index, _, result in _run_batch(lm, prompt, with_text=False, **kwargs):
             if result is not None:
                 results[index] = result
         return results
@@ -206,7 +206,7 @@ def _per_row(value, count: int, name: str, rows: bool) -> list:
 
 
 def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, seed=None, grammar=None, stop=None,
-               **kwargs):
+               with_text: bool = True, **kwargs):
     """Check every prompt (an error names its index) before any runs, then decode them batched (`decoders.batch`)."""
     from decoders import batch
 
@@ -228,7 +228,7 @@ def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, 
         lm.check_tree_mask()
     except TypeError as error:
         raise TypeError(f"cannot decode a batch with this model: {error}") from None
-    yield from batch.run(lm, runs, batch_size)
+    yield from batch.run(lm, runs, batch_size, with_text)
 
 
 def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
