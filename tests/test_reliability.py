@@ -102,13 +102,19 @@ def test_prompts_as_one_sequence_in_any_container():
 
 
 @pytest.mark.parametrize("batch", [
-    lambda ids: torch.tensor([ids, ids]), lambda ids: [ids, ids], lambda ids: np.array([ids, ids]),
-    lambda ids: torch.tensor([[ids]]),
+    lambda ids: torch.tensor([ids, ids]), lambda ids: np.array([ids, ids]), lambda ids: torch.tensor([[ids]]),
 ])
-def test_a_batch_of_prompts_is_refused(batch):
+def test_a_tensor_of_several_prompts_is_refused_with_the_way_to_batch(batch):
     lm = tiny_lm("llama")
-    with pytest.raises(ValueError, match="batch of prompts"):
+    with pytest.raises(ValueError, match="batch of prompts|nested"):
         decoders.generate(lm, batch(lm.encode(PROMPTS[0])[:4]), max_new_tokens=4)
+
+
+def test_a_list_of_id_lists_is_a_batch():
+    lm = tiny_lm("llama")
+    ids = lm.encode(PROMPTS[0])[:4]
+    results = decoders.generate(lm, [ids, ids], max_new_tokens=4)
+    assert [r.tokens for r in results] == [decoders.generate(lm, ids, max_new_tokens=4).tokens] * 2
 
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5, True])

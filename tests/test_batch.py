@@ -1,0 +1,494 @@
+"""Many prompts at once (`decoders.batch`): each row of a batched run is exactly its prompt's own run.
+
+Greedy mode, float32: every registered strategy (with a draft where it needs or takes one, as in test_equivalence)
+returns, row for row, the tokens of batch-1 `greedy`, with prompts of different lengths (text and token ids, one of a
+single token), rows that end at different steps (per-row stop strings, an EOS-prone model), refills (more prompts
+than rows) and a row under a grammar beside rows without. Also: stop strings, seeds, `stream`, sampling (a chi-square
+of each row's first token, seeded rows equal their own seeded runs), bad input refused before any run, a row whose own
+step raises, a long queue whose cache stays bounded, and the batch-1 path left as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import random
+from collections import defaultdict
+
+import pytest
+import torch
+
+import decoders
+import grammars
+from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_tokenizer
+from decoders.base import Decoder, Result
+from decoders.batch import BatchCache
+from samplers import SamplingConfig
+from stats import chi_square_fits
+
+STRATEGIES = decoders.available()
+NONE, SELF, RANDOM, SELF_INT8, RANDOM_INT8 = "none", "self", "random", "self:int8", "random:int8"
+EOS_PRONE = "llama-eos"  # a pseudo-architecture: tiny llama whose EOS logit shadows a common token
+FULL_ARCHS = ("llama", "mistral", "gemma3")  # plain, sliding window, mixed full and sliding layers
+MAX_NEW = 16
+# a prompt longer than mistral's and gemma3's sliding window (8), of rare bytes: many tokens
+LONG_PROMPT = "Zebras & quartz: 42 mixed-case WORDS, odd punctuation!? and digits 0123456789 ~~"
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+                                                                      "maximum": 99}},
+    "required": ["name", "age"],
+}
+
+
+@functools.cache
+def constraint(name: str):
+    """One constraint object per name for the whole module (each index is built once)."""
+    return {"schema": lambda: grammars.json_schema(SCHEMA), "regex": lambda: grammars.regex(r"[0-9]{3}-[0-9]{4}"),
+            "choice": lambda: grammars.choice(["red", "green", "blue"])}[name]()
+
+
+@functools.cache
+def eos_prone_lm() -> decoders.LM:
+    """Tiny llama whose EOS row of the output head is 1.5x that of the token greedy emits 4th after PROMPTS[0]: that
+    prompt ends by EOS within 4 tokens, other prompts wherever they would have emitted that token (or never)."""
+    base = tiny_lm("llama")
+    token = decoders.generate(base, PROMPTS[0], max_new_tokens=4).tokens[3]
+    model = copy.deepcopy(base.model)
+    with torch.no_grad():
+        model.lm_head.weight[0] = model.lm_head.weight[token] * 1.5
+    return decoders.wrap(model, tiny_tokenizer(), name="tiny-llama-eos-prone")
+
+
+def target(arch: str) -> decoders.LM:
+    return eos_prone_lm() if arch == EOS_PRONE else tiny_lm(arch)
+
+
+@functools.cache
+def random_int8() -> decoders.LM:
+    return decoders.quantize(tiny_lm("llama", seed=99))
+
+
+def draft_of(kind: str, lm: decoders.LM):
+    return {NONE: None, SELF: lm, RANDOM: tiny_lm("llama", seed=99), SELF_INT8: SELF_INT8,
+            RANDOM_INT8: random_int8()}[kind]
+
+
+def mixed_prompts(lm: decoders.LM) -> list:
+    """Six prompts of different lengths: text and token ids, one a single token, one longer than a sliding window."""
+    return [PROMPTS[3], lm.encode(PROMPTS[1])[:1], PROMPTS[0], LONG_PROMPT, lm.encode(PROMPTS[4]), PROMPTS[2]]
+
+
+def key(prompt):
+    return prompt if isinstance(prompt, str) else tuple(prompt)
+
+
+@functools.cache
+def _reference(lm, prompt, stop, grammar, max_new_tokens, sampling=()) -> Result:
+    return decoders.generate(lm, prompt if isinstance(prompt, str) else list(prompt), strategy="greedy",
+                             stop=None if stop is None else list(stop),
+                             grammar=None if grammar is None else constraint(grammar),
+                             max_new_tokens=max_new_tokens, **dict(sampling))
+
+
+def reference(lm, prompt, stop=None, grammar=None, max_new_tokens=MAX_NEW, **sampling) -> Result:
+    """Batch-1 `greedy` on one prompt (cached: the same references serve every strategy)."""
+    return _reference(lm, key(prompt), None if stop is None else tuple(stop), grammar, max_new_tokens,
+                      tuple(sorted(sampling.items())))
+
+
+def assert_same_row(got: Result, want: Result, index: int, strategy: str) -> None:
+    where = f"row {index} ({strategy})"
+    assert isinstance(got, Result), where
+    assert got.error is None, f"{where} raised: {got.error}"
+    assert got.tokens == want.tokens, f"{where} diverged from its batch-1 greedy run"
+    assert got.finish_reason == want.finish_reason, where
+    assert got.text == want.text, where
+    assert got.prompt_tokens == want.prompt_tokens, where
+    assert got.strategy == strategy, where
+    assert len(got.sources) == len(got.tokens) == got.stats.new_tokens, where
+
+
+# ------------------------------------------------------------------------------------------------- exactness matrix
+
+
+def draft_kinds(strategy: str, arch: str) -> list[str]:
+    cls = decoders.registry.get(strategy)
+    if cls.needs_draft:
+        if arch == "llama":
+            return [RANDOM, SELF, SELF_INT8, RANDOM_INT8]
+        return [SELF] if arch == EOS_PRONE else [RANDOM]  # (self: drafts that end in EOS, accepted)
+    if cls.takes_draft:
+        return [NONE, RANDOM]
+    return [NONE]
+
+
+DRAFTING = next(s for s in STRATEGIES if decoders.registry.get(s).needs_draft)  # a drafting one, for `stream`
+# every strategy on every architecture (tiny models are cheap): every draft kind on FULL_ARCHS, one elsewhere
+CASES = [(s, a, k) for a in (*FULL_ARCHS, EOS_PRONE) for s in STRATEGIES for k in draft_kinds(s, a)]
+CASES += [(s, a, draft_kinds(s, a)[0]) for a in sorted(ARCHITECTURES) if a not in FULL_ARCHS for s in STRATEGIES]
+
+
+def row_settings(lm, prompts, strategy: str) -> tuple[list, list]:
+    """Per-row grammars and stop strings: one row under a grammar beside rows without (every row under one of three
+    grammars for a strategy that needs one); stop strings taken from the rows' own greedy text at different depths,
+    so that rows end at different steps."""
+    if decoders.registry.get(strategy).needs_grammar:
+        names = [("schema", "regex", "choice")[i % 3] for i in range(len(prompts))]
+    else:
+        names = [None, "schema"] + [None] * (len(prompts) - 2)
+    stops = []
+    for i, (prompt, grammar) in enumerate(zip(prompts, names)):
+        text = reference(lm, prompt, grammar=grammar).text
+        depth = 1 + 2 * i
+        stop = text[depth: depth + 2]
+        stops.append([stop] if i % 2 == 0 and len(stop) == 2 else None)
+    return names, stops
+
+
+@pytest.mark.parametrize("strategy, arch, draft_kind", CASES, ids=[f"{s}-{a}-{k}" for s, a, k in CASES])
+def test_each_row_equals_its_batch1_greedy_run(strategy, arch, draft_kind):
+    lm = target(arch)
+    prompts = mixed_prompts(lm)
+    names, stops = row_settings(lm, prompts, strategy)
+    batch_size = 2 if arch in FULL_ARCHS else 3  # refills: 6 prompts through 2 or 3 rows
+    results = decoders.generate(lm, prompts, strategy=strategy, draft=draft_of(draft_kind, lm), batch_size=batch_size,
+                                grammar=[None if n is None else constraint(n) for n in names], stop=stops,
+                                max_new_tokens=MAX_NEW)
+    assert isinstance(results, list) and len(results) == len(prompts)
+    wants = [reference(lm, p, stop=s, grammar=g) for p, s, g in zip(prompts, stops, names)]
+    for i, (got, want) in enumerate(zip(results, wants)):
+        assert_same_row(got, want, i, strategy)
+        if names[i] is None:
+            assert got.stats.accepted == sum(s != "target" for s in got.sources)
+        if strategy == "greedy" and names[i] is None:
+            assert got.stats.target_calls == len(got.tokens)
+    # the case exercises what it claims: rows end at different steps, some by a stop string (EOS on the EOS-prone model)
+    assert len({len(w.tokens) for w in wants}) > 2
+    assert any(w.finish_reason == "stop" for w in wants)
+    if arch == EOS_PRONE and not decoders.registry.get(strategy).needs_grammar:
+        assert any(w.finish_reason == "eos" and n is None for w, n in zip(wants, names))
+        assert any(w.finish_reason != "eos" for w in wants)
+
+
+# ---------------------------------------------------------------------------------------------- stop strings, stream
+
+
+@pytest.mark.parametrize("stop", ["e", ["e", "o"], ("t", " ")], ids=["string", "list-of-strings", "tuple"])
+def test_stop_strings_for_all_rows(stop):
+    """A string, or a list of strings (even one as long as the prompts: its items are strings, not per-row lists),
+    applies to every row."""
+    lm = tiny_lm("llama")
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    results = decoders.generate(lm, prompts, stop=stop, max_new_tokens=MAX_NEW, batch_size=2)
+    wants = [decoders.generate(lm, p, stop=stop, max_new_tokens=MAX_NEW) for p in prompts]
+    for i, (got, want) in enumerate(zip(results, wants)):
+        assert_same_row(got, want, i, "greedy")
+    assert any(w.finish_reason == "stop" for w in wants)
+
+
+def test_stop_strings_per_row():
+    lm = tiny_lm("llama")
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    texts = [reference(lm, p).text for p in prompts]
+    stops = [None, [texts[1][2:4]], (texts[2][5:7], "\x00never")]
+    results = decoders.generate(lm, prompts, stop=stops, max_new_tokens=MAX_NEW, batch_size=2)
+    for i, (prompt, stop, got) in enumerate(zip(prompts, stops, results)):
+        want = decoders.generate(lm, prompt, stop=stop, max_new_tokens=MAX_NEW)
+        assert_same_row(got, want, i, "greedy")
+    assert [r.finish_reason for r in results] == ["length", "stop", "stop"]
+
+
+def test_stop_mixing_none_and_strings_is_refused():
+    """[None, "x"] is neither one list for all nor one list per row."""
+    lm = tiny_lm("llama")
+    with pytest.raises(ValueError, match="stop"):
+        decoders.generate(lm, [PROMPTS[0], PROMPTS[1]], stop=[None, "x"], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, seed=3)], ids=["greedy", "sampled"])
+def test_stream_chunks_cover_every_prompt_and_concatenate_to_its_result(sampling):
+    lm = tiny_lm("llama")
+    prompts = mixed_prompts(lm)[:5]
+    texts = [reference(lm, p).text for p in prompts]
+    kwargs = dict(strategy=DRAFTING, draft=tiny_lm("llama", seed=99), max_new_tokens=12, batch_size=2,
+                  stop=[None, None, [texts[2][3:5]], None, None], **sampling)
+    chunks = list(decoders.stream(lm, prompts, **kwargs))
+    results = decoders.generate(lm, prompts, **kwargs)
+    by_index = defaultdict(list)
+    for chunk in chunks:
+        by_index[chunk.index].append(chunk)
+    assert sorted(by_index) == list(range(len(prompts)))
+    for i, result in enumerate(results):
+        assert [t for c in by_index[i] for t in c.tokens] == result.tokens, f"row {i}"
+        assert [s for c in by_index[i] for s in c.sources] == result.sources, f"row {i}"
+        assert "".join(c.text for c in by_index[i]) == result.text, f"row {i}"
+        assert all(c.tokens for c in by_index[i][:-1]), f"row {i}: an empty chunk before its last"
+    order = [c.index for c in chunks]
+    assert any(a > b for a, b in zip(order, order[1:])), "rows' chunks should interleave, not come prompt by prompt"
+    if not sampling:
+        for i, (prompt, result) in enumerate(zip(prompts, results)):
+            assert result.tokens == reference(lm, prompt, stop=kwargs["stop"][i], max_new_tokens=12).tokens
+
+
+# ---------------------------------------------------------------------------------------------------------- sampling
+
+
+def sampled_cases():
+    cases = []
+    for strategy in STRATEGIES:
+        cls = decoders.registry.get(strategy)
+        cases.append((strategy, RANDOM if cls.needs_draft else NONE))
+    return cases
+
+
+@pytest.mark.parametrize("seed", [11, [5, 9, 3]], ids=["int", "list"])
+@pytest.mark.parametrize("strategy, draft_kind", sampled_cases(), ids=[f"{s}-{k}" for s, k in sampled_cases()])
+def test_seeded_rows_equal_their_own_seeded_runs(strategy, draft_kind, seed):
+    """seed=s seeds row i with s + i; a list gives each row its own: each row is then exactly its batch-1 run."""
+    lm = tiny_lm("llama")
+    cls = decoders.registry.get(strategy)
+    prompts = [PROMPTS[0], lm.encode(PROMPTS[2]), PROMPTS[1]]
+    names = ["regex", "schema", "choice"] if cls.needs_grammar else [None, "regex", None]
+    settings = dict(temperature=1.0, max_new_tokens=12, strategy=strategy, draft=draft_of(draft_kind, lm))
+    results = decoders.generate(lm, prompts, seed=seed, batch_size=2,
+                                grammar=[None if n is None else constraint(n) for n in names], **settings)
+    seeds = [seed + i for i in range(3)] if isinstance(seed, int) else seed
+    for i, (prompt, name, s) in enumerate(zip(prompts, names, seeds)):
+        want = decoders.generate(lm, prompt, seed=s, grammar=None if name is None else constraint(name), **settings)
+        assert_same_row(results[i], want, i, strategy)
+
+
+def test_seeded_batches_repeat_exactly():
+    lm = tiny_lm("llama")
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    run = lambda seed: [r.tokens for r in decoders.generate(lm, prompts, temperature=1.0, seed=seed,  # noqa: E731
+                                                            max_new_tokens=12, batch_size=2)]
+    first = run(7)
+    assert run(7) == first
+    assert run(8) != first
+    assert run([7, 8, 9]) == first  # the int seed's rows: 7, 8, 9
+    unseeded = decoders.generate(lm, prompts, temperature=1.0, seed=[None, 8, None], max_new_tokens=12)
+    assert unseeded[1].tokens == first[1]
+
+
+def test_each_row_samples_its_own_prompts_distribution():
+    """A chi-square test of each row's first sampled token, over many seeded batched runs that alternate two prompts
+    of different lengths, against that prompt's exact filtered target distribution (and not the other prompt's)."""
+    lm = tiny_lm("qwen2")
+    settings = dict(temperature=0.8, top_k=40)
+    config = SamplingConfig(**settings)
+    ids = {"a": lm.encode(PROMPTS[2]), "b": lm.encode(PROMPTS[0])}
+    with torch.inference_mode():
+        probs = {k: config.probs(lm.forward(v, lm.new_cache())[-1]) for k, v in ids.items()}
+    rows = [ids["a"], ids["b"]] * 20
+    draws = defaultdict(list)
+    for run in range(20):
+        results = decoders.generate(lm, rows, max_new_tokens=1, seed=run * len(rows), batch_size=8, **settings)
+        for i, result in enumerate(results):
+            draws["ab"[i % 2]].append(result.tokens[0])
+    for mine, other in (("a", "b"), ("b", "a")):
+        tokens = torch.tensor(draws[mine])
+        assert chi_square_fits(tokens, probs[mine]), f"prompt {mine}'s rows do not follow its distribution"
+        assert not chi_square_fits(tokens, probs[other])
+
+
+# --------------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """Fail if a batch starts running."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a batch ran before its input was checked")
+
+    monkeypatch.setattr(decoders.batch, "run", refuse)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("", "empty"),
+    ([], "empty"),
+    (list(range(1, 300)), "context"),  # alone longer than the model's 256
+    (list(range(1, 250)), "context"),  # fits, but not with max_new_tokens
+    ([5, 10**6], "token ids"),
+], ids=["empty-text", "empty-ids", "over-context", "over-context-with-new-tokens", "bad-id"])
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_a_bad_prompt_is_refused_before_any_run_naming_its_index(no_run, bad, message, call):
+    lm = tiny_lm("llama")
+    with pytest.raises(ValueError, match=rf"prompt 2\b.*{message}"):
+        out = getattr(decoders, call)(lm, [PROMPTS[0], lm.encode(PROMPTS[1]), bad, PROMPTS[2]], max_new_tokens=10)
+        list(out) if call == "stream" else None
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(strategy="no_such_strategy"), ValueError, "unknown strategy"),
+    (dict(batch_size=0), ValueError, "batch_size"),
+    (dict(batch_size=-2), ValueError, "batch_size"),
+    (dict(batch_size=2.5), ValueError, "batch_size"),
+    (dict(batch_size=True), ValueError, "batch_size"),
+    (dict(seed=[1, 2], temperature=1.0), ValueError, r"seed= has 2 entries for 3 prompts"),
+    (dict(seed=[1, 2, 3, 4], temperature=1.0), ValueError, r"seed= has 4 entries for 3 prompts"),
+    (dict(seed=[1, -2, 3], temperature=1.0), ValueError, r"prompt 1\b.*seed"),
+    (dict(grammar=[None, None]), ValueError, r"grammar= has 2 entries for 3 prompts"),
+    (dict(stop=[None, ["x"]]), ValueError, r"stop= has 2 entries for 3 prompts"),
+    (dict(strategy="speculative"), ValueError, "needs a draft"),
+], ids=lambda v: repr(v) if not isinstance(v, type) else v.__name__)
+def test_bad_batch_arguments_are_refused_before_any_run(no_run, kwargs, error, message):
+    lm = tiny_lm("llama")
+    with pytest.raises(error, match=message):
+        decoders.generate(lm, [PROMPTS[0], PROMPTS[1], PROMPTS[2]], max_new_tokens=4, **kwargs)
+
+
+@pytest.fixture
+def registered():
+    """Register test strategies; unregistered after the test."""
+    names = []
+
+    def register(name, cls):
+        decoders.register(name)(cls)
+        names.append(name)
+        return name
+
+    yield register
+    for name in names:
+        decoders.unregister(name)
+
+
+def test_a_strategy_with_step_only_is_refused_in_a_batch(registered, monkeypatch):
+    class StepOnly(Decoder):
+        def step(self, state):
+            logits = state.score()
+            state.accept([state.choose(logits[-1])], ["target"], rows=logits[-1:])
+
+    name = registered("batch_test_step_only", StepOnly)
+    lm = tiny_lm("llama")
+    assert not StepOnly.batchable()
+    # one prompt: the batch-1 path runs it as before
+    assert decoders.generate(lm, PROMPTS[0], strategy=name, max_new_tokens=6).tokens == reference(
+        lm, PROMPTS[0], max_new_tokens=6).tokens
+
+    def admit(*args, **kwargs):
+        raise AssertionError("a row was admitted before the strategy was checked")
+
+    monkeypatch.setattr(decoders.batch, "admit", admit)
+    with pytest.raises(TypeError, match=rf"{name}.*`step` only.*`steps`"):
+        decoders.generate(lm, [PROMPTS[0], PROMPTS[1]], strategy=name, max_new_tokens=6)
+
+
+# ------------------------------------------------------------------------------------------ a row whose step raises
+
+
+@dataclasses.dataclass(frozen=True)
+class FlakyOptions:
+    bad: tuple = ()  # the prompt whose run raises
+    at: int = 2  # ... at the step that would add its token number `at`
+    after_call: bool = False  # ... after its target call was answered (else before asking one)
+
+
+class Flaky(Decoder):
+    """greedy, except that one prompt's run raises."""
+
+    Options = FlakyOptions
+
+    def steps(self, state):
+        o = self.options
+        bad = tuple(state.tokens[: state.prompt_len]) == o.bad and len(state.new_tokens) >= o.at
+        if bad and not o.after_call:
+            raise RuntimeError("boom before the call")
+        logits = yield state.call()
+        if bad:
+            raise RuntimeError("boom after the call")
+        state.accept([state.choose(logits[-1])], ["target"], rows=logits[-1:])
+
+
+@pytest.mark.parametrize("at, after_call", [(0, False), (3, False), (3, True)])
+def test_a_row_whose_step_raises_ends_with_an_error_and_the_others_go_on(registered, at, after_call):
+    name = registered("batch_test_flaky", Flaky)
+    lm = tiny_lm("llama")
+    prompts = mixed_prompts(lm)
+    bad = 2  # in the middle of the queue: rows are refilled after it
+    options = dict(bad=tuple(lm.encode(prompts[bad]) if isinstance(prompts[bad], str) else prompts[bad]), at=at,
+                   after_call=after_call)
+    results = decoders.generate(lm, prompts, strategy=name, batch_size=2, max_new_tokens=MAX_NEW, **options)
+    for i, (prompt, got) in enumerate(zip(prompts, results)):
+        want = reference(lm, prompt)
+        if i == bad:
+            assert got.finish_reason == "error"
+            assert got.error is not None and got.error.startswith("RuntimeError: boom")
+            assert ("after" in got.error) == after_call
+            assert got.tokens == want.tokens[:at]
+        else:
+            assert_same_row(got, want, i, name)
+    streamed = [c for c in decoders.stream(lm, prompts, strategy=name, batch_size=2, max_new_tokens=MAX_NEW,
+                                           **options) if c.index == bad]
+    assert [t for c in streamed for t in c.tokens] == results[bad].tokens
+
+
+# ----------------------------------------------------------------------------------------------------------- memory
+
+
+MEMORY_CASES = [("greedy", NONE, 200, 8, 6), ("lookahead", NONE, 40, 4, 12), ("staged", RANDOM, 40, 4, 12),
+                (DRAFTING, SELF, 80, 4, 12)]
+
+
+@pytest.mark.parametrize("strategy, draft_kind, count, batch_size, new", MEMORY_CASES,
+                         ids=[c[0] for c in MEMORY_CASES])
+def test_a_long_queue_keeps_the_cache_bounded(monkeypatch, strategy, draft_kind, count, batch_size, new):
+    """A long queue of short prompts (200 through 8 rows for greedy; trees, windows and rejected drafts for the
+    others): the cache's slots stay within twice what a row holds (or the compaction threshold, 64) plus one call,
+    where without compaction they would grow by each forward's width; every row exact."""
+    lm = tiny_lm("llama")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, lm.vocab_size) for _ in range(rng.randint(1, 10))] for _ in range(count)]
+    seen = []
+    forward = BatchCache.forward
+
+    def recording(self, calls):
+        width = max(len(call.tokens) for call in calls.values())
+        held = int(self.valid.sum(1).max())  # the most slots one row holds
+        out = forward(self, calls)
+        layers = self._layers()
+        seen.append(dict(slots=self.slots, width=width, held=held, rows={layer.keys.shape[0] for layer in layers},
+                         layer_slots={t.shape[2] for layer in layers for t in (layer.keys, layer.values)},
+                         positions=tuple(self.positions.shape), valid=tuple(self.valid.shape)))
+        return out
+
+    monkeypatch.setattr(BatchCache, "forward", recording)
+    results = decoders.generate(lm, prompts, strategy=strategy, draft=draft_of(draft_kind, lm), batch_size=batch_size,
+                                max_new_tokens=new)
+    monkeypatch.undo()
+    grown = sum(s["width"] for s in seen)  # the slots an uncompacted cache would end with
+    bound = max(64, 2 * max(s["held"] for s in seen)) + max(s["width"] for s in seen)
+    assert grown > 2 * bound  # the queue is long enough for an unbounded cache to pass the bound
+    for s in seen:
+        assert s["rows"] == {batch_size} and s["layer_slots"] == {s["slots"]}
+        assert s["positions"] == s["valid"] == (batch_size, s["slots"])
+    assert max(s["slots"] for s in seen) <= bound
+    assert max(s["held"] for s in seen) <= 10 + new + 16  # (a row holds its prompt, its tokens and at most a call)
+    for i, (prompt, got) in enumerate(zip(prompts, results)):
+        assert_same_row(got, reference(lm, prompt, max_new_tokens=new), i, strategy)
+
+
+# ---------------------------------------------------------------------------------------------------- batch-1 path
+
+
+def test_one_prompt_still_returns_one_result():
+    lm = tiny_lm("llama")
+    ids = lm.encode(PROMPTS[0])
+    single = decoders.generate(lm, PROMPTS[0], max_new_tokens=8)
+    assert isinstance(single, Result) and single.finish_reason == "length" and single.error is None
+    for prompt in (ids, tuple(ids), torch.tensor(ids)):
+        got = decoders.generate(lm, prompt, max_new_tokens=8)
+        assert isinstance(got, Result) and got.tokens == single.tokens
+    chunks = list(decoders.stream(lm, PROMPTS[0], max_new_tokens=8))
+    assert all(c.index is None for c in chunks)
+    assert "".join(c.text for c in chunks) == single.text
+    assert [t for c in chunks for t in c.tokens] == single.tokens
+    # a list of one prompt is a batch of one: a list of one Result, the same tokens
+    for batch in ([PROMPTS[0]], (PROMPTS[0],), [ids]):
+        got = decoders.generate(lm, batch, max_new_tokens=8)
+        assert isinstance(got, list) and len(got) == 1 and got[0].tokens == single.tokens
+    with pytest.raises(ValueError, match="empty"):
+        decoders.generate(lm, [], max_new_tokens=8)
