@@ -21,10 +21,21 @@ transformers prepares the call as for any decoding method (generation_config mer
   `decodekit_stats` (`Stats.as_dict()` of the run plus "strategy", "finish_reason" and "sources", one per new token).
 
 Returns what `generate` returns: prompt plus new tokens, [1, T] on the prompt's device.
-Refused with an error naming the argument: a batch of several prompts or left padding, beams and other decoding
-modes, any logits processor besides those four warpers, output_scores / output_logits / output_attentions /
-output_hidden_states, num_return_sequences > 1, a prefilled cache, model inputs other than input_ids. Accepted and
-not needed: pad_token_id, use_cache / cache_implementation (decodekit keeps its own rollback cache).
+
+A batch - `input_ids` [B, T] left-padded, with its `attention_mask` (a tokenizer with padding_side="left", as for
+transformers' own generate) - decodes every row at once (decodekit's continuous batching, `decoders.batch`: the rows
+share each target call, every row exactly its own run) and returns what transformers returns for a batch: [B, T + the
+longest row's new tokens], each row's new tokens after its own (padded) prompt, then `pad_token_id` (else the first
+EOS id) after its end. Stopping criteria are checked on each row's own sequence (its padding included, as
+transformers counts max_length) and end that row only; with `return_dict_in_generate=True`, `decodekit_stats` is a
+list of one dict per row. A row whose strategy raises makes the call raise; `seed=s` seeds row i with s + i. One
+left-padded prompt decodes alone (a streamer works), its padding kept in the output.
+
+Refused with an error naming the argument: right padding, a streamer with a batch of several prompts (its rows
+advance at their own pace: stream one prompt, or use `decoders.stream`), beams and other decoding modes, any logits
+processor besides those four warpers, output_scores / output_logits / output_attentions / output_hidden_states,
+num_return_sequences > 1, a prefilled cache, model inputs other than input_ids and attention_mask. Accepted and not
+needed: pad_token_id, use_cache / cache_implementation (decodekit keeps its own rollback cache).
 
 transformers 5.x drops `tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`:
 the latter two are read back from the running call (`_generate_call_arguments`), and the model is wrapped with an
@@ -57,9 +68,9 @@ from transformers.generation import (
 from transformers.generation.utils import GenerationMixin
 
 from decoders import registry
-from decoders.base import Decoder
+from decoders.base import Decoder, Result
 from decoders.capabilities import check_request
-from decoders.driver import prepare, resolve_draft
+from decoders.driver import _run_batch, prepare, resolve_draft
 from decoders.models.lm import LM
 
 # The logits warpers decodekit's sampling reproduces, in the order both apply them, and the setting each carries.
@@ -169,7 +180,7 @@ class CustomGenerate:
             raise TypeError("decoders.hf.custom_generate is called by model.generate: "
                             "model.generate(**inputs, custom_generate=custom_generate, strategy=...)")
         if synced_gpus:
-            raise ValueError("synced_gpus=True is not supported by decodekit's custom_generate (batch 1, one process)")
+            raise ValueError("synced_gpus=True is not supported by decodekit's custom_generate (one process)")
         options = {name: kwargs.pop(name) for name in _option_names() if name in kwargs}
         own = {name: kwargs.pop(name) for name in _OWN_ARGUMENTS if name in kwargs}
         tokenizer = own.pop("tokenizer", None)
@@ -232,7 +243,11 @@ def _decode(model, input_ids, processors, stopping_criteria, generation_config, 
             tokenizer, model_kwargs, options, strategy: str | Decoder = "greedy", draft=None, seed=None,
             grammar=None):
     """Run `strategy` on a prepared `generate` call and return what `generate` returns."""
-    _check_call(input_ids, generation_config, model_kwargs)
+    kept = _check_call(input_ids, generation_config, model_kwargs)  # [B, T] bool: the prompts' own tokens
+    if input_ids.shape[0] > 1 and streamer is not None:
+        raise ValueError(f"streamer= with a batch of {input_ids.shape[0]} prompts is not supported by decodekit's "
+                         "custom_generate: its rows advance at their own pace, not one token per row per step; "
+                         "stream one prompt at a time, or use decoders.stream(lm, prompts)")
     sampling = _sampling(generation_config, processors)
     if sampling["temperature"] and seed is None:
         seed = int(torch.randint(0, 2**62, ()))  # from torch's global RNG, as transformers samples
@@ -249,23 +264,41 @@ def _decode(model, input_ids, processors, stopping_criteria, generation_config, 
                           has_draft=draft is not None, has_grammar=grammar is not None)
         except ValueError as error:
             raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
-        prompt = input_ids[0].tolist()
-        max_new_tokens = generation_config.max_length - len(prompt)
-        run = prepare(lm, prompt, strategy=strategy, max_new_tokens=max_new_tokens, draft=draft, seed=seed,
-                      grammar=grammar, **sampling, **options)
-        sequence = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
-        state, decoder = run.state, run.decoder
+        prompts = [row[keep.to(row.device)].tolist() for row, keep in zip(input_ids, kept)]
+        arguments = dict(strategy=strategy, max_new_tokens=generation_config.max_length - input_ids.shape[1],
+                         draft=draft, seed=seed, grammar=grammar, **sampling, **options)
+        if len(prompts) == 1:
+            run = prepare(lm, prompts[0], **arguments)
+            sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
+            results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
+        else:
+            pad = _pad_id(generation_config)
+            sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria, **arguments)
     finally:
         model.train(was_training)
     if not generation_config.return_dict_in_generate:
-        return sequence
-    new = sequence.shape[1] - len(prompt)
-    state.stats.new_tokens = new  # a stopping criterion may have cut the last step short
-    whole_run = state.finished and new == len(state.new_tokens)
-    return DecodekitOutput(sequences=sequence, decodekit_stats={
-        **state.stats.as_dict(), "strategy": decoder.name,
-        "finish_reason": state.finish_reason if whole_run else "stop", "sources": state.sources[:new],
-    })
+        return sequences
+    stats = [_row_stats(result, new) for result, new in zip(results, kept_new)]
+    return DecodekitOutput(sequences=sequences, decodekit_stats=stats[0] if len(stats) == 1 else stats)
+
+
+def _row_stats(result: Result, new: int) -> dict:
+    """A row's `decodekit_stats`: its counters, strategy, finish reason and sources, for the `new` tokens the output
+    kept (a stopping criterion may have cut the last step short: then the finish reason is "stop")."""
+    result.stats.new_tokens = new
+    whole_run = result.finish_reason is not None and new == len(result.tokens)
+    return {**result.stats.as_dict(), "strategy": result.strategy,
+            "finish_reason": result.finish_reason if whole_run else "stop", "sources": result.sources[:new]}
+
+
+def _pad_id(generation_config: GenerationConfig) -> int:
+    """What transformers pads a batch's finished rows with: pad_token_id, else the first EOS id."""
+    pad = generation_config.pad_token_id
+    if pad is None and generation_config.eos_token_id is not None:
+        pad = torch.as_tensor(generation_config.eos_token_id).reshape(-1)[0]
+    if pad is None:
+        raise ValueError("a batch of prompts needs pad_token_id= (or an eos_token_id) to pad the rows that end first")
+    return int(pad)
 
 
 def _models(model, tokenizer, generation_config: GenerationConfig, assistant_model, draft) -> tuple[LM, LM | None]:
@@ -311,6 +344,35 @@ def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch
     return sequence[:, :length].clone()
 
 
+def _emit_batch(lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: int, stopping_criteria,
+                **arguments) -> tuple[torch.Tensor, list[Result], list[int]]:
+    """Decode the rows together (every row in flight), checking the stopping criteria on each row's own sequence [1,
+    T + n] after every token (one that fires ends that row's output there); returns the sequences [B, T + longest],
+    each row padded with `pad` after its end, the rows' results and how many new tokens each kept."""
+    width, device = input_ids.shape[1], input_ids.device
+    padded = [row.tolist() for row in input_ids]
+    new: list[list[int]] = [[] for _ in prompts]
+    stopped = [False] * len(prompts)
+    results: list[Result | None] = [None] * len(prompts)
+    for index, chunk, result in _run_batch(lm, prompts, batch_size=len(prompts), with_text=False, **arguments):
+        for token in [] if stopped[index] else chunk.tokens:
+            new[index].append(token)
+            if stopping_criteria is not None and bool(stopping_criteria(
+                    torch.tensor([padded[index] + new[index]], device=device), None).any()):
+                stopped[index] = True
+                break
+        if result is not None:
+            results[index] = result
+    for index, result in enumerate(results):
+        if result.error is not None:
+            raise RuntimeError(f"row {index} of the batch: {result.error}")
+    sequences = torch.full((len(prompts), width + max(map(len, new))), pad, dtype=torch.long, device=device)
+    sequences[:, :width] = input_ids
+    for index, tokens in enumerate(new):
+        sequences[index, width: width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return sequences, results, [len(tokens) for tokens in new]
+
+
 def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
     """decodekit's sampling settings from the logits warpers transformers built (or was given): greedy unless
     do_sample. Any other processor is refused, naming the argument that added it."""
@@ -339,28 +401,41 @@ def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
     return settings
 
 
-def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> None:
-    """Refuse, naming the argument, what decodekit cannot honor: a batch, left padding, other decoding modes and
-    outputs, model inputs besides the prompt's ids."""
+def _left_padding(mask: torch.Tensor) -> torch.Tensor:
+    """The [B, T] bool mask of each row's own tokens from a left-padding `attention_mask`; anything else (right
+    padding, a hole, an empty row) raises."""
+    kept = mask.to(torch.bool).cpu()
+    counts = kept.sum(1)
+    left = torch.arange(kept.shape[1])[None, :] >= (kept.shape[1] - counts)[:, None]  # zeros first, then ones
+    if not torch.equal(kept, left) or bool((counts == 0).any()):
+        raise ValueError("attention_mask with right padding (or zeros between ones, or an empty row) is not supported "
+                         "by decodekit's custom_generate: pad prompts on the left (tokenizer padding_side='left'), as "
+                         "transformers' generate expects")
+    return kept
+
+
+def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> torch.Tensor:
+    """Refuse, naming the argument, what decodekit cannot honor: right padding, other decoding modes and outputs,
+    model inputs besides the prompts' ids and attention mask. Returns which tokens of `input_ids` [B, T] are the
+    prompts' own ([B, T] bool: all, or all but a left padding)."""
     for field, allowed in _UNSUPPORTED_FIELDS.items():  # first: beams and return sequences also widen the batch
         value = getattr(generation_config, field, None)
         if value not in allowed:
             raise ValueError(f"{field}={value!r} is not supported by decodekit's custom_generate "
                              f"(it runs one decodekit strategy and returns sequences and decodekit_stats); drop it")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"decodekit's custom_generate decodes one prompt at a time, got a batch of "
-                         f"{input_ids.shape[0]}: call generate once per prompt")
+    mask = model_kwargs.get("attention_mask")
+    kept = torch.ones(input_ids.shape, dtype=torch.bool) if mask is None else _left_padding(mask)
     for name, value in model_kwargs.items():
-        if value is None or name in ("use_cache", "logits_to_keep", "cache_position"):
+        if value is None or name in ("use_cache", "logits_to_keep", "cache_position", "attention_mask"):
             continue
-        if name == "attention_mask" and bool((value == 1).all()):
-            continue
-        if name == "position_ids" and torch.equal(value.reshape(-1).cpu(), torch.arange(value.numel())):
+        if name == "position_ids" and value.numel() == input_ids.numel() and all(
+                torch.equal(row[keep], torch.arange(int(keep.sum())))
+                for row, keep in zip(value.reshape(input_ids.shape).cpu(), kept)):
             continue
         if name in _CACHE_INPUTS and getattr(value, "get_seq_length", lambda: 1)() == 0:
             continue  # the empty cache transformers made
-        why = {"attention_mask": "left padding (an attention mask with zeros)",
-               "position_ids": "position_ids other than 0..T-1",
+        why = {"position_ids": "position_ids other than 0..n-1 over each prompt's own tokens",
                **{cache: f"a prefilled {cache} cache" for cache in _CACHE_INPUTS}}.get(name, f"the model input {name}=")
-        raise ValueError(f"{why} is not supported by decodekit's custom_generate: it decodes one unpadded prompt "
-                         "from input_ids, from scratch")
+        raise ValueError(f"{why} is not supported by decodekit's custom_generate: it decodes the prompts of "
+                         "input_ids (left padding dropped by attention_mask), from scratch")
+    return kept

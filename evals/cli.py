@@ -92,6 +92,8 @@ def cmd_list(args) -> int:
     print("\nPeers (compare --strategies ...):")
     for peer in peers.PEERS.values():
         print(f"  {peer.name:<16} {'needs --draft' if peer.needs_draft else '':<14} {peer.description}")
+    for peer in peers.BATCH_PEERS.values():
+        print(f"  {peer.name:<16} {'--batch-size':<14} {peer.description}")
     for prefix, why in peers.UNAVAILABLE.items():
         print(f"  {prefix + '...':<16} {'':<14} not available: {why}")
     print("\nZoo models (--model zoo:NAME):")
@@ -199,7 +201,7 @@ def cmd_compare(args) -> int:
     import torch
 
     from evals.methods import option_pairs
-    from evals.runner import CompareConfig, Comparison, Interrupted, Processes
+    from evals.runner import BATCHED_PROCESSES, CompareConfig, Comparison, Interrupted, Processes
 
     _check_draft_arguments(args)
     for option, path in (("--out", args.out), ("--markdown", args.markdown), ("--html", args.html)):
@@ -212,12 +214,15 @@ def cmd_compare(args) -> int:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_quantize=args.draft_quantize,
         chat_template=not args.no_chat_template, options=option_pairs(args.option, scoped=True),
         warmup=not args.no_warmup, progress=not args.no_progress, bandwidth_megabytes=args.bandwidth_mb,
+        batch_sizes=args.batch_size or (),
     )
     comparison = Comparison(config, has_draft=args.draft is not None)  # suite and methods: before any model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = args.device == "cpu" or not torch.cuda.is_available()
     processes = Processes(cpu=cpu)
+    if config.batch_sizes and processes.count > 1:
+        raise UsageError(BATCHED_PROCESSES)
     device = processes.device if processes.count > 1 and not cpu else args.device
     lm = _load(args.model, args, device)
     draft = None  # loaded as it is: the peers draft with it as a user would, the strategies with its quantized copy

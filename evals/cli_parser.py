@@ -43,6 +43,8 @@ COMPARE_EPILOG = """examples:
   decodekit compare --model zoo:qwen2.5-coder-1.5b --draft zoo:qwen2.5-coder-0.5b --dtype bfloat16 \\
       --strategies speculative@k=2,speculative@k=3,speculative@k=5,staged@max_depth=8   # settings side by side
   decodekit compare --model my/model --suite my_prompts.jsonl      # {"id","category","prompt"} per line
+  decodekit compare --model zoo:smollm2-135m --batch-size 1,4,16 --strategies greedy,prompt_lookup,hf:batch \\
+      --plots plots/                                               # throughput, latency and TTFT per batch size
   accelerate launch --multi_gpu --num_processes 2 -m evals compare --model zoo:smollm2-135m --out results.json
   torchrun --nproc_per_node 2 -m evals compare --model zoo:smollm2-135m --out results.json
 
@@ -56,6 +58,12 @@ outlines:json (prompts with a schema; checked for validity, since outlines may s
 Every greedy-mode method is checked token for token against greedy; a divergence beyond the dtype's numeric-tie
 tolerance marks it FAILED with the first divergent position. Under accelerate on CPU-only machines pass --multi_gpu
 (accelerate's name for its torch.distributed launcher) or use torchrun: plain `--num_processes 2` starts one process.
+
+--batch-size N (or a list, 1,4,16) runs each method on the whole suite as one queue with N requests in flight:
+decodekit strategies continuously batched, hf:batch (transformers generate on left-padded batches of N) and
+hf:continuous (transformers generate_batch, where it runs on the device; the table says so where it does not). The
+table gives throughput (new tokens/s over the whole suite), speed-up over greedy at the same batch size, and
+per-request latency and TTFT (p50, p90); every request is checked against greedy's tokens at batch 1.
 """
 
 CALIBRATE_EPILOG = """examples:
@@ -102,6 +110,11 @@ def _positive(text: str, minimum: int = 1) -> int:
 
 def _whole(text: str) -> int:
     return _positive(text, minimum=0)
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """--batch-size: one whole number >= 1, or a comma-separated list of them (a sweep), ascending, once each."""
+    return tuple(sorted({_positive(item) for item in names(text)}))
 
 
 def names(text: str) -> tuple[str, ...]:
@@ -179,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="only the first N prompts of each category, in file order")
     cmp.add_argument("--max-new-tokens", type=_positive, default=128, help="cap for every prompt (default 128)")
     cmp.add_argument("--repeats", type=_positive, default=1, help="timed runs per (strategy, prompt)")
+    cmp.add_argument("--batch-size", type=batch_sizes, metavar="N[,N...]",
+                     help="run the suite as one queue with N requests in flight (a list such as 1,4,16 sweeps): "
+                     "throughput, latency and TTFT per batch size, against hf:batch and hf:continuous")
     cmp.add_argument("-o", "--option", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
                      help="a strategy option, e.g. -o speculative.k=4 (repeatable)")
     cmp.add_argument("--out", metavar="FILE", help="write the result as JSON (schema: evals/README.md)")

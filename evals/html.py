@@ -66,7 +66,8 @@ def outputs(result: dict) -> str:
             status = check.get("status", "unchecked")
             mark = (f'<span class="failed">FAILED @{check["position"]}</span>' if status == "failed"
                     else f"tie @{check['position']}" if status == "tie" else escape(status))
-            meta = (f"<b>{escape(run['strategy'])}</b> · {run['tokens_per_second']:.1f} tok/s · "
+            batch = f" · batch {run['batch_size']}" if run.get("batch_size") else ""
+            meta = (f"<b>{escape(run['strategy'])}</b>{batch} · {run['tokens_per_second']:.1f} tok/s · "
                     f"{run['new_tokens']} tokens · {mark} · "
                     f"{sparkline(run['timeline'])}")
             blocks.append(f'<div class="run"><div class="meta">{meta}</div>'
@@ -82,16 +83,23 @@ def page(title: str, body: str) -> str:
 
 
 def compare_report(result: dict) -> str:
-    """The HTML page of one compare result."""
+    """The HTML page of one compare result (a batched one: its table and the throughput by batch size, then each
+    request's output at every batch size)."""
     legend = "".join(f'<span style="background:{c}">{s}</span>' for s, c in SOURCE_COLORS.items())
     notes = "".join(f"<li>{escape(n)}</li>" for n in report.notes(result))
-    headers, rows = report.category_table(result)
-    marks = "".join(f"<div>{escape(line)}</div>" for line in report.legend(rows))
+    verdict = f"<p>{escape(line)}</p>" if (line := report.verdict(result)) else ""
+    if report.is_batched(result):
+        sweep = report.throughput_table(result)
+        tables = (table(*report.batch_table(result)) + verdict
+                  + ("<h2>Throughput by batch size</h2>" + table(*sweep) if sweep else ""))
+    else:
+        headers, rows = report.category_table(result)
+        marks = "".join(f"<div>{escape(line)}</div>" for line in report.legend(rows))
+        tables = (table(*report.summary_table(result)) + verdict
+                  + "<h2>Speed-up over greedy by category</h2>" + table(headers, rows) + marks)
     body = (
         "".join(f'<div class="header">{escape(line)}</div>' for line in report.header_lines(result))
-        + table(*report.summary_table(result))
-        + (f"<p>{escape(verdict)}</p>" if (verdict := report.verdict(result)) else "")
-        + "<h2>Speed-up over greedy by category</h2>" + table(headers, rows) + marks
+        + tables
         + (f"<h2>Notes</h2><ul>{notes}</ul>" if notes else "")
         + f'<h2>Outputs</h2><p class="legend">token sources: {legend}</p>' + outputs(result)
     )

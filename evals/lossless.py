@@ -266,7 +266,8 @@ def check(
     reference: Callable[[str, bool], list[int]],
     schemas: Mapping[str, tuple[dict, object]] | None = None,
 ) -> None:
-    """Fill `run.lossless` for every run: the baseline's first repeat is the reference, everything else is checked.
+    """Fill `run.lossless` for every run: the baseline's first repeat is the reference (in a batched compare, at batch
+    size 1), everything else is checked - each request of a batched compare on its own, against greedy at batch 1.
 
     `prompts` maps a prompt id to its tokens; `reference(prompt_id, grammar)` returns greedy's tokens for it (under
     the prompt's grammar when `grammar`); `schemas` maps a prompt id to (schema, its `grammars.JsonSchema`), for the
@@ -275,7 +276,8 @@ def check(
     scored = Scored()  # (runs that leave greedy's output at the same token share its scoring)
     with Float32Model(lm) as exact:  # made only if a divergence needs it, dropped on return
         for run in runs:
-            if run.strategy == BASELINE and run.repeat == 0 and not run.grammar:
+            at_batch_1 = getattr(run, "batch_size", None) in (None, 1)  # (None: a one-prompt compare)
+            if run.strategy == BASELINE and run.repeat == 0 and not run.grammar and at_batch_1:
                 run.lossless = {"status": "reference", "position": None}
             elif run.kind == "peer" and run.grammar:
                 run.lossless = validity(lm, run, *(schemas or {})[run.prompt_id])

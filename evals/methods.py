@@ -122,16 +122,38 @@ def _construct(name: str, base: str, settings: dict[str, Any], options: Mapping[
     return Method(name=name, base=base, options=merged, decoder=registry.get(base)(**built))
 
 
-def plan(requested: Iterable[str], has_draft: bool,
-         options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[list[Method], list[str]]:
+def batch_conflict(method: Method, batched: bool) -> str | None:
+    """Why `method` cannot run in this kind of compare (`batched`: with --batch-size, the suite as one queue), or
+    None when it can."""
+    if method.is_peer:
+        if method.peer.batched and not batched:
+            return "runs only in a batched compare: pass --batch-size N"
+        if batched and not method.peer.batched:
+            return (f"decodes one prompt at a time; a batched compare (--batch-size) runs the transformers peers "
+                    f"{', '.join(peers.BATCH_PEERS)}")
+        return None
+    if not batched:
+        return None
+    if method.needs_grammar:
+        return ("runs only on prompts with a schema, under their grammar; a batched compare (--batch-size) runs "
+                "every method on the whole suite")
+    if not method.decoder.batchable():
+        return "implements `step` only, so its runs cannot share target calls (decoders.base.Decoder.steps)"
+    return None
+
+
+def plan(requested: Iterable[str], has_draft: bool, options: Mapping[str, Mapping[str, Any]] | None = None,
+         batched: bool = False) -> tuple[list[Method], list[str]]:
     """The methods of a compare (the baseline first) and notes on what was skipped, before any model loads.
 
-    `requested` empty means every registered strategy and peer whose needs are met. `options` holds each strategy's
-    -o options ({"speculative": {"k": 4}}). An impossible explicit request raises; the default set skips, with a note.
+    `requested` empty means every registered strategy and peer whose needs are met (`batched`, a compare with
+    --batch-size: the batched peers instead of the one-prompt ones, and only strategies that batch). `options` holds
+    each strategy's -o options ({"speculative": {"k": 4}}). An impossible explicit request raises; the default set
+    skips, with a note.
     """
     requested, options = tuple(requested), options or {}
     explicit = bool(requested)
-    wanted = requested if explicit else (*registry.available(), *peers.PEERS)
+    wanted = requested if explicit else (*registry.available(), *(peers.BATCH_PEERS if batched else peers.PEERS))
     names = [BASELINE] + [n for n in dict.fromkeys(wanted) if n != BASELINE]
     parsed = [(name, *split(name)) for name in names]
     unknown = sorted(set(options) - {base for _, base, _ in parsed})
@@ -142,6 +164,11 @@ def plan(requested: Iterable[str], has_draft: bool,
         method = _construct(name, base, settings, options.get(base))
         if method.is_peer and peers.unavailable(base):
             notes.append(f"{name}: not available ({peers.unavailable(base)})")
+            continue
+        if why := batch_conflict(method, batched):
+            if explicit:
+                raise ValueError(f"{name}: {why}")
+            notes.append(f"{name}: skipped ({why})")
             continue
         try:
             check_request(method.declared, has_draft=has_draft and method.takes_draft)

@@ -3,10 +3,15 @@
 tokens/s of a strategy in one repeat = its new tokens summed over the prompts / its seconds summed over them.
 Speed-up in one repeat = that figure / greedy's tokens/s over the same prompts in the same repeat; the reported
 speed-up is the mean over repeats, with the standard deviation, minimum and maximum as the spread.
+
+A batched compare (`--batch-size`, `summarize_batched`) has one summary per strategy and batch size: tokens/s is the
+throughput of its queue in one repeat (new tokens over the whole suite / the queue's wall time), speed-up that /
+greedy's throughput at the same batch size in the same repeat, and latency and TTFT are per request (p50, p90).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 
@@ -130,6 +135,70 @@ def summarize(runs: list[dict], errors: list[dict] = ()) -> list[dict]:
             category: aggregate([r for r in mine if r["category"] == category], baseline,
                                 sum(e["category"] == category for e in failed))
             for category in _ordered([r["category"] for r in mine] + [e["category"] for e in failed])
+        }
+        summaries.append(summary)
+    return summaries
+
+
+# --------------------------------------------------------------------------------------------- batched compare
+def percentile(values: list[float], q: float) -> float | None:
+    """The `q`-th percentile (0-100) of `values`, linearly interpolated between the closest ranks (numpy's default);
+    None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def latencies(runs: list[dict]) -> dict:
+    """Per-request latency (`seconds`) and TTFT of a batched compare's runs: mean, p50 and p90."""
+    seconds, ttfts = [r["seconds"] for r in runs], [r["ttft_seconds"] for r in runs]
+    return {"latency_seconds": statistics.fmean(seconds) if seconds else None,
+            "latency_p50_seconds": percentile(seconds, 50), "latency_p90_seconds": percentile(seconds, 90),
+            "ttft_p50_seconds": percentile(ttfts, 50), "ttft_p90_seconds": percentile(ttfts, 90)}
+
+
+def _throughputs(queues: list[dict], name: str, size: int) -> tuple[list[float], list[float]]:
+    """Throughput of `name`'s queues at batch size `size`, one per repeat, and its speed-up over greedy's queue at the
+    same batch size in the same repeat."""
+    rate = lambda q: q["new_tokens"] / q["seconds"] if q["seconds"] > 0 else 0.0  # noqa: E731
+    mine = {q["repeat"]: q for q in queues if q["strategy"] == name and q["batch_size"] == size}
+    base = {q["repeat"]: q for q in queues if q["strategy"] == BASELINE and q["batch_size"] == size}
+    speeds = [rate(q) for _, q in sorted(mine.items())]
+    speedups = [rate(q) / rate(base[r]) for r, q in sorted(mine.items()) if r in base and rate(base[r])]
+    return speeds, speedups
+
+
+def summarize_batched(runs: list[dict], queues: list[dict], errors: list[dict] = ()) -> list[dict]:
+    """One summary per (strategy, batch size) of a batched compare, batch sizes ascending, strategies in run order.
+
+    `runs` are its requests (one per prompt, batch size and repeat), `queues` its `evals.batched.Queue` records,
+    `errors` the requests and queues that raised (a queue's error has prompt_id None). Fields as `aggregate`'s, plus
+    `batch_size` and `latencies`'; `tokens_per_second` and `speedup` are the queue's throughput. Throughput does not
+    split by category: `by_category` has every other figure, with those two empty.
+    """
+    order = _ordered([q["strategy"] for q in queues] + [e["strategy"] for e in errors])
+    pairs = {(q["strategy"], q["batch_size"]) for q in queues} | {(e["strategy"], e["batch_size"]) for e in errors}
+    keys = sorted(pairs, key=lambda key: (key[1], order.index(key[0])))
+    empty = {"tokens_per_second": _spread([]), "speedup": _spread([])}
+    summaries = []
+    for name, size in keys:
+        mine = [r for r in runs if r["strategy"] == name and r["batch_size"] == size]
+        failed = [e for e in errors if e["strategy"] == name and e["batch_size"] == size]
+        mine_queues = [q for q in queues if q["strategy"] == name and q["batch_size"] == size]
+        kind = next(x["kind"] for x in mine + failed + mine_queues)
+        speeds, speedups = _throughputs(queues, name, size)
+        summary = {"strategy": name, "kind": kind, "batch_size": size, **aggregate(mine, [], len(failed)),
+                   "tokens_per_second": _spread(speeds), "speedup": _spread(speedups), **latencies(mine),
+                   "draft_share": _ratio(_total(mine_queues, "draft_seconds"), _total(mine_queues, "seconds"))}
+        summary["by_category"] = {
+            category: {**aggregate(picked, [], sum(e["category"] == category for e in failed)), **empty,
+                       **latencies(picked)}
+            for category in _ordered([r["category"] for r in mine] + [e["category"] for e in failed if e["category"]])
+            for picked in [[r for r in mine if r["category"] == category]]
         }
         summaries.append(summary)
     return summaries

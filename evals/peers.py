@@ -10,6 +10,10 @@ arrive (time to first token, the sparkline); torch forward hooks count target an
 tokens), built once per model and schema, outside the timed call. Its mask admits every tokenization of the allowed
 text, so its tokens may differ from `guided`'s (which keeps the tokenizer's own spelling); its output is checked for
 validity against the schema instead of token equality.
+
+`hf:batch` and `hf:continuous` run only in a batched compare (`--batch-size N`, `evals.batched`): transformers
+`generate(do_sample=False)` on left-padded batches of N prompts, and transformers' continuous batching
+(`generate_batch`, N requests in flight) where it runs on the device. The one-prompt peers run only without it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Peer:
     takes_draft: bool = False  # uses a draft only when it needs one
     needs_tree_mask: bool = False
     draft_needs_tree_mask: bool = False
+    batched: bool = False  # decodes the whole suite as one queue: runs only in a batched compare (--batch-size)
 
 
 PEERS = {
@@ -52,6 +57,15 @@ PEERS = {
              description="transformers prompt lookup, generate(prompt_lookup_num_tokens=10)"),
         Peer("outlines:json", needs_grammar=True,
              description="outlines' JSON-schema logits processor in transformers generate (prompts with a schema)"),
+    )
+}
+BATCH_PEERS = {  # the peers of a batched compare (--batch-size N), timed by `evals.batched`
+    peer.name: peer
+    for peer in (
+        Peer("hf:batch", batched=True,
+             description="transformers generate(do_sample=False) on left-padded batches of N prompts"),
+        Peer("hf:continuous", batched=True,
+             description="transformers continuous batching, generate_batch (N requests in flight)"),
     )
 }
 UNAVAILABLE = {} if importlib.util.find_spec("outlines") else {"outlines:": "outlines is not installed"}
@@ -68,14 +82,15 @@ def unavailable(name: str) -> str | None:
 
 
 def get(name: str) -> Peer:
-    """The peer called `name`; an unknown one raises with the known names."""
-    if name in PEERS:
-        return PEERS[name]
+    """The peer called `name` (one of PEERS or BATCH_PEERS); an unknown one raises with the known names."""
+    known = {**PEERS, **BATCH_PEERS}
+    if name in known:
+        return known[name]
     if unavailable(name):
         return Peer(name, description=unavailable(name))
-    nearest = difflib.get_close_matches(name, list(PEERS), n=1, cutoff=0.5)
+    nearest = difflib.get_close_matches(name, list(known), n=1, cutoff=0.5)
     hint = f" Did you mean {nearest[0]!r}?" if nearest else ""
-    raise ValueError(f"unknown peer {name!r}.{hint} Known peers: {', '.join(PEERS)}")
+    raise ValueError(f"unknown peer {name!r}.{hint} Known peers: {', '.join(known)}")
 
 
 _PROCESSORS: dict[tuple, Any] = {}  # (model id, schema, whitespace) -> outlines' logits processor
@@ -115,7 +130,7 @@ class _Arrivals(BaseStreamer):
         pass
 
 
-def _quiet_generate(model, **kwargs) -> torch.Tensor:
+def quiet_generate(model, **kwargs) -> torch.Tensor:
     """`model.generate` with transformers' advisory warnings (unused sampling flags, deprecations) silenced."""
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
@@ -123,6 +138,19 @@ def _quiet_generate(model, **kwargs) -> torch.Tensor:
         return model.generate(**kwargs)
     finally:
         transformers.logging.set_verbosity(verbosity)
+
+
+def pad_token_id(lm: decoders.LM) -> int:
+    """The id transformers pads with: the tokenizer's pad token, else the first EOS id, else 0."""
+    eos = sorted(lm.eos_token_ids)
+    return lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+
+
+def greedy_arguments(lm: decoders.LM) -> dict:
+    """The `generate` arguments every transformers peer shares: greedy, one beam, every logits processor a model's
+    generation config might switch on turned off, decodekit's EOS ids and the pad id."""
+    return dict(do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                eos_token_id=sorted(lm.eos_token_ids) or None, pad_token_id=pad_token_id(lm))
 
 
 def run_peer(
@@ -139,13 +167,8 @@ def run_peer(
 ) -> Run:
     """Time one transformers `generate` call of `peer` (its needs are checked before any run, by `evals.methods`)."""
     ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)  # [1, T]
-    eos = sorted(lm.eos_token_ids)
-    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
-    kwargs = dict(
-        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-        do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
-        eos_token_id=eos or None, pad_token_id=pad, **peer.kwargs,
-    )
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                  **greedy_arguments(lm), **peer.kwargs)
     if peer.needs_draft:
         kwargs["assistant_model"] = draft.model
         sizes = {m.config.get_text_config().vocab_size for m in (lm.model, draft.model)}
@@ -160,7 +183,7 @@ def run_peer(
     watch = Stopwatch(lm, draft if peer.needs_draft else None, count_target=True)
     arrivals = _Arrivals(watch)
     with watch:
-        output = _quiet_generate(lm.model, streamer=arrivals, **kwargs)
+        output = quiet_generate(lm.model, streamer=arrivals, **kwargs)
     tokens = output[0, ids.shape[1]:].tolist()
     sources = [s for n in arrivals.chunks for s in [peer.source] * (n - 1) + ["target"]]
     sources = (sources + ["target"] * len(tokens))[: len(tokens)]

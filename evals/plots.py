@@ -48,7 +48,8 @@ def acceptance_by_position(result: dict, path: Path) -> Path:
     for s in result["summary"]:
         rates = s.get("acceptance_by_position") or []
         if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=s["strategy"])
+            label = s["strategy"] if s.get("batch_size") is None else f"{s['strategy']} (batch {s['batch_size']})"
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
             drawn += 1
     if not drawn:
         ax.text(0.5, 0.5, "no strategy drafted tokens in this run", ha="center", va="center", transform=ax.transAxes)
@@ -63,10 +64,42 @@ def acceptance_by_position(result: dict, path: Path) -> Path:
     return path
 
 
+def throughput_by_batch_size(result: dict, path: Path) -> Path:
+    """Lines: a batched compare's throughput (new tokens per second over the whole suite) against the batch size, one
+    line per strategy and peer, with the spread over repeats as error bars."""
+    plt = _pyplot()
+    sizes = result["config"]["batch_sizes"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(s["strategy"] for s in result["summary"]):
+        points = [(s["batch_size"], s["tokens_per_second"]["mean"], s["tokens_per_second"]["std"] or 0.0)
+                  for s in result["summary"] if s["strategy"] == name and s["tokens_per_second"]["mean"] is not None]
+        if points:
+            xs, ys, errors = zip(*points)
+            ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=name,
+                        linestyle="--" if name.startswith("hf:") else "-")
+    if len(sizes) > 1 and max(sizes) >= 4 * min(sizes):
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size (requests in flight)")
+    ax.set_ylabel("new tokens / s over the whole suite (↑)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{result['model']['name']} · {result['environment']['device']} · {result['environment']['dtype']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_all(result: dict, folder: str | Path) -> list[Path]:
-    """Every plot of a result into `folder` (created if needed); returns the files."""
+    """Every plot of a result into `folder` (created if needed); returns the files. A batched compare's are the
+    throughput by batch size and the acceptance by position (a line per strategy and batch size)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if result["config"].get("batch_sizes"):
+        return [throughput_by_batch_size(result, folder / "throughput_by_batch_size.png"),
+                acceptance_by_position(result, folder / "acceptance_by_position.png")]
     return [speedup_by_category(result, folder / "speedup_by_category.png"),
             acceptance_by_position(result, folder / "acceptance_by_position.png")]
 

@@ -46,8 +46,8 @@ def lossless_cell(summary: dict) -> str:
         return f"ERROR ({check['errors']} run{'s' if check['errors'] > 1 else ''}, see notes)"
     if status == "tie":
         return f"✓ {check['tie']} tie{'s' if check['tie'] > 1 else ''}"
-    if status == "pass" and summary["strategy"] == BASELINE:
-        return "reference"
+    if status == "pass" and summary["strategy"] == BASELINE and summary.get("batch_size", 1) == 1:
+        return "reference"  # (its later repeats pass; greedy at a batch size above 1 is checked like any other)
     return {"pass": "✓ exact", "valid": "✓ valid"}.get(status, status)
 
 
@@ -69,6 +69,55 @@ COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
     ("draft share ↓", lambda s: fmt(s["draft_share"], ".0%")),
     ("peak MB ↓", lambda s: fmt(s["peak_memory_bytes"], ".0f", 2**-20)),
 ]
+
+
+def is_batched(result: dict) -> bool:
+    """Whether `result` is a batched compare's (`--batch-size`: one summary per strategy and batch size)."""
+    return bool(result["config"].get("batch_sizes"))
+
+
+def label(summary: dict) -> str:
+    """A summary's method as the leaderboard and plots name it: `speculative`, or `speculative (batch 4)`."""
+    size = summary.get("batch_size")
+    return summary["strategy"] if size is None else f"{summary['strategy']} (batch {size})"
+
+
+# (header, getter) of a batched compare's table: one row per strategy and batch size
+BATCH_COLUMNS: list[tuple[str, Callable[[dict], str]]] = [
+    ("strategy", lambda s: s["strategy"]),
+    ("batch", lambda s: str(s["batch_size"])),
+    ("lossless", lossless_cell),
+    ("tok/s ↑", lambda s: spread(s["tokens_per_second"], ".1f")),
+    ("speed-up ↑", lambda s: spread(s["speedup"])),
+    ("latency p50 ms ↓", lambda s: fmt(s["latency_p50_seconds"], ".0f", 1e3)),
+    ("latency p90 ms ↓", lambda s: fmt(s["latency_p90_seconds"], ".0f", 1e3)),
+    ("TTFT p50 ms ↓", lambda s: fmt(s["ttft_p50_seconds"], ".0f", 1e3)),
+    ("TTFT p90 ms ↓", lambda s: fmt(s["ttft_p90_seconds"], ".0f", 1e3)),
+    ("tokens/call ↑", lambda s: fmt(s["mean_accepted"])),
+    ("acceptance ↑", lambda s: fmt(s["acceptance_rate"])),
+    ("peak MB ↓", lambda s: fmt(s["peak_memory_bytes"], ".0f", 2**-20)),
+]
+
+
+def batch_table(result: dict) -> tuple[list[str], list[list[str]]]:
+    """A batched compare's table: tok/s is the throughput over the whole suite, speed-up over greedy at the same
+    batch size; latency and TTFT per request. A method that could not run on the device gets a row saying so."""
+    headers = [h for h, _ in BATCH_COLUMNS]
+    rows = [[get(s) for _, get in BATCH_COLUMNS] for s in result["summary"]]
+    for skipped in result.get("skipped", []):
+        rows.append([skipped["strategy"], "–", "not run on this device (see notes)"] + ["–"] * (len(headers) - 3))
+    return headers, rows
+
+
+def throughput_table(result: dict) -> tuple[list[str], list[list[str]]] | None:
+    """Throughput (tok/s over the whole suite) by strategy and batch size; None for a single batch size."""
+    sizes = result["config"]["batch_sizes"]
+    if len(sizes) < 2:
+        return None
+    cells = {(s["strategy"], s["batch_size"]): spread(s["tokens_per_second"], ".1f") for s in result["summary"]}
+    names = list(dict.fromkeys(s["strategy"] for s in result["summary"]))
+    return (["strategy"] + [f"batch {n} ↑" for n in sizes],
+            [[name] + [cells.get((name, n), "–") for n in sizes] for name in names])
 
 
 def _is_figure(cell: str) -> bool:
@@ -156,6 +205,11 @@ def partial_line(result: dict) -> str | None:
     """What an interrupted compare measured, or None for a whole run."""
     if not result.get("partial"):
         return None
+    if is_batched(result):
+        rounds = len({(q["batch_size"], q["repeat"]) for q in result.get("queues", [])})
+        total = len(result["config"]["batch_sizes"]) * result["config"]["repeats"]
+        return (f"partial result: interrupted (Ctrl-C) after {rounds} of {total} rounds (every method's queue at one "
+                "batch size and repeat); the round it cut short is left out")
     measured = len({r["prompt_id"] for r in result["runs"]} | {e["prompt_id"] for e in result["errors"]})
     return (f"partial result: interrupted (Ctrl-C) after {measured} of {result['config']['prompts']} prompts; the "
             "round of runs it cut short is left out")
@@ -173,6 +227,11 @@ def header_lines(result: dict) -> list[str]:
         f"suite: {config['suite']} ({prompts}) · max_new_tokens: {config['max_new_tokens']} · "
         f"repeats: {config['repeats']} · processes: {config['processes']}",
     ]
+    if is_batched(result):
+        sizes = ", ".join(map(str, config["batch_sizes"]))
+        lines.append(f"batched: each method decodes the suite as one queue with {sizes} requests in flight · tok/s = "
+                     "new tokens over the whole suite / the queue's time · latency and TTFT per request, from its "
+                     "admission")
     if roof:
         fraction = f" · greedy reaches {roof['greedy_fraction']:.0%} of it" if roof.get("greedy_fraction") else ""
         probe = f"{roof.get('bandwidth_probe', 'copy')} probe"  # (files of older versions measured a copy)
@@ -190,7 +249,7 @@ def header_lines(result: dict) -> list[str]:
 def notes(result: dict) -> list[str]:
     """Skipped methods, then every divergence: failures and numeric ties, with position and logit margin."""
     out = list(result.get("notes", []))
-    out += [f"{e['strategy']} on {e['prompt_id']}: raised {e['error']}" for e in result.get("errors", [])]
+    out += [f"{e['strategy']}{_where(e)}: raised {e['error']}" for e in result.get("errors", [])]
     for run in result["runs"]:
         check = run.get("lossless") or {}
         if check.get("status") in ("failed", "tie"):
@@ -199,30 +258,44 @@ def notes(result: dict) -> list[str]:
                 + ("" if check.get("greedy_gap") is None else f", gap in greedy's scoring {check['greedy_gap']:.3g}")
                 + ("" if check.get("float32_gap") is None else f", gap in float32 {check['float32_gap']:.3g}") + ")")
             where = "" if check.get("position") is None else f" at token {check['position']}"
-            out.append(f"{run['strategy']} on {run['prompt_id']} (repeat {run['repeat']}): "
+            batch = f"batch {run['batch_size']}, " if run.get("batch_size") else ""
+            out.append(f"{run['strategy']} on {run['prompt_id']} ({batch}repeat {run['repeat']}): "
                        f"{check['status']}{where}: {check['reason']}{figures}")
     return out
+
+
+def _where(error: dict) -> str:
+    """Where a run raised: ` on PROMPT`, or in a batched compare ` at batch N on PROMPT` / ` at batch N (repeat r)`
+    for a queue that raised as a whole."""
+    if error.get("batch_size") is None:
+        return f" on {error['prompt_id']}"
+    if error.get("prompt_id") is None:
+        return f" at batch {error['batch_size']} (repeat {error['repeat']})"
+    return f" at batch {error['batch_size']} on {error['prompt_id']}"
 
 
 LOSSLESS = ("reference", "pass", "tie")  # the lossless check's statuses of a method that reproduces greedy
 
 
-def _fastest(result: dict, kind: str, category: str | None = None) -> tuple[str, dict] | None:
+def _fastest(result: dict, kind: str, category: str | None = None,
+             batch_size: int | None = None) -> tuple[str, dict] | None:
     """The lossless method of `kind` ("decodekit" or "peer") with the best mean speed-up, over the whole suite or one
-    category, among those that ran on every prompt greedy ran on there; None when there is none."""
+    category (in a batched compare: at `batch_size`), among those that ran on every prompt greedy ran on there; None
+    when there is none."""
     def figures(s: dict) -> dict | None:
         return s if category is None else s["by_category"].get(category)
 
-    base = next((figures(s) for s in result["summary"] if s["strategy"] == BASELINE), None)
-    ranked = [(s["strategy"], f) for s in result["summary"]
+    summaries = [s for s in result["summary"] if s.get("batch_size") == batch_size]
+    base = next((figures(s) for s in summaries if s["strategy"] == BASELINE), None)
+    ranked = [(s["strategy"], f) for s in summaries
               if s["kind"] == kind and (f := figures(s)) and base and f["prompts"] == base["prompts"]
               and f["lossless"]["status"] in LOSSLESS and f["speedup"]["mean"] is not None]
     return max(ranked, key=lambda pair: pair[1]["speedup"]["mean"], default=None)
 
 
-def _verdict_part(result: dict, category: str | None = None) -> str | None:
+def _verdict_part(result: dict, category: str | None = None, batch_size: int | None = None) -> str | None:
     """`speculative — 1.85× greedy, 1.32× hf:assisted` for the fastest lossless strategy, or None."""
-    ours, peer = _fastest(result, "decodekit", category), _fastest(result, "peer", category)
+    ours, peer = _fastest(result, "decodekit", category, batch_size), _fastest(result, "peer", category, batch_size)
     if ours is None:
         return None
     name, figures = ours
@@ -236,7 +309,11 @@ def _verdict_part(result: dict, category: str | None = None) -> str | None:
 def verdict(result: dict) -> str | None:
     """One line: the fastest lossless strategy overall and per category, with its speed-up over greedy and over the
     fastest lossless transformers peer (speed-ups are over greedy on the same prompts, so their ratio compares the
-    two)."""
+    two). In a batched compare: at each batch size, by throughput over the whole suite."""
+    if is_batched(result):
+        parts = [f"batch {n}: {part}" for n in result["config"]["batch_sizes"]
+                 if (part := _verdict_part(result, batch_size=n)) is not None]
+        return "Fastest lossless: " + " · ".join(parts) if parts else None
     overall = _verdict_part(result)
     if overall is None:
         return None
@@ -260,7 +337,8 @@ def choices(result: dict) -> list[str]:
         steps = ", ".join(f"{name} {count}" for name, count in sorted(extra["steps"].items()))
         predicted = extra["predicted_tokens"] / extra["predicted_seconds"] if extra.get("predicted_seconds") else 0
         drafting = f" (draft: {extra['draft']})" if extra.get("draft") else ""
-        lines.append(f"{run['strategy']} on {run['prompt_id']}: steps by proposer: {steps}{drafting}; predicted "
+        batch = f" (batch {run['batch_size']})" if run.get("batch_size") else ""
+        lines.append(f"{run['strategy']} on {run['prompt_id']}{batch}: steps by proposer: {steps}{drafting}; predicted "
                      f"{predicted:.1f} tok/s, measured {run['tokens_per_second']:.1f}")
     for strategy, ks in settings.items():
         lines.append(f"{strategy}: k={'/'.join(map(str, sorted(ks)))}, chosen from this device's measured call costs")
@@ -270,6 +348,8 @@ def choices(result: dict) -> list[str]:
 def markdown(result: dict) -> str:
     """The whole compare report as Markdown."""
     parts = ["## decodekit compare", "", *[f"{line}  " for line in header_lines(result)], ""]
+    if is_batched(result):
+        return _batched_markdown(result, parts)
     parts += [make_table(*summary_table(result)), ""]
     if line := verdict(result):
         parts += [line, ""]
@@ -283,6 +363,20 @@ def markdown(result: dict) -> str:
     if extra := notes(result):
         parts += ["", "Notes:", *[f"- {n}" for n in extra]]
     return "\n".join(parts) + "\n"
+
+
+def _batched_markdown(result: dict, parts: list[str]) -> str:
+    """The rest of a batched compare's report after the header `parts`."""
+    parts += [make_table(*batch_table(result)), ""]
+    if line := verdict(result):
+        parts += [line, ""]
+    if sweep := throughput_table(result):
+        parts += ["Throughput (tok/s over the whole suite) by batch size:", "", make_table(*sweep), ""]
+    if chosen := choices(result):
+        parts += ["What the choosing strategies chose:", *[f"- {line}" for line in chosen], ""]
+    if extra := notes(result):
+        parts += ["Notes:", *[f"- {n}" for n in extra], ""]
+    return "\n".join(parts).rstrip("\n") + "\n"
 
 
 def write_json(result: dict, path: str | Path) -> None:
@@ -315,7 +409,7 @@ def leaderboard(results: list[dict]) -> list[dict]:
         for s in ranked:
             rows.append({
                 "model": result["model"]["name"], "draft": result["model"]["draft"] or "–",
-                "device": f"{env['device']} ({env['device_name']})", "dtype": env["dtype"], "strategy": s["strategy"],
+                "device": f"{env['device']} ({env['device_name']})", "dtype": env["dtype"], "strategy": label(s),
                 "lossless": lossless_cell(s), "tokens_per_second": s["tokens_per_second"]["mean"],
                 "speedup": s["speedup"]["mean"], "speedup_std": s["speedup"]["std"],
                 "mean_accepted": s["mean_accepted"], "acceptance_rate": s["acceptance_rate"],

@@ -5,10 +5,15 @@ their needs checked once); once the models are loaded, probe what each method ne
 once, then for each prompt and repeat run every method back to back (interleaved, so drift in machine speed hits all
 methods alike), then check losslessness, then gather the runs of every process (`accelerate launch` / torchrun split
 the prompts) and summarize on the main process.
+
+With `batch_sizes` (`--batch-size`) each method instead decodes the whole suite as one queue per batch size
+(`evals.batched`): warm up every method at that size, then repeat by repeat run every method's queue back to back,
+then check every request against greedy's tokens at batch 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -22,8 +27,8 @@ from tqdm.auto import tqdm
 import decoders
 import grammars
 from decoders.driver import resolve_draft
-from decoders.options import check_whole
-from evals import lossless, metrics, peers, suites
+from decoders.options import check_whole, whole
+from evals import batched, lossless, metrics, peers, suites
 from evals.measure import environment, roofline
 from evals.methods import Method, check_loaded, plan
 from evals.report import SCHEMA
@@ -48,9 +53,11 @@ class CompareConfig:
     warmup: bool = True  # one untimed run of every method first
     progress: bool = True  # tqdm bar on stderr
     bandwidth_megabytes: int = 256  # size of the roofline's bandwidth probe; 0 skips the roofline
+    batch_sizes: tuple[int, ...] = ()  # empty: prompt by prompt; else the suite as one queue per batch size (sorted)
 
     def __post_init__(self) -> None:
         check_whole(self, max_new_tokens=1, repeats=1)
+        object.__setattr__(self, "batch_sizes", tuple(sorted({whole("batch_size", n) for n in self.batch_sizes})))
 
 
 class Interrupted(KeyboardInterrupt):
@@ -125,7 +132,7 @@ class Comparison:
         everything = suites.load(config.suite)
         self.suite_size = len(everything)
         self.prompts = suites.select(everything, limit=config.limit, per_category=config.per_category)
-        self.methods, self.notes = plan(config.strategies, has_draft, config.options)
+        self.methods, self.notes = plan(config.strategies, has_draft, config.options, batched=bool(config.batch_sizes))
 
     @property
     def takes_draft(self) -> bool:
@@ -143,6 +150,8 @@ class Comparison:
                 m.name for m in self.methods if m.takes_draft) + "; pass draft=")
         config, prompts, notes = self.config, self.prompts, list(self.notes)
         processes = processes or Processes(cpu=lm.device.type == "cpu")
+        if config.batch_sizes and processes.count > 1:
+            raise ValueError(BATCHED_PROCESSES)
         label = draft if isinstance(draft, str) else getattr(draft, "name", None)
         draft = resolve_draft(lm, draft) if self.takes_draft else None  # "self:int8": made once, for every run
         peer_draft = draft  # the peers draft with the model as loaded, as a user would
@@ -165,6 +174,8 @@ class Comparison:
                              "--max-new-tokens or use shorter prompts")
         notes += [f"prompt {p.id}: skipped ({len(tokens[p.id])} prompt tokens + {limit[p.id]} new tokens exceed the "
                   f"model's context of {lm.context_length})" for p in prompts if p not in fits]
+        if config.batch_sizes:
+            return self._run_batched(lm, label, draft, methods, notes, fits, tokens, limit, fresh)
         mine = processes.split(fits)
 
         def runs_for(prompt: suites.Prompt) -> list[Method]:
@@ -219,16 +230,7 @@ class Comparison:
             del runs[done[0]:], errors[done[1]:]
         bar.close()
 
-        greedy_tokens = {(r.prompt_id, False): r.tokens for r in runs
-                         if r.strategy == metrics.BASELINE and r.repeat == 0}
-
-        def reference(prompt_id: str, grammar: bool) -> list[int]:
-            if (prompt_id, grammar) not in greedy_tokens:  # greedy under the prompt's grammar (or if it raised), untimed
-                greedy_tokens[(prompt_id, grammar)] = decoders.generate(
-                    lm, tokens[prompt_id], strategy=metrics.BASELINE, max_new_tokens=limit[prompt_id],
-                    grammar=constraints[prompt_id] if grammar else None).tokens
-            return greedy_tokens[(prompt_id, grammar)]
-
+        reference = greedy_reference(lm, runs, tokens, limit, constraints)
         lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, constraints[p.id]) for p in mine})
         gathered = processes.gather([{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes,
                                       "interrupted": interrupted}])
@@ -244,6 +246,116 @@ class Comparison:
             raise Interrupted(result)
         return result
 
+    def _run_batched(self, lm: decoders.LM, label: str | None, draft: decoders.LM | None, methods: list[Method],
+                     notes: list[str], prompts: list[suites.Prompt], tokens: dict[str, list[int]],
+                     limit: dict[str, int], fresh: set[str]) -> dict:
+        """The batched compare (`config.batch_sizes`): per batch size, warm up every method on a short queue, then
+        repeat by repeat run every method's queue back to back; check every request against greedy at batch 1."""
+        config = self.config
+        requests = [batched.Request(p, tokens[p.id], limit[p.id]) for p in prompts]
+        skipped: list[dict] = []
+        methods = ready_to_batch(methods, lm, requests[0].tokens, notes, skipped)
+        fresh_decoders: dict[tuple[str, int, int], decoders.Decoder] = {}
+
+        def queue(method: Method, size: int, repeat: int, queued: list[batched.Request]) -> batched.Done:
+            if method.is_peer:
+                return batched.peer_queue(lm, queued, method.peer, batch_size=size, repeat=repeat)
+            decoder = method.decoder
+            if method.name in fresh:  # suffix@store=run: a store for each batch size and repeat
+                key = (method.name, size, repeat)
+                if key not in fresh_decoders:
+                    fresh_decoders[key] = method.with_options(store=decoders.SuffixStore())
+                decoder = fresh_decoders[key]
+            return batched.decodekit_queue(lm, queued, decoder, batch_size=size, name=method.name, repeat=repeat,
+                                           draft=draft if method.takes_draft else None)
+
+        bar = tqdm(total=len(config.batch_sizes) * config.repeats * len(methods), desc="compare", file=sys.stderr,
+                   disable=not config.progress, dynamic_ncols=True)
+        queues: list[dict] = []
+        runs: list[Run] = []
+        errors: list[dict] = []
+        done = (0, 0, 0)  # queues, runs and errors of the finished rounds (every method at one batch size and repeat)
+        interrupted = False
+        try:
+            for size in config.batch_sizes:
+                warmup = [dataclasses.replace(r, limit=min(WARMUP_TOKENS, r.limit)) for r in requests[:size]]
+                for method in methods if config.warmup else []:
+                    bar.set_postfix_str(f"warm-up {method.name} · batch {size}", refresh=False)
+                    with contextlib.suppress(Exception):  # the timed runs record the error
+                        queue(method, size, -1, warmup)
+                for repeat in range(config.repeats):
+                    for method in methods:
+                        bar.set_postfix_str(f"{method.name} · batch {size}", refresh=False)
+                        try:
+                            finished = queue(method, size, repeat, requests)
+                        except Exception as error:  # noqa: BLE001 - one broken method must not lose a long run
+                            errors.append({"strategy": method.name, "kind": "peer" if method.is_peer else "decodekit",
+                                           "prompt_id": None, "category": None, "repeat": repeat, "batch_size": size,
+                                           "error": f"{type(error).__name__}: {error}"})
+                        else:
+                            queues.append(finished.queue.as_dict())
+                            runs += finished.runs
+                            errors += finished.errors
+                        bar.update()
+                    done = (len(queues), len(runs), len(errors))
+        except KeyboardInterrupt:  # keep the finished rounds, so that every method covers the same queues
+            interrupted = True
+            del queues[done[0]:], runs[done[1]:], errors[done[2]:]
+        bar.close()
+        lossless.check(lm, runs, tokens, greedy_reference(lm, runs, tokens, limit, {}))
+        result = build_result(lm, label, draft, config, self.prompts, [m.name for m in methods], notes,
+                              [r.as_dict() for r in runs], errors, 1, suite_size=self.suite_size, partial=interrupted,
+                              queues=queues, skipped=skipped)
+        if interrupted:
+            raise Interrupted(result)
+        return result
+
+
+BATCHED_PROCESSES = ("--batch-size runs the suite as one queue in one process: start compare without accelerate "
+                     "launch or torchrun")
+
+
+def ready_to_batch(methods: list[Method], lm: decoders.LM, prompt: list[int], notes: list[str],
+                   skipped: list[dict]) -> list[Method]:
+    """The methods of a batched compare that can run here, probed once before any run: decodekit's batch needs the
+    target to take custom 4D attention masks (else this raises); `hf:continuous` needs transformers'
+    `generate_batch` to run on this model and device - where it does not, it is left out with the reason in the
+    notes and in `skipped`, and the report shows it as not run (named or not: the cause is the device, not the
+    request)."""
+    try:
+        lm.check_tree_mask()
+    except TypeError as error:
+        raise TypeError(f"--batch-size: decodekit cannot decode a batch with this model: {error}") from None
+    usable = []
+    for method in methods:
+        if method.is_peer and method.base == "hf:continuous":
+            problem = batched.continuous_problem(lm, prompt[:16])
+            if problem is not None:
+                notes.append(f"{method.name}: not run (transformers' generate_batch does not run on this model and "
+                             f"device: {problem})")
+                skipped.append({"strategy": method.name, "reason": problem})
+                continue
+        usable.append(method)
+    return usable
+
+
+def greedy_reference(lm: decoders.LM, runs: list[Run], tokens: dict[str, list[int]], limit: dict[str, int],
+                     constraints: Mapping[str, Any]):
+    """`reference(prompt_id, grammar)` for `lossless.check`: greedy's tokens on a prompt, from its first-repeat run
+    (one prompt at a time, or at batch 1 in a batched compare), else decoded untimed (under the prompt's grammar
+    when `grammar`, or when greedy's run raised or did not run at batch 1)."""
+    greedy_tokens = {(r.prompt_id, False): r.tokens for r in runs
+                     if r.strategy == metrics.BASELINE and r.repeat == 0 and r.batch_size in (None, 1)}
+
+    def reference(prompt_id: str, grammar: bool) -> list[int]:
+        if (prompt_id, grammar) not in greedy_tokens:
+            greedy_tokens[(prompt_id, grammar)] = decoders.generate(
+                lm, tokens[prompt_id], strategy=metrics.BASELINE, max_new_tokens=limit[prompt_id],
+                grammar=constraints[prompt_id] if grammar else None).tokens
+        return greedy_tokens[(prompt_id, grammar)]
+
+    return reference
+
 
 def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | str | None = None,
             processes: Processes | None = None) -> dict | None:
@@ -255,11 +367,14 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | str | N
 
 
 def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, notes, records, errors,
-                 process_count, suite_size: int | None = None, partial: bool = False) -> dict:
+                 process_count, suite_size: int | None = None, partial: bool = False,
+                 queues: list[dict] | None = None, skipped: list[dict] | None = None) -> dict:
     """The result document (schema in evals/README.md); `draft_name` as given ("self:int8", a name), `draft` the
     loaded draft model (None when no method took it), `suite_size` the prompts of the whole suite, `partial` whether
-    Ctrl-C ended the runs early."""
-    summary = metrics.summarize(records, errors)
+    Ctrl-C ended the runs early. A batched compare (`config.batch_sizes`) adds `queues` (`evals.batched.Queue`
+    records) and `skipped` (methods that could not run on the device, with why)."""
+    summary = (metrics.summarize_batched(records, queues or [], errors) if config.batch_sizes
+               else metrics.summarize(records, errors))
     quantization = None
     if draft is not None:
         from decoders.models.quantize import is_quantized
@@ -286,9 +401,13 @@ def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, n
         "runs": records,
         "errors": errors,
     }
+    if config.batch_sizes:
+        result["config"]["batch_sizes"] = list(config.batch_sizes)
+        result["queues"] = queues or []
+        result["skipped"] = skipped or []
     if config.bandwidth_megabytes:
         line = roofline(lm.model, lm.device, config.bandwidth_megabytes, lm.dtype)
-        greedy = next((s for s in summary if s["strategy"] == metrics.BASELINE), None)
+        greedy = next((s for s in summary if s["strategy"] == metrics.BASELINE and s.get("batch_size", 1) == 1), None)
         speed = greedy["tokens_per_second"]["mean"] if greedy else None
         line["greedy_tokens_per_second"] = speed
         line["greedy_fraction"] = speed / line["limit_tokens_per_second"] if speed else None

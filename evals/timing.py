@@ -48,6 +48,9 @@ class Run:
     lossless: dict[str, Any] | None = None  # filled by evals.lossless.check
     argmax_gaps: list[float | None] = field(default_factory=list)  # decoders.Stats.argmax_gaps (greedy mode)
     extra: dict[str, Any] = field(default_factory=dict)
+    # a batched compare's requests in flight (`evals.batched`): `seconds` and `ttft_seconds` are then the request's
+    # latency and time to first token from its admission; None (and left out of `as_dict`) for a one-prompt run
+    batch_size: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -60,6 +63,8 @@ class Run:
         record["mean_accepted"] = self.new_tokens / self.target_calls if self.target_calls else None
         record["acceptance_rate"] = self.accepted / self.drafted if self.drafted else None
         record["draft_share"] = self.draft_seconds / self.seconds if self.draft_seconds and self.seconds else None
+        if self.batch_size is None:
+            del record["batch_size"]
         return record
 
 

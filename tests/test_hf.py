@@ -1,8 +1,9 @@
 """decodekit inside `model.generate` (`decoders.hf.custom_generate`, and the folder `decodekit export-hub` writes).
 
-Every registered strategy, through transformers' own `generate`, returns exactly `generate(do_sample=False)`'s tokens;
-the streamer, stopping criteria, EOS, sampling settings and return_dict_in_generate behave as transformers' do; what
-cannot be honored is refused by name.
+Every registered strategy, through transformers' own `generate`, returns exactly `generate(do_sample=False)`'s tokens
+(a left-padded batch: row for row, padded after each row's end as transformers pads); the streamer, stopping
+criteria, EOS, sampling settings and return_dict_in_generate behave as transformers' do; what cannot be honored is
+refused by name.
 """
 
 from __future__ import annotations
@@ -193,10 +194,57 @@ def test_generation_config_defaults_apply(monkeypatch):
     assert torch.equal(got, model.generate(ids, do_sample=False, max_new_tokens=NEW))
 
 
-def test_batch_of_two_is_refused(llama):
-    ids = torch.cat([prompt_ids(), prompt_ids()])  # [2, T]
-    with pytest.raises(ValueError, match="batch of 2"):
-        llama.generate(ids, custom_generate=custom_generate, max_new_tokens=4)
+def left_padded(prompts: list[str] = PROMPTS[:3]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] and attention_mask [B, T] of `prompts`, left-padded with 0 (the tiny models' pad id)."""
+    rows = [tiny_tokenizer()(p)["input_ids"] for p in prompts]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "prompt_lookup", "speculative"])
+def test_a_left_padded_batch_equals_generate_row_for_row(llama, strategy):
+    """Rows that end early (at an EOS one row emits) are padded after their end, as transformers pads a batch."""
+    ids, mask = left_padded()
+    plain = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    eos = plain[1, ids.shape[1] + 4].item()  # a token the second row emits: it ends there, the others may go on
+    want = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, eos_token_id=eos)
+    out = llama.generate(ids, attention_mask=mask, custom_generate=custom_generate, strategy=strategy,
+                         assistant_model=draft_for(strategy, llama), max_new_tokens=NEW, eos_token_id=eos,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want), f"{strategy} diverged from generate on a left-padded batch"
+    assert want.shape[1] < plain.shape[1] or (want[:, ids.shape[1]:] == eos).any()
+    stats = out.decodekit_stats
+    assert isinstance(stats, list) and len(stats) == 3
+    for row, record in zip(out.sequences, stats):
+        assert record["strategy"] == strategy and record["new_tokens"] == len(record["sources"])
+        new = row[ids.shape[1]:].tolist()
+        assert new[: record["new_tokens"]][-1:] == [eos] or record["new_tokens"] == NEW
+        assert all(t == 0 for t in new[record["new_tokens"]:])  # the pad id after the row's end
+
+
+def test_a_batch_stops_each_row_by_the_stopping_criteria(llama):
+    ids, mask = left_padded()
+    criteria = StoppingCriteriaList([StopAfter(ids.shape[1] + 6)])  # on the padded length, as transformers counts
+    want = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, stopping_criteria=criteria)
+    got = llama.generate(ids, attention_mask=mask, custom_generate=custom_generate, max_new_tokens=NEW,
+                         stopping_criteria=criteria)
+    assert torch.equal(got, want) and got.shape[1] == ids.shape[1] + 6
+
+
+def test_one_left_padded_prompt_keeps_its_padding(llama):
+    ids, mask = left_padded()
+    ids, mask = (t[int(mask.sum(1).argmin())][None] for t in (ids, mask))  # the row with the most padding
+    want = llama.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW)
+    got = llama.generate(ids, attention_mask=mask, custom_generate=custom_generate, max_new_tokens=NEW)
+    assert bool((mask == 0).any()) and torch.equal(got, want)
+
+
+def test_a_streamer_with_a_batch_is_refused(llama):
+    ids, mask = left_padded()
+    with pytest.raises(ValueError, match="streamer= with a batch of 3"):
+        llama.generate(ids, attention_mask=mask, custom_generate=custom_generate, max_new_tokens=4, streamer=Collect())
 
 
 class AddOne(LogitsProcessor):
@@ -213,7 +261,7 @@ class AddOne(LogitsProcessor):
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(logits_processor=[AddOne()]), "AddOne"),
     (dict(do_sample=True, typical_p=0.5), "typical_p"),
-    (dict(attention_mask=torch.tensor([[0, 0] + [1] * 6])), "left padding"),
+    (dict(attention_mask=torch.tensor([[1] * 6 + [0, 0]])), "right padding"),
 ])
 def test_unsupported_arguments_are_refused_by_name(llama, kwargs, named):
     ids = prompt_ids(PROMPTS[1])[:, :8]
