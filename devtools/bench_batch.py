@@ -1,0 +1,62 @@
+"""Throughput of batched decoding against one prompt at a time and transformers' batched `generate`.
+
+    python -m devtools.bench_batch [--strategies greedy,suffix] [--batch-sizes 1,8] [--prompts 8] [--tokens 48]
+
+Loads Qwen2.5-Coder-1.5B in bfloat16 (the zoo's), takes the first `--prompts` prompts of bench + mixed, and times
+`decoders.generate(lm, prompts, batch_size=B)` per strategy and batch size (B = 1: one prompt at a time), then
+transformers' `generate` on left-padded batches of the largest B. Prints tokens per second, how many rows equal
+batch-1 greedy's tokens, and target calls. Run it alone: a second process on a 2-core machine spoils the timings.
+`decodekit compare --batch-size` is the evaluator's version of this, with latency, TTFT and the tie analysis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import decoders
+from evals import suites
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategies", default="greedy,suffix")
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args(argv)
+    lm = decoders.load("zoo:qwen2.5-coder-1.5b", dtype="bfloat16")
+    prompts = [p.prompt for p in suites.load("bench") + suites.load("mixed")][: args.prompts]
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    decoders.generate(lm, ["def f(x):", "Hello"], max_new_tokens=4)  # warm-up
+    reference = [decoders.generate(lm, p, max_new_tokens=args.tokens).tokens for p in prompts]
+    for strategy in args.strategies.split(","):
+        for size in sizes:
+            start = time.perf_counter()
+            if size == 1:
+                results = [decoders.generate(lm, p, strategy=strategy, max_new_tokens=args.tokens) for p in prompts]
+            else:
+                results = decoders.generate(lm, prompts, strategy=strategy, max_new_tokens=args.tokens, batch_size=size)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(r.tokens) for r in results)
+            same = sum(r.tokens == want for r, want in zip(results, reference))
+            calls = sum(r.stats.target_calls for r in results)
+            print(f"{strategy} batch {size}: {tokens / seconds:.2f} tok/s, {same}/{len(prompts)} rows as batch-1 "
+                  f"greedy, {calls} target calls")
+    tokenizer, eos = lm.tokenizer, set(lm.eos_token_ids)
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    size, tokens, start = max(sizes), 0, time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), size):
+            batch = tokenizer(prompts[i: i + size], return_tensors="pt", padding=True)
+            out = lm.model.generate(**batch, max_new_tokens=args.tokens, do_sample=False, pad_token_id=pad)
+            for row in out[:, batch.input_ids.shape[1]:].tolist():
+                tokens += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+    print(f"hf:batch batch {size}: {tokens / (time.perf_counter() - start):.2f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
