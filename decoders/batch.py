@@ -144,7 +144,7 @@ class BatchCache:
             allowed[b, pad:, :past] = self.valid[b]
             allowed[b, pad:, past + pad:] = own
         key_positions = torch.cat([self.positions, positions], 1)  # [rows, past + width]
-        mask = self._additive(allowed, key_positions, positions)
+        mask = lm.attention_masks(allowed, key_positions, positions)
         keep = max(call.keep or len(call.tokens) for call in calls.values())
         out = lm.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
                        use_cache=True, logits_to_keep=keep, **{lm.cache_keyword: self.hf})
@@ -157,24 +157,6 @@ class BatchCache:
             want = call.keep or n
             logits[b] = out.logits[b, keep - want:]  # [want, vocab]
         return logits
-
-    def _additive(self, allowed: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor):
-        """Additive 4D masks [rows, 1, width, past + width] from `allowed`, with the sliding window (by position)
-        where the model has one, one per layer type where it mixes them (as `LM._tree_attention_mask`)."""
-        lm = self.lm
-        masks = {"full_attention": allowed}
-        window = getattr(lm.config, "sliding_window", None)
-        if window:
-            masks["sliding_attention"] = allowed & (keys[:, None, :] > queries[:, :, None] - window)
-        blocked = torch.finfo(lm.dtype).min
-        additive = {kind: torch.zeros(m.shape, dtype=lm.dtype).masked_fill(~m, blocked)[:, None].to(lm.device)
-                    for kind, m in masks.items()}
-        layer_types = set(getattr(lm.config, "layer_types", None) or [])
-        if len(layer_types) > 1:
-            return {kind: additive[kind] for kind in layer_types}
-        if window and layer_types <= {"sliding_attention"}:
-            return additive["sliding_attention"]
-        return additive["full_attention"]
 
 
 @dataclass

@@ -17,6 +17,18 @@ def _pyplot():
     return plt
 
 
+def _title(result: dict) -> str:
+    """A compare result's plot title: model, device, dtype."""
+    return f"{result['model']['name']} · {result['environment']['device']} · {result['environment']['dtype']}"
+
+
+def _save(plt, fig, path: str | Path) -> None:
+    """Lay `fig` out, write it to `path` (PNG, 120 dpi) and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def speedup_by_category(result: dict, path: Path) -> Path:
     """Grouped bars: speed-up over greedy per category, one bar per strategy."""
     plt = _pyplot()
@@ -32,11 +44,9 @@ def speedup_by_category(result: dict, path: Path) -> Path:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(categories)), categories)
     ax.set_ylabel("speed-up over greedy (↑)")
-    ax.set_title(f"{result['model']['name']} · {result['environment']['device']} · {result['environment']['dtype']}")
+    ax.set_title(_title(result))
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
 
 
@@ -58,9 +68,7 @@ def acceptance_by_position(result: dict, path: Path) -> Path:
     ax.set_ylim(0, 1.05)
     if drawn:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
 
 
@@ -84,11 +92,9 @@ def throughput_by_batch_size(result: dict, path: Path) -> Path:
     ax.set_xlabel("batch size (requests in flight)")
     ax.set_ylabel("new tokens / s over the whole suite (↑)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{result['model']['name']} · {result['environment']['device']} · {result['environment']['dtype']}")
+    ax.set_title(_title(result))
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
 
 
@@ -122,7 +128,5 @@ def cost_curves(curves: list[tuple[str, str, object]], path: str | Path, title: 
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
     return Path(path)

@@ -108,3 +108,13 @@ def tiny_lm(arch: str, seed: int = 0) -> decoders.LM:
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny random Llama and the in-memory tokenizer, saved like any local model folder (a test module may define
+    its own)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)

@@ -11,7 +11,6 @@ import json
 import pytest
 
 import decoders
-from conftest import tiny_model, tiny_tokenizer
 from decoders.base import DecodeState, Steps
 from decoders.strategies.greedy import Greedy
 from evals import cli, metrics, report
@@ -26,15 +25,6 @@ SUITE = [
 ]
 NEW = 10
 COMMON = ["--max-new-tokens", str(NEW), "--no-progress", "--bandwidth-mb", "0"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A tiny random Llama and the in-memory tokenizer, saved like any local model folder."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,12 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_tokenizer
+from conftest import tiny_model
 from evals import cli, measure, report
 from evals.cli_parser import build_parser
 
 QUICK = ["--suite", "article", "--strategies", "greedy", "--max-new-tokens", "2", "--no-progress",
          "--bandwidth-mb", "0", "--no-warmup"]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """A tiny random Llama and the in-memory tokenizer, saved like any local model folder."""
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
 
 
 # ------------------------------------------------------------------------------------------------- output paths

@@ -187,14 +187,22 @@ class LM:
         length = tree_mask.shape[0]
         allowed = torch.ones(length, past + length, dtype=torch.bool, device=self.device)
         allowed[:, past + length - tree_mask.shape[1]:] = tree_mask.to(self.device, torch.bool)
+        key_positions = torch.cat([torch.arange(past, device=self.device), positions])  # [past + T]
+        return self.attention_masks(allowed[None], key_positions[None], positions[None])
+
+    def attention_masks(self, allowed: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor):
+        """Additive 4D masks [B, 1, Q, K] from `allowed` [B, Q, K] (query i may see key j), sliding-window layers also
+        hiding keys more than `sliding_window` positions behind their query (`keys` [B, K] and `queries` [B, Q]: the
+        positions); a model mixing full and sliding layers gets one mask per layer type."""
+        allowed = allowed.to(self.device)
         masks = {"full_attention": allowed}
         window = getattr(self.config, "sliding_window", None)
         if window:
-            key_positions = torch.cat([torch.arange(past, device=self.device), positions])  # [past + T]
-            masks["sliding_attention"] = allowed & (key_positions[None, :] > positions[:, None] - window)
+            near = keys.to(self.device)[:, None, :] > queries.to(self.device)[:, :, None] - window
+            masks["sliding_attention"] = allowed & near
         blocked = torch.finfo(self.dtype).min
         additive = {
-            kind: torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill(~m, blocked)[None, None]
+            kind: torch.zeros(m.shape, dtype=self.dtype, device=self.device).masked_fill(~m, blocked)[:, None]
             for kind, m in masks.items()
         }
         layer_types = set(getattr(self.config, "layer_types", None) or [])
