@@ -231,7 +231,7 @@ def admit(lm: LM, batch: BatchCache, b: int, index: int, run: tuple[DecodeState,
     clock starts before the prefill, as a run alone counts its prompt's call."""
     state, decoder = run
     began = time.perf_counter()
-    prefix = lm.new_cache()
+    prefix = KVCache()  # (transformers' cache, which `BatchCache.load` copies from)
     if len(state.tokens) > 1:
         lm.forward(state.tokens[:-1], prefix, keep=1)
     batch.load(b, prefix)

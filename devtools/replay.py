@@ -55,7 +55,8 @@ def stale(cost: CallCost, ratios: list[float]) -> CallCost:
 def take_over(replayed: decoders.LM, lm: decoders.LM) -> None:
     """Make `replayed` `lm` in all but its calls: same model, name, dtype and device, so the same calibration
     (`decoders.drafting.cost.calibration_key`): a replay never measures a replayed model."""
-    replayed.__dict__.update({k: v for k, v in vars(lm).items() if k not in ("_tree_mask_ok", "_self_drafts")})
+    replayed.__dict__.update({k: v for k, v in vars(lm).items() if k not in ("_tree_mask_ok", "_self_drafts", "_slabs")})
+    replayed.cuda_graphs = False  # (its cache holds token ids, not a model's keys)
 
 
 class ReplayLM(decoders.LM):

@@ -52,7 +52,7 @@ except Exception as error:  # noqa: BLE001 - the parts that need decodekit repor
 CONFIGS = Path(__file__).resolve().parent / "configs"
 MODELS = {"target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b"}  # role -> config, as the zoo pairs them
 PARTS = ("env", "curves", "greedy", "compiled", "tests")
-QUICK_TESTS = ("tests/test_cache.py", "tests/test_greedy.py")
+QUICK_TESTS = ("tests/test_cache.py", "tests/test_greedy.py", "tests/test_graphs.py")
 PACKAGES = ("torch", "transformers", "accelerate", "tokenizers", "numpy", "outlines", "outlines-core", "llguidance",
             "jsonschema", "pydantic", "gguf", "pytest", "pytest-xdist")  # versions env reports
 # (full, quick) settings: quick is for a CPU, where a real-width call of 64 tokens takes seconds
@@ -152,6 +152,7 @@ def curve(lm: decoders.LM, quick: bool, deadline: float) -> dict:
                     points.append({"n": n, "context": context, "shape": shape, "seconds": times[0],
                                    "median": times[len(times) // 2]})
     return {"model": lm.name, "layers": lm.config.num_hidden_layers, "weight_bytes": weight_bytes(lm.model),
+            "cuda_graphs": lm.cuda_graphs and lm.device.type == "cuda",
             "measured": time.time(), "points": points, "stopped": stopped}
 
 
@@ -235,13 +236,29 @@ def hf_greedy(lm: decoders.LM, prompt: list[int], new: int, **options) -> dict:
             "decode_tokens_per_second": (len(tokens) - 1) / (clock.times[-1] - clock.times[1]), "ids": tokens}
 
 
-def decodekit_greedy(lm: decoders.LM, prompt: list[int], new: int) -> dict:
-    """decodekit's `greedy` strategy on the same prompt, as `hf_greedy` reports it."""
-    result = decoders.generate(lm, prompt, strategy="greedy", max_new_tokens=new)
+def decodekit_greedy(lm: decoders.LM, prompt: list[int], new: int, graphs: bool | None = None) -> dict:
+    """decodekit's `greedy` strategy on the same prompt, as `hf_greedy` reports it; `graphs` sets `LM.cuda_graphs`
+    for the run (None: as it is)."""
+    before = lm.cuda_graphs
+    lm.cuda_graphs = before if graphs is None else graphs
+    try:
+        result = decoders.generate(lm, prompt, strategy="greedy", max_new_tokens=new)
+    finally:
+        lm.cuda_graphs = before
     stats = result.stats
     return {"tokens": stats.new_tokens, "seconds": stats.seconds, "ttft_seconds": stats.ttft_seconds,
             "decode_tokens_per_second": (stats.new_tokens - 1) / (stats.seconds - stats.ttft_seconds),
             "finish_reason": result.finish_reason, "ids": result.tokens}
+
+
+def decodekit_graphs(lm: decoders.LM, prompt: list[int], new: int) -> dict:
+    """`decodekit_greedy` with its calls replayed as CUDA graphs (a static cache eagerly off CUDA)."""
+    return decodekit_greedy(lm, prompt, new, graphs=True)
+
+
+def decodekit_eager(lm: decoders.LM, prompt: list[int], new: int) -> dict:
+    """`decodekit_greedy` with transformers' cache and eager calls."""
+    return decodekit_greedy(lm, prompt, new, graphs=False)
 
 
 def compare(lm: decoders.LM, quick: bool, runs: dict) -> dict:
@@ -250,8 +267,11 @@ def compare(lm: decoders.LM, quick: bool, runs: dict) -> dict:
     prompt = [(5 * i + 11) % lm.vocab_size for i in range(PROMPT[quick])]
     results = {}
     for name, run in runs.items():
-        attempt(run, lm, prompt, 4)  # warm-up: kernels chosen, memory pooled
+        start = time.perf_counter()
+        attempt(run, lm, prompt, 4)  # warm-up: kernels chosen, memory pooled, graphs captured
+        warm_up = time.perf_counter() - start
         results[name] = attempt(run, lm, prompt, NEW_TOKENS[quick])
+        results[name]["warm_up_seconds"] = warm_up
     first = next((r["ids"] for r in results.values() if "ids" in r), [])
     for r in results.values():
         if "ids" in r:
@@ -283,14 +303,23 @@ def _version(name: str) -> str | None:
 
 
 def part_curves(args) -> dict:
-    deadline = START + args.budget
+    """Each role's curve as its calls run by default (graphs on CUDA), then each eagerly, the time left shared evenly
+    among the curves still to measure."""
+    lms, result = {}, {}
+    plan = [(role, graphs) for graphs in (True, False) for role in MODELS]
+    for i, (role, graphs) in enumerate(plan):
+        def measure():
+            lm = lms.setdefault(role, build(role, args.device, args.quick))
+            lm.cuda_graphs = graphs
+            share = (START + args.budget - time.monotonic()) / (len(plan) - i)
+            return curve(lm, args.quick, time.monotonic() + share)
 
-    def measure(role: str) -> dict:
-        result = curve(build(role, args.device, args.quick), args.quick, deadline)
-        result["calibration"] = attempt(to_calibration, result, role)  # `CallCost.to_dict`, for `auto`'s planning
-        return result
-
-    return {role: attempt(measure, role) for role in MODELS}
+        if graphs:
+            result[role] = attempt(measure)
+            result[role]["calibration"] = attempt(to_calibration, result[role], role)  # for `auto`'s planning
+        else:
+            result[role]["eager"] = attempt(measure)
+    return result
 
 
 def part_greedy(args) -> dict:
@@ -299,7 +328,8 @@ def part_greedy(args) -> dict:
     for role in MODELS:
         def measure(role):
             lm = build(role, args.device, args.quick)
-            runs = compare(lm, args.quick, {"decodekit": decodekit_greedy, "transformers_eager": hf_greedy})
+            runs = compare(lm, args.quick, {"decodekit_graphs": decodekit_graphs, "decodekit_eager": decodekit_eager,
+                                            "transformers_eager": hf_greedy})
             limit = bandwidth / weight_bytes(lm.model) if bandwidth else None
             for r in runs.values():
                 if limit and "decode_tokens_per_second" in r:

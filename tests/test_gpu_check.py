@@ -66,8 +66,9 @@ def test_greedy_is_set_against_the_bandwidth_limit(summary):
     for role in ("target", "draft"):
         measured = greedy[role]
         assert measured["limit_tokens_per_second"] == pytest.approx(bandwidth / measured["weight_bytes"])
-        for name in ("decodekit", "transformers_eager"):
+        for name in ("decodekit_graphs", "decodekit_eager", "transformers_eager"):
             run = measured["runs"][name]
+            assert run["same_leading_tokens"] == run["tokens"]  # the static cache's tokens are transformers' cache's
             assert run["tokens"] == gpu_check.NEW_TOKENS[True] and run["decode_tokens_per_second"] > 0
             assert run["share_of_limit"] == pytest.approx(
                 run["decode_tokens_per_second"] / measured["limit_tokens_per_second"])

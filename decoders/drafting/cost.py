@@ -245,6 +245,9 @@ def _resize(cache, length: int) -> None:
     if len(cache) >= length:
         cache.crop(length)
         return
+    if hasattr(cache, "resize"):  # a static cache: its slots are there already
+        cache.resize(length)
+        return
     for layer in cache.hf.layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             reps = -(-length // layer.keys.shape[-2])

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import socket
+import warnings
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from urllib.parse import urlparse
 import torch
 
 from decoders.models.cache import KVCache
+from decoders.models.graphs import StaticKVCache
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -81,6 +83,9 @@ class LM:
         self.context_length = next(
             (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
         )
+        # model calls of up to 32 tokens replayed as CUDA graphs over a static cache (`decoders.models.graphs`); set it
+        # False for transformers' eager calls. True on a CPU runs the static cache eagerly (how the tests check it)
+        self.cuda_graphs = self.device.type == "cuda"
 
     def __repr__(self) -> str:
         return f"LM({self.name!r}, {type(self.model).__name__}, dtype={self.dtype}, device={self.device})"
@@ -89,9 +94,22 @@ class LM:
         """Wait for this model's device (CUDA kernels run asynchronously), before reading a clock."""
         synchronize(self.device)
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache for this model."""
+    def new_cache(self) -> KVCache | StaticKVCache:
+        """An empty KV cache for this model: static (graph-captured calls) where `cuda_graphs` is on and the model
+        scores a short input on it as on transformers' own cache, else a `KVCache`."""
+        if self.cuda_graphs and self.static_cache_ok():
+            return StaticKVCache(self)
         return KVCache()
+
+    def static_cache_ok(self) -> bool:
+        """Whether this model runs exactly on a `StaticKVCache`: probed once; a model that cannot is warned of and
+        keeps transformers' cache."""
+        if getattr(self, "_static_ok", None) is None:
+            self._static_ok = _probe_static_cache(self)
+            if self._static_ok is not True:
+                warnings.warn(f"{self.name}: {type(self.model).__name__} {self._static_ok} on a static cache; its "
+                              "calls run eagerly on transformers' cache (no CUDA graphs)", stacklevel=3)
+        return self._static_ok is True
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the tokenizer's usual special tokens (e.g. a BOS)."""
@@ -117,6 +135,10 @@ class LM:
             pos = torch.arange(past, past + length, device=self.device).unsqueeze(0)  # [1, T]
         else:
             pos = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(1, -1)
+        if isinstance(cache, StaticKVCache):
+            if cache.lm is not self:
+                raise ValueError(f"{self.name}: this static cache belongs to {cache.lm.name}")
+            return cache.forward(ids, pos, tree_mask, keep)
         mask = None if tree_mask is None else self._tree_attention_mask(tree_mask, pos[0], past)
         out = self.model(
             input_ids=ids,
@@ -250,6 +272,25 @@ def _probe_tree_mask(lm: LM) -> bool | str:
     tolerance = (1e-3 if lm.dtype == torch.float32 else 1e-2) * float(expected.abs().max())
     if not torch.allclose(tree_logits, expected, atol=tolerance, rtol=0):
         return "ignores a custom attention mask"
+    return True
+
+
+def _probe_static_cache(lm: LM) -> bool | str:
+    """True if a prompt, a chain and a tree call score on a `StaticKVCache` as on a `KVCache`, else what went wrong."""
+    prompt, chain = [i % lm.vocab_size for i in (3, 5, 7, 11, 13)], [i % lm.vocab_size for i in (17, 19)]
+    tree = torch.tensor([[1, 0], [0, 1]], dtype=torch.bool)  # two siblings
+    outputs = []
+    with torch.inference_mode():
+        for cache in (KVCache(), StaticKVCache(lm)):
+            try:
+                outputs.append(torch.cat([lm.forward(prompt, cache), lm.forward(chain, cache),
+                                          lm.forward(chain, cache, positions=[7, 7], tree_mask=tree)]).float())
+            except Exception as error:  # noqa: BLE001 - any failure means "no static cache", reported to the user
+                return f"raised {type(error).__name__}: {error}"
+    expected, static = outputs
+    tolerance = (1e-3 if lm.dtype == torch.float32 else 3e-2) * float(expected.abs().max())
+    if not torch.allclose(static, expected, atol=tolerance, rtol=0):
+        return f"scores differently (by {float((static - expected).abs().max()):.3g})"
     return True
 
 

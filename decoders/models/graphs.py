@@ -1,0 +1,279 @@
+"""A static KV cache, and CUDA graphs of the model calls that write it.
+
+On a GPU a small model's call is bound by launching its kernels, not by reading its weights: a 1.5B model in eager
+mode takes several times the milliseconds its weights take to read. Replaying a captured CUDA graph launches the
+whole call at once. A graph replays fixed addresses and shapes, so:
+
+- the cache is a preallocated buffer of `capacity` slots per layer, written in place at slots `past .. past + T`;
+  rolling back only moves `len(cache)`, the stale slots being hidden by the attention mask and overwritten later;
+- a call of T <= 32 tokens runs padded to a bucket (1, 2, 4, 8, 16, 32 tokens) whose graph takes its ids, positions,
+  tree mask and `past` from static buffers; the attention mask is built inside the graph from them. Padded rows write
+  slots past the call's end, which no query sees;
+- buffers and graphs (a `Slab` per capacity) stay with the LM and are lent to one cache at a time: a later run reuses
+  them without capturing again. A cache outgrowing its slab moves to one of twice the capacity.
+
+Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a CPU): the tests check its exactness there.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts with a graph each; longer calls (a prompt) run eagerly
+MIN_CAPACITY = 256  # slots of the smallest slab; each next one doubles
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values, [1, heads, capacity, head_dim], written at the owning cache's `slots`."""
+
+    is_compileable = is_croppable = True
+    is_sliding = False
+
+    def __init__(self, cache: SlotCache) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        shape = (key_states.shape[0], key_states.shape[1], self.cache.capacity)
+        self.keys = key_states.new_zeros(*shape, key_states.shape[-1])
+        self.values = value_states.new_zeros(*shape, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.cache.slots, key_states)
+        self.values.index_copy_(2, self.cache.slots, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.cache.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.length
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+    get_max_cache_shape = get_max_length  # (its name before transformers 5.20)
+
+
+class SlotCache(Cache):
+    """The transformers `Cache` the model writes: every layer a `SlotLayer` over the same `slots` [T]."""
+
+    def __init__(self, layers: int, capacity: int) -> None:
+        self.capacity, self.length = capacity, 0
+        self.slots: torch.Tensor | None = None  # set before each call: where its T keys go
+        super().__init__(layers=[SlotLayer(self) for _ in range(layers)])
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.capacity, 0
+
+
+class Slab:
+    """The static buffers of one capacity: the cache, and per bucket the captured call with its input buffers."""
+
+    def __init__(self, lm, capacity: int, capture: bool) -> None:
+        self.lm, self.capacity, self.capture = lm, capacity, capture
+        self.hf = SlotCache(lm.config.num_hidden_layers, capacity)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.owner = None  # a weakref to the StaticKVCache it is lent to
+        self.causal: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, T) -> `_padded` causal mask
+
+    @torch.inference_mode()
+    def adopt(self, other: Slab, length: int) -> None:
+        """Take the first `length` slots of `other` (a smaller slab outgrown)."""
+        for mine, theirs in zip(self.hf.layers, other.hf.layers):
+            if theirs.is_initialized:
+                mine.lazy_initialization(theirs.keys, theirs.values)
+                mine.keys[:, :, :length] = theirs.keys[:, :, :length]
+                mine.values[:, :, :length] = theirs.values[:, :, :length]
+
+    def call(self, ids, positions, past, tree, wide) -> torch.Tensor:
+        """The model on `ids` [1, T] at `positions` [1, T] written at slots past..past+T: logits [1, T, vocab].
+        `past` a 0-d tensor; `tree` [T, T] bool (query i sees new token j); `wide` [T, capacity] bool or None (query i
+        may see cached slot j: a tree grown over several calls hides some)."""
+        lm, length = self.lm, ids.shape[1]
+        slot = torch.arange(self.capacity, device=ids.device)
+        self.hf.slots = past + torch.arange(length, device=ids.device)
+        relative = slot - past  # [capacity]: a slot's place among the new tokens, < 0 in the prefix
+        new = (relative >= 0) & (relative < length)
+        allowed = tree[:, relative.clamp(0, length - 1)] & new  # [T, capacity]
+        cached = relative < 0 if wide is None else (relative < 0) & wide
+        allowed = allowed | cached
+        masks = lm.attention_masks(allowed[None], slot[None], positions)
+        return lm.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
+                        **{lm.cache_keyword: self.hf}).logits
+
+    def replay(self, ids, positions, past: int, tree, wide) -> torch.Tensor:
+        """`call` through the graph of the smallest bucket that holds T tokens, captured on first use: [T, vocab].
+        `tree` None: causal."""
+        length = ids.shape[1]
+        bucket = next(b for b in BUCKETS if b >= length)
+        if bucket not in self.graphs:
+            self.graphs[bucket] = (None, self._inputs(bucket), None)
+        graph, static, logits = self.graphs[bucket]
+        static["ids"][:, :length] = ids  # (padding: stale ids and positions, rows no real query sees)
+        static["positions"][:, :length] = positions
+        static["past"].fill_(past)
+        static["tree"].copy_(self._padded(bucket, length, tree))
+        if wide is not None or static.pop("wide_set", False):
+            static["wide"].fill_(True)
+            if wide is not None:
+                static["wide"][:length] = wide
+                static["wide_set"] = True
+        if graph is None:
+            graph, logits = self._capture(static)
+            self.graphs[bucket] = (graph, static, logits)
+        graph.replay()
+        return logits[0, :length]
+
+    def _padded(self, bucket: int, length: int, tree) -> torch.Tensor:
+        """`tree` [T, T] (None: causal) in a [bucket, bucket] mask whose padded rows see themselves only."""
+        if tree is None:
+            if (bucket, length) not in self.causal:
+                causal = torch.ones(length, length, dtype=torch.bool).tril()
+                self.causal[bucket, length] = self._padded(bucket, length, causal)
+            return self.causal[bucket, length]
+        padded = torch.eye(bucket, dtype=torch.bool, device=self.lm.device)
+        padded[:length, :length] = tree
+        return padded
+
+    def _inputs(self, bucket: int) -> dict[str, torch.Tensor]:
+        device = self.lm.device
+        return {"ids": torch.zeros(1, bucket, dtype=torch.long, device=device),
+                "positions": torch.zeros(1, bucket, dtype=torch.long, device=device),
+                "past": torch.zeros((), dtype=torch.long, device=device),
+                "tree": torch.zeros(bucket, bucket, dtype=torch.bool, device=device),
+                "wide": torch.ones(bucket, self.capacity, dtype=torch.bool, device=device)}
+
+    def _capture(self, static: dict[str, torch.Tensor]):
+        """A graph of `call` on the `static` inputs, which hold the caller's call: the warm-up calls run it for real
+        (writing the slots its replay writes again), the capture runs nothing."""
+        device = self.lm.device
+
+        def run():
+            return self.call(static["ids"], static["positions"], static["past"], static["tree"], static["wide"])
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture: kernels picked, workspaces allocated
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool(self.lm)):
+            logits = run()
+        return graph, logits
+
+
+def graph_pool(lm):
+    """One memory pool for all of an LM's graphs: they never run at once, and each output is copied out."""
+    if getattr(lm, "_graph_pool", None) is None:
+        lm._graph_pool = torch.cuda.graph_pool_handle()
+    return lm._graph_pool
+
+
+class StaticKVCache:
+    """`KVCache`'s interface (`len`, `crop`, `keep`) over a `Slab` of the LM: its model calls go through `forward`."""
+
+    def __init__(self, lm) -> None:
+        self.lm, self.length, self.slab = lm, 0, None
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def hf(self) -> SlotCache:
+        return self._slab_for(self.length).hf
+
+    def crop(self, n: int) -> None:
+        """Keep the first `n` positions."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} positions to {n}")
+        self.length = n
+
+    def keep(self, indices: Sequence[int] | torch.Tensor) -> None:
+        """Keep only the positions `indices` (increasing), in that order."""
+        index = torch.as_tensor(indices, dtype=torch.long)
+        if index.numel() and (index.min() < 0 or index.max() >= self.length):
+            raise ValueError(f"keep() indices must lie in [0, {self.length}), got {index.tolist()}")
+        if index.numel() > 1 and not bool((index[1:] > index[:-1]).all()):
+            raise ValueError("keep() indices must be strictly increasing: positions keep their order in the sequence")
+        first = next((i for i, j in enumerate(index.tolist()) if i != j), len(index))  # the untouched prefix
+        if self.slab is not None and first < len(index):
+            where = index[first:].to(self.lm.device)
+            with torch.inference_mode():
+                for layer in self.slab.hf.layers:
+                    if layer.is_initialized:  # (index_select copies first: the slots may overlap)
+                        layer.keys[:, :, first:len(index)] = layer.keys.index_select(2, where)
+                        layer.values[:, :, first:len(index)] = layer.values.index_select(2, where)
+        self.length = len(index)
+
+    def resize(self, length: int) -> None:
+        """Hold `length` positions whatever their keys (a timing's context): the slots past the end as they are."""
+        self._slab_for(length)
+        self.length = length
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+                keep: int) -> torch.Tensor:
+        """`LM.forward` on this cache: ids, positions [1, T]; logits [T or keep, vocab]."""
+        length, past = ids.shape[1], self.length
+        device = ids.device
+        graphed = self.lm.device.type == "cuda" and length <= BUCKETS[-1]
+        slab = self._slab_for(past + (next(b for b in BUCKETS if b >= length) if graphed else length))
+        tree = wide = None  # (causal)
+        if tree_mask is not None:
+            tree_mask = tree_mask.to(device, torch.bool)
+            tree = tree_mask[:, -length:]
+            if tree_mask.shape[1] > length:  # it also hides cached positions
+                wide = torch.ones(length, slab.capacity, dtype=torch.bool, device=device)
+                wide[:, past + length - tree_mask.shape[1]:past] = tree_mask[:, :-length]
+        with torch.inference_mode():  # (its buffers are inference tensors, whoever calls)
+            if graphed and slab.capture:
+                logits = slab.replay(ids, positions, past, tree, wide).clone()
+            else:
+                if tree is None:
+                    tree = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+                logits = slab.call(ids, positions, torch.tensor(past, device=device), tree, wide)[0]
+        self.length = past + length
+        slab.hf.length = self.length
+        return logits[-keep:] if keep else logits
+
+    def _slab_for(self, needed: int) -> Slab:
+        """This cache's slab, moved to a larger one if it holds fewer than `needed` slots."""
+        if self.slab is not None and self.slab.capacity >= needed:
+            return self.slab
+        capacity = MIN_CAPACITY
+        while capacity < needed:
+            capacity *= 2
+        slab = lend(self.lm, capacity, self)
+        if self.slab is not None:
+            slab.adopt(self.slab, self.length)
+            self.slab.owner = None
+        self.slab = slab
+        slab.hf.length = self.length
+        return slab
+
+
+def lend(lm, capacity: int, cache: StaticKVCache) -> Slab:
+    """The LM's slab of `capacity`, made on first use, lent to `cache`; a private one, never captured, if another
+    live cache holds it (two runs of one model at once: they stay exact, the second runs eagerly)."""
+    slabs = lm.__dict__.setdefault("_slabs", {})
+    slab = slabs.get(capacity)
+    if slab is None:
+        slab = slabs[capacity] = Slab(lm, capacity, capture=lm.device.type == "cuda")
+    elif slab.owner is not None and slab.owner() is not None:
+        return Slab(lm, capacity, capture=False)
+    slab.owner = weakref.ref(cache)
+    return slab

@@ -1,0 +1,141 @@
+"""The static KV cache (`decoders.models.graphs`): exactly transformers' cache, on every architecture and strategy.
+
+On a CPU it runs eagerly (`cuda_graphs = True` there is the test path); with DECODEKIT_TEST_DEVICE=cuda the same tests
+replay CUDA graphs of the bucketed calls.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import decoders
+from conftest import ARCHITECTURES, PROMPTS, tiny_lm
+from decoders.drafting import cost
+from decoders.models.cache import KVCache
+from decoders.models.graphs import MIN_CAPACITY, StaticKVCache
+
+
+def twins(arch: str) -> tuple[decoders.LM, decoders.LM]:
+    """Two LMs of one tiny model: transformers' cache, and the static one."""
+    base = tiny_lm(arch)
+    dynamic, static = (decoders.wrap(base.model, base.tokenizer, name=f"{base.name}-{kind}")
+                       for kind in ("dynamic", "static"))
+    dynamic.cuda_graphs, static.cuda_graphs = False, True
+    return dynamic, static
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_every_architecture_runs_on_the_static_cache(arch):
+    _, static = twins(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        assert isinstance(static.new_cache(), StaticKVCache)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "suffix", "lookahead", "prompt_lookup", "staged", "speculative",
+                                      "auto"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_static_cache_gives_the_same_tokens(strategy, arch):
+    dynamic, static = twins(arch)
+    draft = {"staged": "draft", "speculative": "draft"}.get(strategy)
+    for prompt in PROMPTS[:3]:
+        outputs = []
+        for lm in (dynamic, static):
+            options = {"draft": tiny_lm("llama", seed=99)} if draft else {}
+            outputs.append(decoders.generate(lm, prompt, strategy=strategy, max_new_tokens=40, **options).tokens)
+        assert outputs[0] == outputs[1], f"{strategy} on {arch}: {prompt!r}"
+
+
+def test_rollback_and_growth_continue_as_a_fresh_cache():
+    """crop, keep (a tree path) and moving to a larger slab: the next call scores as transformers' cache does."""
+    dynamic, static = twins("qwen2")
+    ids = [(7 * i + 3) % dynamic.vocab_size for i in range(MIN_CAPACITY - 20)]
+    tree = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a | b, a -> c
+    with torch.inference_mode():
+        caches = {lm: lm.new_cache() for lm in (dynamic, static)}
+        logits = {}
+        for lm, cache in caches.items():
+            lm.forward(ids, cache)
+            lm.forward([5, 6, 7, 8], cache)
+            cache.crop(len(ids))
+            lm.forward([11, 12, 13], cache, positions=[len(ids)] * 2 + [len(ids) + 1], tree_mask=tree)
+            cache.keep([*range(len(ids)), len(ids), len(ids) + 2])
+            logits[lm] = torch.cat([lm.forward(ids[:40], cache)])  # past the first slab's capacity
+        assert isinstance(caches[static], StaticKVCache) and caches[static].slab.capacity == 2 * MIN_CAPACITY
+        assert len(caches[static]) == len(caches[dynamic]) == len(ids) + 2 + 40
+        torch.testing.assert_close(logits[static], logits[dynamic], rtol=1e-4, atol=1e-4)
+
+
+def test_a_tree_grown_over_calls_hides_cached_nodes():
+    """A [T, past + T] tree mask (a draft's tree grown over several calls) hides cached slots as on transformers'."""
+    dynamic, static = twins("llama")
+    prompt = [3, 5, 7, 9, 11]
+    first = torch.tensor([[1, 0], [0, 1]], dtype=torch.bool)  # two siblings after the prompt
+    second = torch.tensor([[1, 0, 1]], dtype=torch.bool)  # a child of the first sibling, not of the second
+    with torch.inference_mode():
+        got = []
+        for lm in (dynamic, static):
+            cache = lm.new_cache()
+            lm.forward(prompt, cache)
+            lm.forward([13, 17], cache, positions=[5, 5], tree_mask=first)
+            wide = torch.cat([torch.ones(1, len(prompt), dtype=torch.bool), second], dim=1)
+            got.append(lm.forward([19], cache, positions=[6], tree_mask=wide))
+    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_slab_is_lent_to_one_live_cache_and_reused_after():
+    _, static = twins("gpt2")
+    first = static.new_cache()
+    with torch.inference_mode():
+        static.forward([1, 2, 3], first)
+        second = static.new_cache()
+        static.forward([4, 5], second)
+    assert first.slab is not second.slab and not second.slab.capture  # the second runs eagerly, beside it
+    pooled = first.slab
+    del first, second
+    third = static.new_cache()
+    with torch.inference_mode():
+        static.forward([6], third)
+    assert third.slab is pooled
+
+
+def test_a_cache_belongs_to_its_model():
+    _, static = twins("llama")
+    other = tiny_lm("llama", seed=99)
+    with pytest.raises(ValueError, match="belongs to"):
+        other.forward([1, 2], static.new_cache())
+
+
+def test_timing_resizes_a_static_cache_without_copying():
+    _, static = twins("qwen2")
+    with torch.inference_mode():
+        cache = static.new_cache()
+        static.forward([1, 2, 3], cache)
+        cost._resize(cache, 600)
+        assert len(cache) == 600 and cache.slab.capacity == 4 * MIN_CAPACITY
+        assert static.forward([4], cache).shape == (1, static.vocab_size)
+
+
+def test_a_model_the_static_cache_cannot_run_keeps_transformers_cache():
+    class Refusing(torch.nn.Module):  # a model that takes transformers' own caches only
+        def __init__(self, model):
+            super().__init__()
+            self.inner, self.config, self.generation_config = model, model.config, model.generation_config
+
+        def forward(self, **kwargs):
+            if any(type(value).__name__ == "SlotCache" for value in kwargs.values()):
+                raise NotImplementedError("no custom caches")
+            return self.inner(**kwargs)
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+    base = tiny_lm("qwen2")
+    lm = decoders.wrap(Refusing(base.model), base.tokenizer, name="refusing")
+    lm.__dict__["cache_keyword"] = base.cache_keyword
+    lm.cuda_graphs = True
+    with pytest.warns(UserWarning, match="no CUDA graphs"):
+        assert type(lm.new_cache()) is KVCache
+    assert decoders.generate(lm, PROMPTS[0], max_new_tokens=8).tokens == \
+        decoders.generate(base, PROMPTS[0], max_new_tokens=8).tokens
