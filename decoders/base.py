@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from decoders.drafting.draft import Drafter
     from grammars import GrammarMatcher
 
+SLACK = 64  # positions past the run's last token that a call checking a draft may write (`expected_length`)
 SOURCES = ("target", "draft", "lookup", "lookahead", "suffix", "grammar")  # where a new token came from
 
 
@@ -170,7 +171,7 @@ class DecodeState:
     drafter: Drafter | None = None  # a drafting strategy's per-run drafter (its draft cache, adaptive settings)
 
     def __post_init__(self) -> None:
-        self.cache = self.lm.new_cache()
+        self.cache = self.lm.new_cache(self.expected_length)
 
     @property
     def finished(self) -> bool:
@@ -179,6 +180,11 @@ class DecodeState:
     @property
     def new_tokens(self) -> list[int]:
         return self.tokens[self.prompt_len:]
+
+    @property
+    def expected_length(self) -> int:
+        """The positions a cache of this run may hold: every token it may add, and a draft checked past the end."""
+        return len(self.tokens) + self.remaining + SLACK
 
     @property
     def remaining(self) -> int:

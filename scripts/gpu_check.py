@@ -51,7 +51,7 @@ except Exception as error:  # noqa: BLE001 - the parts that need decodekit repor
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 MODELS = {"target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b"}  # role -> config, as the zoo pairs them
-PARTS = ("env", "curves", "greedy", "compiled", "tests")
+PARTS = ("env", "curves", "greedy", "profile", "compiled", "tests")
 QUICK_TESTS = ("tests/test_cache.py", "tests/test_greedy.py", "tests/test_graphs.py")
 PACKAGES = ("torch", "transformers", "accelerate", "tokenizers", "numpy", "outlines", "outlines-core", "llguidance",
             "jsonschema", "pydantic", "gguf", "pytest", "pytest-xdist")  # versions env reports
@@ -268,7 +268,7 @@ def compare(lm: decoders.LM, quick: bool, runs: dict) -> dict:
     results = {}
     for name, run in runs.items():
         start = time.perf_counter()
-        attempt(run, lm, prompt, 4)  # warm-up: kernels chosen, memory pooled, graphs captured
+        attempt(run, lm, prompt, NEW_TOKENS[quick])  # warm-up: kernels chosen, memory pooled, graphs captured
         warm_up = time.perf_counter() - start
         results[name] = attempt(run, lm, prompt, NEW_TOKENS[quick])
         results[name]["warm_up_seconds"] = warm_up
@@ -337,6 +337,55 @@ def part_greedy(args) -> dict:
             return {"model": lm.name, "weight_bytes": weight_bytes(lm.model), "limit_tokens_per_second": limit,
                     "runs": runs}
         result[role] = attempt(measure, role)
+    return result
+
+
+def part_profile(args) -> dict:
+    """Where a greedy step of the target goes: the median seconds of one-token calls after PROMPT cached positions
+    (decodekit on its static cache, as a bare graph replay, on transformers' cache; transformers' model call on its own
+    cache, as `generate` makes it), of a whole step (a greedy run's decoding seconds per token), and the profiler's
+    busiest operations over a few steps, eager and graph-captured."""
+    lm = build("target", args.device, args.quick)
+    prompt = [(5 * i + 11) % lm.vocab_size for i in range(PROMPT[args.quick])]
+    result: dict = {"calls": {}, "steps": {}, "profiles": {}}
+
+    def median_seconds(function, repeats: int = 30) -> float:
+        function()
+        return statistics.median(timed(lm, function) for _ in range(repeats))
+
+    with torch.inference_mode():
+        for graphs in (True, False):
+            lm.cuda_graphs = graphs
+            cache = lm.new_cache(2 * len(prompt))
+            lm.forward(prompt, cache, keep=1)
+
+            def call():
+                cache.crop(len(prompt))
+                lm.forward(prompt[:1], cache, keep=1)
+
+            result["calls"]["decodekit_" + ("static" if graphs else "eager")] = median_seconds(call)
+            if graphs and getattr(cache, "slab", None) is not None and 1 in cache.slab.graphs:
+                result["calls"]["graph_replay_alone"] = median_seconds(cache.slab.graphs[1][0].replay)
+        hf_cache = decoders.KVCache()  # (transformers' DynamicCache, with a crop across its versions)
+        lm.model(input_ids=torch.tensor([prompt], device=lm.device), **{lm.cache_keyword: hf_cache.hf})
+
+        def hf_call():
+            hf_cache.crop(len(prompt))
+            lm.model(input_ids=torch.tensor([prompt[:1]], device=lm.device),
+                     attention_mask=torch.ones(1, len(prompt) + 1, dtype=torch.long, device=lm.device),
+                     **{lm.cache_keyword: hf_cache.hf}, logits_to_keep=1)
+
+        result["calls"]["transformers_model"] = median_seconds(hf_call)
+    for graphs in (True, False):
+        mode = "graphs" if graphs else "eager"
+        result["steps"][mode] = attempt(decodekit_greedy, lm, prompt, NEW_TOKENS[args.quick] // 2, graphs)
+        result["steps"][mode].pop("ids", None)
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as profile:
+            decodekit_greedy(lm, prompt, 8, graphs)
+        table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+        result["profiles"][mode] = table[:6000]
     return result
 
 

@@ -45,7 +45,7 @@ class DraftModel:
             raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of {state.lm.name!r}: build "
                              "the drafter's model with decoders.drafting.draft_model.draft_model(state), which "
                              "translates through text")
-        self.state, self.lm, self.cache = state, draft, draft.new_cache()
+        self.state, self.lm, self.cache = state, draft, draft.new_cache(state.expected_length)
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
         self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read
         self.warned = False

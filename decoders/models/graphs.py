@@ -187,8 +187,9 @@ def graph_pool(lm):
 class StaticKVCache:
     """`KVCache`'s interface (`len`, `crop`, `keep`) over a `Slab` of the LM: its model calls go through `forward`."""
 
-    def __init__(self, lm) -> None:
+    def __init__(self, lm, reserve: int = 0) -> None:
         self.lm, self.length, self.slab = lm, 0, None
+        self.reserve = reserve  # slots its first slab holds at least
 
     def __len__(self) -> int:
         return self.length
@@ -255,7 +256,7 @@ class StaticKVCache:
         if self.slab is not None and self.slab.capacity >= needed:
             return self.slab
         capacity = MIN_CAPACITY
-        while capacity < needed:
+        while capacity < max(needed, self.reserve):
             capacity *= 2
         slab = lend(self.lm, capacity, self)
         if self.slab is not None:

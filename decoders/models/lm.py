@@ -94,11 +94,12 @@ class LM:
         """Wait for this model's device (CUDA kernels run asynchronously), before reading a clock."""
         synchronize(self.device)
 
-    def new_cache(self) -> KVCache | StaticKVCache:
+    def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
         """An empty KV cache for this model: static (graph-captured calls) where `cuda_graphs` is on and the model
-        scores a short input on it as on transformers' own cache, else a `KVCache`."""
+        scores a short input on it as on transformers' own cache, else a `KVCache`. `length`: the positions the run
+        expects to hold, which a static cache reserves (it grows past them too, capturing its calls anew)."""
         if self.cuda_graphs and self.static_cache_ok():
-            return StaticKVCache(self)
+            return StaticKVCache(self, length)
         return KVCache()
 
     def static_cache_ok(self) -> bool:
