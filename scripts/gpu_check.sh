@@ -61,7 +61,7 @@ run_part() {  # PART SECONDS [OPTIONS]: killed after SECONDS; it measures for SE
     echo "$part: exit $rc at $((SECONDS - START)) s" | tee -a "$LOG"
 }
 # seconds per part, full and --quick; GPU_CHECK_PARTS (e.g. "env greedy tests") runs some of them, in this order
-declare -A WALL=([env]=20 [greedy]=80 [profile]=60 [curves]=100 [compiled]=90 [tests]=200)
+declare -A WALL=([env]=20 [greedy]=80 [profile]=60 [curves]=100 [compiled]=170 [tests]=240)
 [ $QUICK = 1 ] && WALL=([env]=30 [greedy]=60 [profile]=40 [curves]=40 [compiled]=30 [tests]=60)
 for part in ${GPU_CHECK_PARTS:-env greedy profile curves compiled tests}; do
     run_part "$part" "${WALL[$part]}" "$@"

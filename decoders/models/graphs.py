@@ -12,7 +12,8 @@ whole call at once. A graph replays fixed addresses and shapes, so:
 - buffers and graphs (a `Slab` per capacity) stay with the LM and are lent to one cache at a time: a later run reuses
   them without capturing again. A cache outgrowing its slab moves to one of twice the capacity.
 
-Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a CPU): the tests check its exactness there.
+`LM.compile_calls` also compiles each captured call with `torch.compile` first (minutes of compiling for fewer, fused
+kernels). Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a CPU): the tests check its exactness there.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class Slab:
     def __init__(self, lm, capacity: int, capture: bool) -> None:
         self.lm, self.capacity, self.capture = lm, capacity, capture
         self.hf = SlotCache(lm.config.num_hidden_layers, capacity)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool], tuple] = {}  # (bucket, compiled) -> (CUDAGraph, inputs, logits)
         self.owner = None  # a weakref to the StaticKVCache it is lent to
         self.causal: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, T) -> `_padded` causal mask
 
@@ -120,9 +121,10 @@ class Slab:
         `tree` None: causal."""
         length = ids.shape[1]
         bucket = next(b for b in BUCKETS if b >= length)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = (None, self._inputs(bucket), None)
-        graph, static, logits = self.graphs[bucket]
+        key = bucket, self.lm.compile_calls
+        if key not in self.graphs:
+            self.graphs[key] = (None, self._inputs(bucket), None)
+        graph, static, logits = self.graphs[key]
         static["ids"][:, :length] = ids  # (padding: stale ids and positions, rows no real query sees)
         static["positions"][:, :length] = positions
         static["past"].fill_(past)
@@ -134,7 +136,7 @@ class Slab:
                 static["wide_set"] = True
         if graph is None:
             graph, logits = self._capture(static)
-            self.graphs[bucket] = (graph, static, logits)
+            self.graphs[key] = (graph, static, logits)
         graph.replay()
         return logits[0, :length]
 
@@ -162,8 +164,11 @@ class Slab:
         (writing the slots its replay writes again), the capture runs nothing."""
         device = self.lm.device
 
+        # compiled, the call's many small kernels (norms, rotary, masks) fuse: fewer kernels in the graph to replay
+        call = torch.compile(self.call) if self.lm.compile_calls else self.call
+
         def run():
-            return self.call(static["ids"], static["positions"], static["past"], static["tree"], static["wide"])
+            return call(static["ids"], static["positions"], static["past"], static["tree"], static["wide"])
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))

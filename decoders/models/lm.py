@@ -86,6 +86,7 @@ class LM:
         # model calls of up to 32 tokens replayed as CUDA graphs over a static cache (`decoders.models.graphs`); set it
         # False for transformers' eager calls. True on a CPU runs the static cache eagerly (how the tests check it)
         self.cuda_graphs = self.device.type == "cuda"
+        self.compile_calls = False  # torch.compile the graph-captured calls (CUDA): fused kernels, slow first calls
 
     def __repr__(self) -> str:
         return f"LM({self.name!r}, {type(self.model).__name__}, dtype={self.dtype}, device={self.device})"
