@@ -44,8 +44,11 @@ class SamplingConfig:
         if self.temperature >= TINY:
             logits = logits.float() / self.temperature
         else:  # dividing would overflow float32: divide each logit's distance to its row's max, in float64 (which
-            # holds any temperature), so the max goes to 0 and the rest to -inf: the same softmax, without inf - inf
-            logits = ((logits.double() - logits.amax(dim=-1, keepdim=True)) / self.temperature).float()
+            # holds any temperature), so the max goes to 0 and the rest to -inf: the same softmax, without inf - inf.
+            # Both sides scaled by 2^600 first: a GPU flushes a subnormal divisor (below 2.2e-308) to zero, 0 / 0 = NaN
+            scale = 2.0**600
+            distance = (logits.double() - logits.amax(dim=-1, keepdim=True)) * scale
+            logits = (distance / (self.temperature * scale)).float()
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]  # [..., 1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

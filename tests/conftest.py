@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import tempfile
 
@@ -24,6 +25,7 @@ import decoders
 torch.set_num_threads(1)
 # Every test that builds a model puts it here, so the same suite runs on a GPU unchanged.
 DEVICE = torch.device(os.environ.get("DECODEKIT_TEST_DEVICE", "cpu"))
+INSTALLED = any(True for _ in importlib.metadata.distributions(name="decodekit"))  # not only on the path
 
 VOCAB = 384
 CORPUS = [

@@ -12,8 +12,8 @@ def chi_square_fits(draws: torch.Tensor, probs: torch.Tensor, z: float = 3.3) ->
     The critical value uses the Wilson-Hilferty approximation of the chi-square quantile.
     """
     n = draws.numel()
-    counts = torch.bincount(draws, minlength=probs.numel()).double()
-    probs = probs.double()
+    counts = torch.bincount(draws.cpu(), minlength=probs.numel()).double()
+    probs = probs.double().cpu()
     if bool((counts[probs == 0] > 0).any()):
         return False
     expected = probs * n

@@ -277,7 +277,7 @@ def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypat
     assert bf16.calls == one and len(list((tmp_path / "calibration").iterdir())) == 4
 
     with monkeypatch.context() as other:  # the cache folder seen from a machine of another CPU
-        other.setattr(cost_module, "processor", lambda: "Another CPU (AVX512)")
+        other.setattr(cost_module, "machine", lambda device: f"{device} Another processor")
         calibrate(target, budget=0.0)
     assert target.calls == 3 * one and len(list((tmp_path / "calibration").iterdir())) == 5  # measured, kept beside
     calibrate(target)

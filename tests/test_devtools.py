@@ -30,7 +30,7 @@ def noisy_draft(lm: decoders.LM) -> decoders.LM:
     with torch.no_grad():
         generator = torch.Generator().manual_seed(0)
         for p in model.parameters():
-            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=generator))
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=generator).to(p.device))
     return decoders.wrap(model, lm.tokenizer, name=f"{lm.name}-noisy")
 
 

@@ -139,3 +139,16 @@ def test_a_model_the_static_cache_cannot_run_keeps_transformers_cache():
         assert type(lm.new_cache()) is KVCache
     assert decoders.generate(lm, PROMPTS[0], max_new_tokens=8).tokens == \
         decoders.generate(base, PROMPTS[0], max_new_tokens=8).tokens
+
+
+@pytest.mark.parametrize("strategy", ["speculative", "auto"])
+def test_the_targets_int8_copy_drafts_on_its_static_cache(strategy):
+    """"self:int8" drafts on the target's own cache (`SharedCacheDraft`): on a static one too, with the same tokens."""
+    from decoders.drafting.draft_model import SharedCacheDraft, draft_model
+
+    dynamic, static = twins("llama")
+    for prompt in PROMPTS[:3]:
+        want = decoders.generate(dynamic, prompt, strategy=strategy, draft="self:int8", max_new_tokens=30).tokens
+        assert decoders.generate(static, prompt, strategy=strategy, draft="self:int8", max_new_tokens=30).tokens == want
+    run = decoders.driver.prepare(static, PROMPTS[0], strategy="speculative", draft="self:int8", max_new_tokens=4)
+    assert isinstance(run.state.cache, StaticKVCache) and isinstance(draft_model(run.state), SharedCacheDraft)

@@ -68,3 +68,4 @@ def test_an_argument_of_the_wrong_type_gets_a_one_line_error(kwargs, error, mess
     kwargs = {"prompt": PROMPTS[0], **kwargs}
     with pytest.raises(error, match=message):
         decoders.generate(tiny_lm("llama"), kwargs.pop("prompt"), max_new_tokens=4, **kwargs)
+

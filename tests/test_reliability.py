@@ -33,7 +33,7 @@ def test_sampling_under_a_grammar_with_eos_in_the_drafts(strategy):
     settings = dict(temperature=1.0)
     with torch.inference_mode():
         logits = lm.forward(prompt, lm.new_cache())[-1]
-    allowed = constraint.matcher(lm).allowed()
+    allowed = constraint.matcher(lm).allowed().to(logits.device)
     first = SamplingConfig(**settings).probs(logits.masked_fill(~allowed, float("-inf")))  # the masked target
     firsts = []
     for seed in range(300):

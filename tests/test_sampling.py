@@ -70,7 +70,7 @@ def test_sampled_first_token_matches_the_filtered_softmax(settings):
         logits = lm.forward(ids, lm.new_cache())[-1]
     config = SamplingConfig(**settings)
     target = config.probs(logits)
-    generator = make_generator(0)
+    generator = make_generator(0, logits.device)
     draws = torch.tensor([sample(logits, config, generator) for _ in range(4000)])
     assert chi_square_fits(draws, target)
     assert not chi_square_fits(draws, SamplingConfig(**{**settings, "temperature": 1.5}).probs(logits))

@@ -35,7 +35,8 @@ def near_draft(arch: str = "llama") -> decoders.LM:
     model = copy.deepcopy(tiny_lm(arch).model)
     with torch.no_grad():
         weight = model.get_output_embeddings().weight
-        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)) * weight.std() * 0.3)
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)).to(weight.device)
+                    * weight.std() * 0.3)
     return decoders.wrap(model, tiny_tokenizer(), name=f"near-{arch}")
 
 

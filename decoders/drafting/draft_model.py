@@ -14,6 +14,7 @@ import torch
 
 from decoders.base import DecodeState
 from decoders.models.cache import KVCache
+from decoders.models.graphs import StaticKVCache
 from decoders.models.lm import LM
 
 
@@ -27,7 +28,7 @@ def draft_model(state: DecodeState) -> DraftModel:
 
         return TranslatedDraftModel(state)
     if (state.draft is not None and state.draft.quantized_from is not None and state.draft.quantized_from() is state.lm
-            and isinstance(state.cache, KVCache)):  # (a batch row's cache is shared: the copy drafts on its own)
+            and isinstance(state.cache, KVCache | StaticKVCache)):  # (not a batch row's: the copy drafts on its own)
         return SharedCacheDraft(state)
     return DraftModel(state)
 

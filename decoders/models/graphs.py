@@ -100,11 +100,12 @@ class Slab:
                 mine.keys[:, :, :length] = theirs.keys[:, :, :length]
                 mine.values[:, :, :length] = theirs.values[:, :, :length]
 
-    def call(self, ids, positions, past, tree, wide) -> torch.Tensor:
-        """The model on `ids` [1, T] at `positions` [1, T] written at slots past..past+T: logits [1, T, vocab].
+    def call(self, lm, ids, positions, past, tree, wide) -> torch.Tensor:
+        """`lm`'s model (the slab's or its quantized copy) on `ids` [1, T] at `positions` [1, T] written at slots
+        past..past+T: logits [1, T, vocab].
         `past` a 0-d tensor; `tree` [T, T] bool (query i sees new token j); `wide` [T, capacity] bool or None (query i
         may see cached slot j: a tree grown over several calls hides some)."""
-        lm, length = self.lm, ids.shape[1]
+        length = ids.shape[1]
         slot = torch.arange(self.capacity, device=ids.device)
         self.hf.slots = past + torch.arange(length, device=ids.device)
         relative = slot - past  # [capacity]: a slot's place among the new tokens, < 0 in the prefix
@@ -116,12 +117,12 @@ class Slab:
         return lm.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
                         **{lm.cache_keyword: self.hf}).logits
 
-    def replay(self, ids, positions, past: int, tree, wide) -> torch.Tensor:
+    def replay(self, lm, ids, positions, past: int, tree, wide) -> torch.Tensor:
         """`call` through the graph of the smallest bucket that holds T tokens, captured on first use: [T, vocab].
         `tree` None: causal."""
         length = ids.shape[1]
         bucket = next(b for b in BUCKETS if b >= length)
-        key = bucket, self.lm.compile_calls
+        key = bucket, lm.compile_calls, lm.model  # (the model itself, not its id: a graph keeps its weights' addresses)
         if key not in self.graphs:
             self.graphs[key] = (None, self._inputs(bucket), None)
         graph, static, logits = self.graphs[key]
@@ -135,7 +136,7 @@ class Slab:
                 static["wide"][:length] = wide
                 static["wide_set"] = True
         if graph is None:
-            graph, logits = self._capture(static)
+            graph, logits = self._capture(lm, static)
             self.graphs[key] = (graph, static, logits)
         graph.replay()
         return logits[0, :length]
@@ -159,16 +160,16 @@ class Slab:
                 "tree": torch.zeros(bucket, bucket, dtype=torch.bool, device=device),
                 "wide": torch.ones(bucket, self.capacity, dtype=torch.bool, device=device)}
 
-    def _capture(self, static: dict[str, torch.Tensor]):
+    def _capture(self, lm, static: dict[str, torch.Tensor]):
         """A graph of `call` on the `static` inputs, which hold the caller's call: the warm-up calls run it for real
         (writing the slots its replay writes again), the capture runs nothing."""
         device = self.lm.device
 
         # compiled, the call's many small kernels (norms, rotary, masks) fuse: fewer kernels in the graph to replay
-        call = torch.compile(self.call) if self.lm.compile_calls else self.call
+        call = torch.compile(self.call) if lm.compile_calls else self.call
 
         def run():
-            return call(static["ids"], static["positions"], static["past"], static["tree"], static["wide"])
+            return call(lm, static["ids"], static["positions"], static["past"], static["tree"], static["wide"])
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -231,9 +232,10 @@ class StaticKVCache:
         self._slab_for(length)
         self.length = length
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+    def forward(self, lm, ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
                 keep: int) -> torch.Tensor:
-        """`LM.forward` on this cache: ids, positions [1, T]; logits [T or keep, vocab]."""
+        """`LM.forward` of `lm` (this cache's LM, or its quantized copy drafting on it) on this cache: ids, positions
+        [1, T]; logits [T or keep, vocab]."""
         length, past = ids.shape[1], self.length
         device = ids.device
         graphed = self.lm.device.type == "cuda" and length <= BUCKETS[-1]
@@ -247,11 +249,11 @@ class StaticKVCache:
                 wide[:, past + length - tree_mask.shape[1]:past] = tree_mask[:, :-length]
         with torch.inference_mode():  # (its buffers are inference tensors, whoever calls)
             if graphed and slab.capture:
-                logits = slab.replay(ids, positions, past, tree, wide).clone()
+                logits = slab.replay(lm, ids, positions, past, tree, wide).clone()
             else:
                 if tree is None:
                     tree = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-                logits = slab.call(ids, positions, torch.tensor(past, device=device), tree, wide)[0]
+                logits = slab.call(lm, ids, positions, torch.tensor(past, device=device), tree, wide)[0]
         self.length = past + length
         slab.hf.length = self.length
         return logits[-keep:] if keep else logits

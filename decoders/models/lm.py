@@ -138,9 +138,9 @@ class LM:
         else:
             pos = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(1, -1)
         if isinstance(cache, StaticKVCache):
-            if cache.lm is not self:
+            if cache.lm is not self and (self.quantized_from is None or self.quantized_from() is not cache.lm):
                 raise ValueError(f"{self.name}: this static cache belongs to {cache.lm.name}")
-            return cache.forward(ids, pos, tree_mask, keep)
+            return cache.forward(self, ids, pos, tree_mask, keep)
         mask = None if tree_mask is None else self._tree_attention_mask(tree_mask, pos[0], past)
         out = self.model(
             input_ids=ids,
