@@ -67,7 +67,10 @@ def _load(name: str, args, device: str | None, quantize: str | None = None):
 
         logging.disable_progress_bar()
     print(f"loading {name}{f' ({quantize})' if quantize else ''} ...", file=sys.stderr)
-    return decoders.load(name, dtype=args.dtype, device=device, quantize=quantize)
+    lm = decoders.load(name, dtype=args.dtype, device=device, quantize=quantize)
+    graphs = getattr(args, "cuda_graphs", "on")
+    lm.cuda_graphs, lm.compile_calls = lm.device.type == "cuda" and graphs != "off", graphs == "compiled"
+    return lm
 
 
 def _draft(args, device: str | None):

@@ -143,6 +143,10 @@ def _model_arguments(parser: argparse.ArgumentParser, prompts: bool = True) -> N
     parser.add_argument("--draft-quantize", choices=["int8"], help="load the --draft model weight-only quantized")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    parser.add_argument("--cuda-graphs", choices=["on", "off", "compiled"], default="on",
+                        help="on CUDA: model calls of up to 32 tokens replayed as CUDA graphs over a static cache (on), "
+                        "transformers' eager calls (off), or graphs of torch.compile'd calls (compiled: fewer kernels, "
+                        "tens of seconds of compiling first)")
     if prompts:
         parser.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat "
                             "template")

@@ -494,11 +494,12 @@ def headline(parts: dict) -> dict:
 
 
 def part_calibrate(args) -> dict:
-    """Write the `--role` curve of OUTDIR/curves.json as the calibration of the zoo model it stands for (or `--model`),
-    loaded here as the replay tools load it (bfloat16, this machine's device and threads)."""
-    curves = json.loads((args.outdir / "curves.json").read_text())["result"]
+    """Write the `--role` curve of OUTDIR/curves.json (`--eager`: its eager calls') as the calibration of the zoo
+    model it stands for (or `--model`), loaded here as the replay tools load it (bfloat16, this machine's device and
+    threads). Set DECODEKIT_CALIBRATION to a folder of its own: it replaces this machine's calibration there."""
+    curve = json.loads((args.outdir / "curves.json").read_text())["result"][args.role]
     lm = decoders.load(args.model or f"zoo:{MODELS[args.role]}", dtype="bfloat16")
-    return {"written": str(save_calibration(curves[args.role], lm, args.role))}
+    return {"written": str(save_calibration(curve["eager"] if args.eager else curve, lm, args.role))}
 
 
 def main() -> None:
@@ -512,6 +513,7 @@ def main() -> None:
     parser.add_argument("--rc", action="append", default=[], help="summary: PART=EXIT_STATUS")
     parser.add_argument("--role", choices=tuple(MODELS), default="target", help="calibrate: which curve")
     parser.add_argument("--model", help="calibrate: the model it stands for (default: the zoo's of that role)")
+    parser.add_argument("--eager", action="store_true", help="calibrate: the curve of eager calls, not graphs'")
     args = parser.parse_args()
     args.outdir.mkdir(parents=True, exist_ok=True)
     if args.part in ("summary", "calibrate"):

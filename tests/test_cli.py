@@ -400,3 +400,15 @@ def test_the_report_shows_what_auto_chose(model_dir, capsys):
     text = capsys.readouterr().out
     assert "What the choosing strategies chose:" in text
     assert "auto on article-pi: steps by proposer:" in text and "predicted" in text and "measured" in text
+
+
+@pytest.mark.parametrize("choice", ["on", "off", "compiled"])
+def test_cuda_graphs_option_sets_the_models_calls(model_dir, choice):
+    from evals.cli_parser import build_parser
+
+    args = build_parser().parse_args(["compare", "--model", model_dir, "--no-progress", "--cuda-graphs", choice])
+    lm = cli._load(model_dir, args, None)
+    assert lm.cuda_graphs == (lm.device.type == "cuda" and choice != "off")  # (a CPU runs transformers' cache)
+    assert lm.compile_calls == (choice == "compiled")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compare", "--model", model_dir, "--cuda-graphs", "maybe"])
