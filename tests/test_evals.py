@@ -164,12 +164,17 @@ def test_leaderboard_merges_two_result_files(result, tmp_path, capsys):
     assert "junk.json: not a decodekit compare result" in capsys.readouterr().err
 
 
+def python_path() -> str:
+    """The repository first, then the caller's path (on the GPU check's machine, its installed wheels)."""
+    return os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+
+
 def test_the_leaderboard_imports_no_torch(result, tmp_path):
     path = tmp_path / "a.json"
     report.write_json(result, path)
     code = ("import sys; from evals import cli; status = cli.main(['leaderboard', sys.argv[1]]); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(status)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=python_path())
     done = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -378,8 +383,7 @@ def test_accelerate_with_two_cpu_processes_gives_the_same_table_as_one(tmp_path,
     tiny_tokenizer().save_pretrained(folder)
     args = ["compare", "--model", str(folder), "--suite", str(suite_file), "--strategies", "greedy,hf:greedy",
             "--max-new-tokens", "12", "--no-progress", "--bandwidth-mb", "0", "--no-warmup"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=python_path())
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(_free_port()), "-m", "evals"]

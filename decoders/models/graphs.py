@@ -12,8 +12,8 @@ whole call at once. A graph replays fixed addresses and shapes, so:
 - buffers and graphs (a `Slab` per capacity) stay with the LM and are lent to one cache at a time: a later run reuses
   them without capturing again. A cache outgrowing its slab moves to one of twice the capacity.
 
-`LM.compile_calls` also compiles each captured call with `torch.compile` first (minutes of compiling for fewer, fused
-kernels). Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a CPU): the tests check its exactness there.
+`LM.compile_calls` also compiles each captured call with `torch.compile` first (tens of seconds of compiling for fewer,
+fused kernels). Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a CPU), which the tests check.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Slab:
     def __init__(self, lm, capacity: int, capture: bool) -> None:
         self.lm, self.capacity, self.capture = lm, capacity, capture
         self.hf = SlotCache(lm.config.num_hidden_layers, capacity)
-        self.graphs: dict[tuple[int, bool], tuple] = {}  # (bucket, compiled) -> (CUDAGraph, inputs, logits)
+        self.graphs: dict[tuple, tuple] = {}  # (bucket, compiled, model) -> (CUDAGraph, inputs, logits)
         self.owner = None  # a weakref to the StaticKVCache it is lent to
         self.causal: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, T) -> `_padded` causal mask
 
@@ -101,10 +101,9 @@ class Slab:
                 mine.values[:, :, :length] = theirs.values[:, :, :length]
 
     def call(self, lm, ids, positions, past, tree, wide) -> torch.Tensor:
-        """`lm`'s model (the slab's or its quantized copy) on `ids` [1, T] at `positions` [1, T] written at slots
-        past..past+T: logits [1, T, vocab].
-        `past` a 0-d tensor; `tree` [T, T] bool (query i sees new token j); `wide` [T, capacity] bool or None (query i
-        may see cached slot j: a tree grown over several calls hides some)."""
+        """`lm`'s model (the slab's or its quantized copy) on `ids` [1, T] at `positions` [1, T], written at slots
+        past..past+T: logits [1, T, vocab]. `past` a 0-d tensor; `tree` [T, T] bool (query i sees new token j); `wide`
+        [T, capacity] bool or None (query i may see cached slot j: a tree grown over several calls hides some)."""
         length = ids.shape[1]
         slot = torch.arange(self.capacity, device=ids.device)
         self.hf.slots = past + torch.arange(length, device=ids.device)
