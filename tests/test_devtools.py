@@ -258,3 +258,27 @@ def test_the_draft_and_chain_replays_command_lines_print_a_row_a_method(tmp_path
         replay_drafts.main([str(path), "--methods", "threshold"])
     with pytest.raises(SystemExit, match="replayable strategies"):
         replay_chains.main([str(path), "--draft", "noisy", "--methods", "suffix"])
+
+
+def test_speedups_are_greedys_estimated_seconds_over_each_methods_per_suite_and_overall(monkeypatch):
+    """devtools.speedups: one cell per method and suite, and "all" weighing the suites by their seconds, the calls
+    costed by the cached curve (here one where a call costs the same whatever it scores: a GPU's, nearly)."""
+    from decoders.drafting.cost import CallCost
+    from devtools import replay_drafts, speedups
+
+    lm = tiny_lm("llama")
+    suites = {"a": greedy_outputs(lm, PROMPTS[:2], 24), "b": greedy_outputs(lm, PROMPTS[2:4], 24)}
+    flat = CallCost((1, 64), (0.01, 0.01))
+    monkeypatch.setattr(speedups, "call_cost", lambda model, role: flat)
+    monkeypatch.setattr(speedups, "load_prompts", lambda result, model: suites[result["config"]["suite"]])
+    results = [{"config": {"suite": name}} for name in suites]
+    table = speedups.speedups(lm, results, ["suffix", "auto"])
+    tally = replay_drafts.replay(lm, "suffix", suites["a"], flat)
+    assert table["suffix"]["a"] == pytest.approx(tally.greedy / tally.seconds)
+    assert min(table["suffix"]["a"], table["suffix"]["b"]) <= table["suffix"]["all"] <= max(
+        table["suffix"]["a"], table["suffix"]["b"])
+    # each call gains a token at least, all calls cost the same: no method is slower than greedy (a call that finds
+    # the run over aside)
+    assert all(row[s] > 0.95 for row in table.values() for s in ("a", "b", "all")), table
+    with pytest.raises(SystemExit, match="unknown methods"):
+        speedups.main(["x.json", "--methods", "speculative"])
