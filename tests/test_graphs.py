@@ -152,3 +152,16 @@ def test_the_targets_int8_copy_drafts_on_its_static_cache(strategy):
         assert decoders.generate(static, prompt, strategy=strategy, draft="self:int8", max_new_tokens=30).tokens == want
     run = decoders.driver.prepare(static, PROMPTS[0], strategy="speculative", draft="self:int8", max_new_tokens=4)
     assert isinstance(run.state.cache, StaticKVCache) and isinstance(draft_model(run.state), SharedCacheDraft)
+
+
+def test_a_run_reserves_the_slots_it_may_need_but_not_the_whole_context():
+    from decoders.models.graphs import MAX_RESERVE
+
+    _, static = twins("qwen2")
+    with torch.inference_mode():
+        short, long = static.new_cache(300), static.new_cache(10**6)
+        static.forward([1, 2], short)
+        del short
+        static.forward([1, 2], long)
+    assert long.slab.capacity == MAX_RESERVE
+    assert 2 * MIN_CAPACITY in static.__dict__["_slabs"]  # (the short run's: 300 slots)

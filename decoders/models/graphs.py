@@ -26,6 +26,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # token counts with a graph each; longer calls (a prompt) run eagerly
 MIN_CAPACITY = 256  # slots of the smallest slab; each next one doubles
+MAX_RESERVE = 4096  # a run reserves at most this many slots: attention reads every slot of its slab, so a long
+# max_new_tokens grows the cache as the run gets there instead
 
 
 class SlotLayer(CacheLayerMixin):
@@ -194,7 +196,7 @@ class StaticKVCache:
 
     def __init__(self, lm, reserve: int = 0) -> None:
         self.lm, self.length, self.slab = lm, 0, None
-        self.reserve = reserve  # slots its first slab holds at least
+        self.reserve = min(reserve, MAX_RESERVE)  # slots its first slab holds at least
 
     def __len__(self) -> int:
         return self.length
