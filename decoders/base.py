@@ -169,6 +169,7 @@ class DecodeState:
     stats: Stats = field(default_factory=Stats)
     finish_reason: str | None = None  # "eos", "stop" or "length" once finished
     drafter: Drafter | None = None  # a drafting strategy's per-run drafter (its draft cache, adaptive settings)
+    others: int = 0  # in a batch, the tokens the other rows score in this step's target call (`batch.run` sets it)
 
     def __post_init__(self) -> None:
         self.cache = self.lm.new_cache(self.expected_length)

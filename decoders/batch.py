@@ -191,6 +191,9 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 if rows[b] is None and queue:
                     rows[b] = admit(lm, batch, b, *queue.popleft())
             for row in filter(None, rows):
+                # the rows before it have asked for their calls; the rest ask for one token at least
+                row.state.others = sum(1 if r.pending is None else len(r.pending.tokens)
+                                       for r in filter(None, rows) if r is not row)
                 _advance(row, None)
             calls = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
             if calls:

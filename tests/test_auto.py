@@ -747,3 +747,26 @@ def test_max_lookup_is_still_accepted_with_a_deprecation_warning():
     assert got.tokens == want
     with pytest.raises(ValueError, match="max_lookup"):
         decoders.generate(lm, PROMPTS[2], strategy="auto", max_lookup=0, max_new_tokens=8)
+
+
+def test_in_a_batch_a_step_is_priced_as_the_call_all_rows_share():
+    """A row's plan costs the target call scoring its tokens beside the other rows' (`DecodeState.others`): a plain
+    step of four rows is priced as a 4-token call, and alone as a 1-token call."""
+    seen = []
+
+    class Recording(chooser.Chooser):
+        def choose(self, offers, context, remaining=None):
+            plan = super().choose(offers, context, remaining)
+            seen.append((self.cost.others, self.evaluate(None, 0, context).seconds,
+                         self.cost.target.predict(1 + self.cost.others, context)))
+            return plan
+
+    lm, prompts = tiny_lm("llama"), PROMPTS[:4]
+    costs = priced(lambda: CostModel(line(1.0, 0.5)), Recording, frozen=True)
+    alone = [decoders.generate(lm, p, strategy=auto.Auto(chooser=costs), max_new_tokens=12).tokens for p in prompts]
+    assert seen and all(others == 0 for others, _, _ in seen)
+    seen.clear()
+    batched = decoders.generate(lm, prompts, strategy=auto.Auto(chooser=costs), max_new_tokens=12, batch_size=4)
+    assert [r.tokens for r in batched] == alone
+    assert max(others for others, _, _ in seen) >= 3  # the first step: three other rows, a token each at least
+    assert all(plain == expected for _, plain, expected in seen)

@@ -417,14 +417,16 @@ class CostModel:
     target: CallCost
     draft: CallCost | None = None  # None: no draft model
     observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
+    others: int = 0  # tokens the other rows of a batch score in the same target call (`DecodeState.others`)
 
     def __post_init__(self):
         if self.draft is not None:
             self.draft.follows = self.target
 
     def target_seconds(self, n: int, context: int) -> float:
-        """One target call scoring `n` tokens (a draft of n - 1 plus one) after `context` cached ones."""
-        return self.target.predict(n, context)
+        """One target call scoring `n` tokens (a draft of n - 1 plus one) after `context` cached ones; in a batch, the
+        call that scores them beside the other rows' `others` (a call costs what its tokens in all rows cost)."""
+        return self.target.predict(n + self.others, context)
 
     def draft_seconds(self, calls: int, context: int, catch_up: int = 1) -> float:
         """A draft model's chain of `calls` tokens after `context`: its first call feeds the `catch_up` tokens the
