@@ -20,7 +20,9 @@ from decoders.models.lm import LM
 from samplers import SamplingConfig, sample
 
 if TYPE_CHECKING:
+    from decoders.batch import RowCache
     from decoders.drafting.draft import Drafter
+    from decoders.models.graphs import StaticKVCache
     from grammars import GrammarMatcher
 
 SLACK = 64  # positions past the run's last token that a call checking a draft may write (`expected_length`)
@@ -39,7 +41,8 @@ class Call:
     # (or [T, len(cache) + T]: also which cached positions each sees, for a draft's tree grown over several calls)
     keep: int = 0  # logits of the last `keep` positions only (0: all)
     lm: LM | None = None  # a draft model's call: that model; None: the run's target
-    cache: Any = None  # a draft model's call: the draft's cache (a `KVCache`, or its row of a batch's draft cache)
+    cache: KVCache | StaticKVCache | RowCache | None = None  # a draft model's call: the draft's cache (in a batch,
+    # its row of the batch's cache for that draft model)
 
 
 Steps = Generator[Call, torch.Tensor, None]  # a step: yields each model call, is sent its logits [keep or T, vocab]

@@ -224,7 +224,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
             for row in filter(None, rows):
                 _advance(row, None)
             pending = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
-            answers = {}
+            answers: dict[int, torch.Tensor] = {}
             for cache in (batch, *batch.drafts):  # one forward per model: the target's, each draft model's
                 calls = {b: call for b, call in pending.items()
                          if (batch if call.lm is None else call.cache.batch) is cache}
