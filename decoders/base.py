@@ -20,7 +20,9 @@ from decoders.models.lm import LM
 from samplers import SamplingConfig, sample
 
 if TYPE_CHECKING:
+    from decoders.batch import RowCache
     from decoders.drafting.draft import Drafter
+    from decoders.models.graphs import StaticKVCache
     from grammars import GrammarMatcher
 
 SLACK = 64  # positions past the run's last token that a call checking a draft may write (`expected_length`)
@@ -29,25 +31,32 @@ SOURCES = ("target", "draft", "lookup", "lookahead", "suffix", "grammar")  # whe
 
 @dataclass
 class Call:
-    """One target call a step asks for: `tokens` scored after the run's cached ones (the cache grows by them)."""
+    """One model call a step asks for: `tokens` scored after the cached ones (the cache grows by them). The target's,
+    on the run's cache, or a draft model's (`lm`) on its own cache (`cache`): yielded alike, so that a batch runs
+    each model's calls of all its rows in one forward (`decoders.batch`)."""
 
     tokens: list[int]  # [T]
     positions: list[int] | None = None  # [T] position ids; None: len(cache) + 0..T-1
     tree_mask: torch.Tensor | None = None  # [T, T] bool, True where token i sees token j; None: causal
+    # (or [T, len(cache) + T]: also which cached positions each sees, for a draft's tree grown over several calls)
     keep: int = 0  # logits of the last `keep` positions only (0: all)
+    lm: LM | None = None  # a draft model's call: that model; None: the run's target
+    cache: KVCache | StaticKVCache | RowCache | None = None  # a draft model's call: the draft's cache (in a batch,
+    # its row of the batch's cache for that draft model)
 
 
-Steps = Generator[Call, torch.Tensor, None]  # a step: yields each target call, is sent its logits [keep or T, vocab]
+Steps = Generator[Call, torch.Tensor, None]  # a step: yields each model call, is sent its logits [keep or T, vocab]
 
 
-def drive(steps: Steps, forward: Callable[[Call], torch.Tensor]) -> None:
-    """Run a step to its end, each target call it yields answered by `forward`."""
+def drive(steps: Generator[Call, torch.Tensor, Any], forward: Callable[[Call], torch.Tensor]) -> Any:
+    """Run a step (or any generator of calls, e.g. a draft chain) to its end, each call it yields answered by
+    `forward`; returns what it returns."""
     try:
         call = next(steps)
         while True:
             call = steps.send(forward(call))
-    except StopIteration:
-        pass
+    except StopIteration as done:
+        return done.value
 
 
 @dataclass(frozen=True)
@@ -202,7 +211,10 @@ class DecodeState:
         return Call(self.uncached() + list(extra), keep=len(extra) + 1)
 
     def forward(self, call: Call) -> torch.Tensor:
-        """Run `call` on this run's target cache, alone."""
+        """Run `call` alone: on this run's target cache, or a draft model's call on the draft's cache."""
+        if call.lm is not None:  # (counted where it is made, `DraftModel.forward`)
+            return call.lm.forward(call.tokens, call.cache, positions=call.positions, tree_mask=call.tree_mask,
+                                   keep=call.keep)
         self.stats.target_calls += 1
         return self.lm.forward(call.tokens, self.cache, call.positions, call.tree_mask, call.keep)
 

@@ -1,12 +1,13 @@
-"""Many prompts at once: continuous batching of any strategy whose steps yield their target calls.
+"""Many prompts at once: continuous batching of any strategy whose steps yield their model calls.
 
 Each row of the batch is an ordinary run (its own `DecodeState`: tokens, grammar, random stream, drafter); what the
-rows share is the target model's forward. Every round, each row steps until its strategy asks for a target call
-(`Decoder.steps` yields a `Call`), the calls of all rows go through one forward (`BatchCache.forward`: one row of the
-batch per run, the queries right-aligned, a 4D mask hiding every other row's slots, padding and what each row's own
-call must not see), and each row is sent its own logits and steps on. A row whose run ends is refilled with the next
-prompt at once; the newcomer's prompt is prefilled in a call of its own, so the other rows wait one prefill, not a
-whole run.
+rows share is each model's forward. Every round, each row steps until its strategy asks for a call (`Decoder.steps`
+yields a `Call`: the target's, or its draft model's), the calls of all rows to one model go through one forward
+(`BatchCache.forward`: one row of the batch per run, the queries right-aligned, a 4D mask hiding every other row's
+slots, padding and what each row's own call must not see), and each row is sent its own logits and steps on. A draft
+model's calls run on a `BatchCache` of its own beside the target's (`BatchCache.beside`). A row whose run ends is
+refilled with the next prompt at once; the newcomer's prompt is prefilled in a call of its own, so the other rows wait
+one prefill, not a whole run.
 
 Rows advance by different numbers of tokens; the cache keeps, per row, which slots hold its tokens (`valid`) and
 their positions, so rejected drafts and finished rows are just slots no mask shows, gathered away when the slots grow
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -55,14 +56,18 @@ class RowCache:
         kept[slots[torch.as_tensor(list(indices), dtype=torch.long)]] = True
         self.batch.valid[self.row] = kept
 
+    def beside(self, lm: LM) -> RowCache:
+        """This row's cache of another model (a draft model) in the same batch: an empty one for a new run."""
+        return self.batch.beside(lm).row(self.row)
+
     @property
     def hf(self):
-        raise TypeError("a batched run's cache is shared by its rows: a draft cannot run on it (the target's own "
-                        "int8 copy drafts on a cache of its own in a batch)")
+        raise TypeError("a batched run's cache is shared by its rows: its calls run in the batch's forward (the "
+                        "target's own int8 copy drafts on a batch cache of its own in a batch)")
 
 
 class BatchCache:
-    """The target's keys and values for `rows` runs: per layer [rows, heads, slots, head_dim], with which slots hold
+    """A model's keys and values for `rows` runs: per layer [rows, heads, slots, head_dim], with which slots hold
     each row's tokens (`valid` [rows, slots]) and their positions (`positions` [rows, slots])."""
 
     def __init__(self, lm: LM, rows: int) -> None:
@@ -70,6 +75,20 @@ class BatchCache:
         self.hf = DynamicCache()
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.positions = torch.zeros(rows, 0, dtype=torch.long)
+        self.drafts: list[BatchCache] = []  # the draft models' caches beside the target's, one per draft model
+
+    def beside(self, lm: LM) -> BatchCache:
+        """The batch's cache of draft model `lm` (made on first use), so that its rows' draft calls share a forward."""
+        cache = next((c for c in self.drafts if c.lm is lm), None)
+        if cache is None:
+            cache = BatchCache(lm, self.rows)
+            self.drafts.append(cache)
+        return cache
+
+    def clear(self, b: int) -> None:
+        """Row `b` holds nothing, in this cache and in the draft models' beside it (its run ended)."""
+        for cache in (self, *self.drafts):
+            cache.valid[b] = False
 
     @property
     def slots(self) -> int:
@@ -126,7 +145,16 @@ class BatchCache:
     def forward(self, calls: dict[int, Call]) -> dict[int, torch.Tensor]:
         """One forward serving each row's call (rows without one only pad); returns each row's logits as `LM.forward`
         would for that row alone. Its new slots hold the rows' call tokens, right-aligned."""
-        lm, device = self.lm, self.lm.device
+        lm, device, calls = self.lm, self.lm.device, dict(calls)
+        for b, call in list(calls.items()):
+            head = len(call.tokens) - (call.keep or len(call.tokens))
+            if head > 0 and not self.valid[b].any() and call.positions is None and call.tree_mask is None:
+                # a draft's first call, on its row's prompt: run alone (as `admit` runs the target's), so that the
+                # other rows' calls are not padded to its length
+                prefix = KVCache()
+                lm.forward(call.tokens[:head], prefix, keep=1)
+                self.load(b, prefix)
+                calls[b] = replace(call, tokens=call.tokens[head:])
         if self.slots > 64 and self.slots > 2 * int(self.valid.sum(1).max()):
             self.compact()
         past, width = self.slots, max(len(call.tokens) for call in calls.values())
@@ -141,8 +169,11 @@ class BatchCache:
             positions[b, pad:] = (torch.as_tensor(call.positions) if call.positions is not None else
                                   torch.arange(cached, cached + n))
             own = torch.ones(n, n, dtype=torch.bool).tril() if call.tree_mask is None else call.tree_mask.bool()
-            allowed[b, pad:, :past] = self.valid[b]
-            allowed[b, pad:, past + pad:] = own
+            if own.shape[1] > n:  # [n, cached + n]: which of the row's cached positions each sees (a draft's tree)
+                allowed[b, pad:, self.valid[b].nonzero()[:, 0]] = own[:, :cached]
+            else:
+                allowed[b, pad:, :past] = self.valid[b]
+            allowed[b, pad:, past + pad:] = own[:, own.shape[1] - n:]
         key_positions = torch.cat([self.positions, positions], 1)  # [rows, past + width]
         mask = lm.attention_masks(allowed, key_positions, positions)
         keep = max(call.keep or len(call.tokens) for call in calls.values())
@@ -191,15 +222,20 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 if rows[b] is None and queue:
                     rows[b] = admit(lm, batch, b, *queue.popleft())
             for row in filter(None, rows):
-                # the rows before it have asked for their calls; the rest ask for one token at least
-                row.state.others = sum(1 if r.pending is None else len(r.pending.tokens)
+                # the rows before it have asked for their target calls; the rest (or drafting) ask for a token at least
+                row.state.others = sum(len(r.pending.tokens) if r.pending is not None and r.pending.lm is None else 1
                                        for r in filter(None, rows) if r is not row)
                 _advance(row, None)
-            calls = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
-            if calls:
-                for b, logits in batch.forward(calls).items():
-                    rows[b].state.stats.target_calls += 1
-                    _advance(rows[b], logits)
+            pending = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
+            answers: dict[int, torch.Tensor] = {}
+            for cache in (batch, *batch.drafts):  # one forward per model: the target's, each draft model's
+                calls = {b: call for b, call in pending.items()
+                         if (batch if call.lm is None else call.cache.batch) is cache}
+                if calls:
+                    answers.update(cache.forward(calls))
+            for b, logits in answers.items():
+                rows[b].state.stats.target_calls += rows[b].pending.lm is None
+                _advance(rows[b], logits)
             lm.synchronize()
             for b, row in enumerate(rows):
                 if row is not None and row.steps is None:  # its step is done
@@ -222,7 +258,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                     if state.finished:
                         if row.error is None:
                             row.decoder.finish(state)
-                        batch.valid[b] = False
+                        batch.clear(b)
                         rows[b] = None
                         yield row.index, chunk, result(state, row.decoder, row.error)
                     else:
@@ -245,7 +281,7 @@ def admit(lm: LM, batch: BatchCache, b: int, index: int, run: tuple[DecodeState,
 
 
 def _advance(row: Row, logits: torch.Tensor | None) -> None:
-    """Step `row` on until its strategy asks for a target call (`row.pending`) or its step ends (`row.steps` None).
+    """Step `row` on until its strategy asks for a call (`row.pending`) or its step ends (`row.steps` None).
     `logits`: the answer to its pending call; None to start a step."""
     try:
         if row.steps is None:

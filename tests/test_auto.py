@@ -453,7 +453,7 @@ def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(
 
     class Drafter(auto.AutoDrafter):
         def propose(self, state, limit):
-            draft = super().propose(state, limit)
+            draft = yield from super().propose(state, limit)  # (yields its draft model's calls)
             if self.plan.proposer == "tree":
                 options = self.by_name["tree"].drafter.options
                 grown.append((options.min_prob, options.expand_prob))

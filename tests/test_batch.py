@@ -5,7 +5,8 @@ returns, row for row, the tokens of batch-1 `greedy`, with prompts of different 
 single token), rows that end at different steps (per-row stop strings, an EOS-prone model), refills (more prompts
 than rows) and a row under a grammar beside rows without. Also: stop strings, seeds, `stream`, sampling (a chi-square
 of each row's first token, seeded rows equal their own seeded runs), bad input refused before any run, a row whose own
-step raises, a long queue whose cache stays bounded, and the batch-1 path left as it was.
+step raises, a long queue whose cache stays bounded, the batch-1 path left as it was, and draft models drafting for
+all rows in one forward (chains, trees, auto's, the target's int8 copy, a draft of another tokenizer).
 """
 
 from __future__ import annotations
@@ -492,3 +493,67 @@ def test_one_prompt_still_returns_one_result():
         assert isinstance(got, list) and len(got) == 1 and got[0].tokens == single.tokens
     with pytest.raises(ValueError, match="empty"):
         decoders.generate(lm, [], max_new_tokens=8)
+
+
+# ------------------------------------------------------------------------------------------------------ draft calls
+
+
+def taking(proposer: str) -> type:
+    """auto's chooser, taking `proposer`'s offer (4 levels at least) wherever it is made."""
+    from decoders.drafting import chooser
+
+    class Taking(chooser.Chooser):
+        def choose(self, offers, context, remaining=None):
+            offer = next((o for o in offers if o.proposer == proposer), None)
+            if offer is None:
+                return chooser.Plan(None, 0, 1.0, 1.0)
+            return chooser.Plan(proposer, min(4, len(offer.accept)), 1.0, 1.0, probe=True)
+
+    return Taking
+
+
+def translating_draft() -> decoders.LM:
+    from test_translate import draft_lm
+
+    return draft_lm("metaspace", "llama")
+
+
+DRAFT_CASES = {  # strategy, its options, the draft model
+    "speculative": ("speculative", dict(k=3), lambda lm: tiny_lm("llama", seed=99)),
+    "threshold": ("threshold", {}, lambda lm: tiny_lm("llama", seed=99)),
+    "staged": ("staged", dict(min_prob=0.0, expand_prob=0.0, budget=6), lambda lm: tiny_lm("llama", seed=99)),
+    "auto-chain": ("auto", dict(chooser=taking("draft"), draft_int8=False), lambda lm: tiny_lm("llama", seed=99)),
+    "auto-tree": ("auto", dict(chooser=taking("tree"), draft_int8=False), lambda lm: tiny_lm("llama", seed=99)),
+    "self-int8": ("speculative", dict(k=3), lambda lm: lm.self_draft("int8")),  # (in a batch: on a cache of its own)
+    "translated": ("speculative", dict(k=3), lambda lm: translating_draft()),
+}
+
+
+@pytest.mark.parametrize("case", list(DRAFT_CASES))
+def test_the_draft_model_drafts_for_all_rows_in_one_forward(monkeypatch, case):
+    """Every row's draft calls go through the draft model's own batch cache, one forward serving all rows drafting in
+    that round: the rows' draft calls (each counted once) take a few forwards of several rows each, not one forward a
+    call; each row still its batch-1 greedy run's tokens; and a prompt alone never goes through a batch cache."""
+    strategy, options, make_draft = DRAFT_CASES[case]
+    lm = tiny_lm("llama")
+    draft = make_draft(lm)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4]]
+    seen = []  # (the model, the rows served) per forward
+    forward = BatchCache.forward
+
+    def recording(self, calls):
+        seen.append((self.lm, len(calls)))
+        return forward(self, calls)
+
+    monkeypatch.setattr(BatchCache, "forward", recording)
+    strategy = decoders.registry.get(strategy)(**options)
+    results = decoders.generate(lm, prompts, strategy=strategy, draft=draft, batch_size=4, max_new_tokens=MAX_NEW)
+    for i, (prompt, got) in enumerate(zip(prompts, results)):
+        assert_same_row(got, reference(lm, prompt), i, strategy.name)
+    rows = [n for model, n in seen if model is draft]
+    calls = sum(r.stats.draft_calls for r in results)
+    assert calls >= 2 * len(prompts) and sum(rows) == calls  # each row's draft call served once, in a batch forward
+    assert max(rows) == len(prompts) and len(rows) <= calls / 2
+    seen.clear()
+    alone = decoders.generate(lm, prompts[0], strategy=strategy, draft=draft, max_new_tokens=MAX_NEW)
+    assert alone.tokens == results[0].tokens and alone.stats.draft_calls > 0 and not seen

@@ -8,6 +8,7 @@ import transformers
 
 import decoders
 from conftest import PROMPTS, VOCAB, on_device, tiny_lm, tiny_model, tiny_tokenizer
+from decoders.base import drive
 from decoders.driver import _prepare
 from decoders.drafting.cost import CallCost, CostModel
 from decoders.strategies.speculative import default_k
@@ -203,7 +204,7 @@ def test_a_draft_chain_is_one_call_a_token_and_knows_the_drafts_second_choices()
     state, _ = _prepare(lm, PROMPTS[1], strategy="speculative", draft=draft, max_new_tokens=20)
     model, calls = DraftModel(state), state.stats.draft_calls
     with torch.inference_mode():
-        tokens, rows, cumulative = model.draft_chain(8)
+        tokens, rows, cumulative = drive(model.draft_chain(8), state.forward)  # (its calls run at once)
         logits = draft.forward(state.tokens + tokens[:-1], draft.new_cache())[len(state.tokens) - 1:]  # [8, vocab]
     assert state.stats.draft_calls - calls == 8 and len(model.cache) == len(state.tokens) + 7
     assert tokens == logits.argmax(-1).tolist() and rows == [None] * 8
@@ -213,7 +214,8 @@ def test_a_draft_chain_is_one_call_a_token_and_knows_the_drafts_second_choices()
     assert model.runner_ups == logits.topk(2, dim=-1).indices[:, 1].tolist()  # beside each token, the second choice
     with torch.inference_mode():  # stopped by keep_going after the third token
         model = DraftModel(state)
-        assert model.draft_chain(8, keep_going=lambda p: len(model.runner_ups) < 3)[0] == tokens[:3]
+        chain = model.draft_chain(8, keep_going=lambda p: len(model.runner_ups) < 3)
+        assert drive(chain, state.forward)[0] == tokens[:3]
 
 
 def test_a_sampled_draft_chain_draws_from_the_draft():
@@ -226,7 +228,7 @@ def test_a_sampled_draft_chain_draws_from_the_draft():
         expected = state.sampling.probs(draft.forward(state.tokens, draft.new_cache())[-1])
         firsts = []
         for _ in range(1200):
-            tokens, rows, cumulative = DraftModel(state).draft_chain(2)
+            tokens, rows, cumulative = drive(DraftModel(state).draft_chain(2), state.forward)
             assert torch.allclose(rows[0], expected, atol=1e-5) and len(tokens) == 2
             assert cumulative[0] == pytest.approx(float(expected[tokens[0]]), rel=1e-5)
             firsts.append(tokens[0])

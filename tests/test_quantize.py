@@ -13,6 +13,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import decoders
+from decoders.base import drive
 from decoders.models.quantize import Int8Linear, is_quantized, quantize, quantize_rows
 
 
@@ -116,7 +117,7 @@ def test_long_calls_run_on_the_shared_float_weight_from_the_measured_size(monkey
     assert Int8Linear.from_float(nn.Linear(64, 8)).float_from == 8  # measured once per shape
 
 
-def test_a_self_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_found_it():
+def test_a_self_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_found_it(monkeypatch):
     from decoders.driver import _prepare
     from decoders.drafting.draft_model import DraftModel, SharedCacheDraft, draft_model
 
@@ -132,8 +133,9 @@ def test_a_self_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_found_it()
         model = draft_model(state)
         fed = []
         original = model.lm.forward
-        model.lm.forward = lambda tokens, cache, **kw: fed.append(list(tokens)) or original(tokens, cache, **kw)
-        tokens, _, _ = model.draft_chain(4)
+        monkeypatch.setattr(model.lm, "forward",  # (the copy is kept on the target: put back after the test)
+                            lambda tokens, cache, **kw: fed.append(list(tokens)) or original(tokens, cache, **kw))
+        tokens, _, _ = drive(model.draft_chain(4), state.forward)
     assert fed == [prompt[-1:], *([t] for t in tokens[:-1])]  # no prefill: only the uncached token, then its drafts
     assert len(tokens) == 4 and len(state.cache) == len(prompt) - 1
     assert all(torch.equal(k, layer.keys) for k, layer in zip(keys, state.cache.hf.layers))

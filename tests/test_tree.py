@@ -16,7 +16,7 @@ import decoders
 import grammars
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.driver import _prepare
-from decoders.drafting import Draft, Window
+from decoders.drafting import Draft, Window, drafting
 from decoders.drafting.grammar import restrict_to_grammar
 from decoders.drafting.tree import ancestry, common, first_branch, merge, tree_call
 from decoders.proposers.lookahead import NgramPool, prefix_tree, window_mask
@@ -245,7 +245,12 @@ def steps(state, decoder):
         decoder.start(state)
         drafter = state.drafter
         propose, seen = drafter.propose, []
-        drafter.propose = lambda state, limit: seen.append(propose(state, limit)) or seen[-1]
+
+        def recording(state, limit):
+            seen.append((yield from drafting(propose(state, limit))))
+            return seen[-1]
+
+        drafter.propose = recording
         while not state.finished:
             start = len(state.tokens)
             decoder.step(state)
@@ -312,7 +317,12 @@ def test_staged_expands_two_leaves_a_call_only_where_the_draft_scores_two_tokens
 
     monkeypatch.setattr(draft_tree, "call_cost", lambda lm, role: CallCost((1, 2), (0.1, 0.1 * (1 + second_token))))
     widths = []
-    monkeypatch.setattr(draft_tree, "grow_tree", lambda model, state, o, limit, lower: widths.append(o.width) or [None])
+    def grow_tree(model, state, o, limit, lower):
+        widths.append(o.width)
+        return [None]
+        yield  # (a generator of draft calls, as grow_tree is)
+
+    monkeypatch.setattr(draft_tree, "grow_tree", grow_tree)
     lm = tiny_lm("llama")
     decoders.generate(lm, PROMPTS[0], strategy="staged", draft=lm, max_new_tokens=3)
     decoders.generate(lm, PROMPTS[0], strategy="staged", draft=lm, max_new_tokens=3, width=3)

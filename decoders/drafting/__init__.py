@@ -3,8 +3,9 @@ trees (tree.py), the loop (draft_verify.py), drafts under a grammar (grammar.py)
 `auto`'s cost model (cost.py), its chooser (chooser.py) and what it drafts with (copies.py).
 """
 
-from decoders.drafting.draft import Draft, Drafter, Window
+from decoders.drafting.draft import Draft, Drafter, Drafting, Window, drafting
 from decoders.drafting.draft_model import DraftModel, draft_model, stack_probs
 from decoders.drafting.draft_verify import DraftVerify
 
-__all__ = ["Draft", "Drafter", "Window", "DraftModel", "DraftVerify", "draft_model", "stack_probs"]
+__all__ = ["Draft", "Drafter", "Drafting", "Window", "drafting", "DraftModel", "DraftVerify", "draft_model",
+           "stack_probs"]

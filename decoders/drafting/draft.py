@@ -7,10 +7,13 @@ rides along in the same target call without being verified (lookahead's Jacobi w
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+from decoders.base import Call
 
 if TYPE_CHECKING:
     from decoders.base import DecodeState
@@ -85,12 +88,24 @@ class Draft:
         return path
 
 
+Drafting = Generator[Call, torch.Tensor, Draft]  # drafting with a draft model: yields its calls, returns the draft
+
+
+def drafting(proposed: Draft | Drafting) -> Drafting:
+    """A proposal as a generator of draft-model calls: a draft model's as it is, a draft-free drafter's `Draft` at
+    once. A draft model's calls are yielded, not run, so that a batch runs all its rows' in one forward."""
+    if isinstance(proposed, Draft):
+        return proposed
+    return (yield from proposed)
+
+
 class Drafter(Protocol):
     """Proposes drafts for one run. Built per run from the run's state and the strategy's options
     (`Drafter(state, options)`) and kept in `state.drafter`, so it may hold per-run state."""
 
-    def propose(self, state: DecodeState, limit: int) -> Draft:
-        """Up to `limit` tokens that continue `state.tokens` (may be empty); a tree at most `limit` deep."""
+    def propose(self, state: DecodeState, limit: int) -> Draft | Drafting:
+        """Up to `limit` tokens that continue `state.tokens` (may be empty); a tree at most `limit` deep. A drafter
+        with a draft model returns them from a generator that yields the draft model's calls (`Drafting`)."""
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         """Called after verification with how many drafted tokens were accepted (for a tree: the path's length;

@@ -9,14 +9,17 @@ padded vocabulary) is fed to it as a stand-in id. A draft of another tokenizer d
 from __future__ import annotations
 
 import warnings
+from collections.abc import Generator
 
 import torch
 
-from decoders.base import DecodeState
+from decoders.base import Call, DecodeState
+from decoders.batch import RowCache
 from decoders.models.cache import KVCache
 from decoders.models.graphs import StaticKVCache
 from decoders.models.lm import LM
 
+Chain = Generator[Call, torch.Tensor, tuple[list[int], list, list[float]]]  # a chain's drafting: yields its calls
 
 
 def draft_model(state: DecodeState) -> DraftModel:
@@ -28,7 +31,7 @@ def draft_model(state: DecodeState) -> DraftModel:
 
         return TranslatedDraftModel(state)
     if (state.draft is not None and state.draft.quantized_from is not None and state.draft.quantized_from() is state.lm
-            and isinstance(state.cache, KVCache | StaticKVCache)):  # (not a batch row's: the copy drafts on its own)
+            and isinstance(state.cache, KVCache | StaticKVCache)):  # (in a batch: on the batch's cache for the copy)
         return SharedCacheDraft(state)
     return DraftModel(state)
 
@@ -46,7 +49,10 @@ class DraftModel:
             raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of {state.lm.name!r}: build "
                              "the drafter's model with decoders.drafting.draft_model.draft_model(state), which "
                              "translates through text")
-        self.state, self.lm, self.cache = state, draft, draft.new_cache(state.expected_length)
+        self.state, self.lm = state, draft
+        # a batch row drafts on its row of the batch's cache for this draft model, whose calls run in one forward
+        self.cache = (state.cache.beside(draft) if isinstance(state.cache, RowCache)
+                      else draft.new_cache(state.expected_length))
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
         self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read
         self.warned = False
@@ -68,18 +74,19 @@ class DraftModel:
         """`tokens` with ids the draft cannot embed replaced by a stand-in (its drafts there are then just guesses)."""
         return [t if t < self.embeds else 0 for t in tokens]
 
-    def forward(self, tokens: list[int], **kwargs) -> torch.Tensor:
-        """One draft call on `tokens` (counted in the run's stats); the arguments as for `LM.forward`."""
+    def forward(self, tokens: list[int], **kwargs) -> Generator[Call, torch.Tensor, torch.Tensor]:
+        """One draft call on `tokens` (counted in the run's stats), yielded for the run's driver to run (`Call`'s
+        other arguments: `positions`, `tree_mask`, `keep`); returns its logits."""
         self.state.stats.draft_calls += 1
-        return self.lm.forward(self.readable(tokens), self.cache, **kwargs)
+        return (yield Call(self.readable(tokens), lm=self.lm, cache=self.cache, **kwargs))
 
     def next_token(self, feed: list[int], allowed: torch.Tensor | None = None
-                   ) -> tuple[int, torch.Tensor | None, float, int]:
+                   ) -> Generator[Call, torch.Tensor, tuple[int, torch.Tensor | None, float, int]]:
         """One draft call on `feed`: the draft's next token (greedy: its argmax; sampling: a draw from the run's
         filtered distribution, under the grammar's mask `allowed` if any), that distribution [vocab] (None in greedy
         mode), the token's probability, and the likeliest other token (what a tree would hold beside it)."""
         state = self.state
-        logits = self.forward(feed, keep=1)[0, : self.width]  # [width]
+        logits = (yield from self.forward(feed, keep=1))[0, : self.width]  # [width]
         if allowed is not None:
             logits = logits.masked_fill(~allowed[: self.width].to(logits.device), float("-inf"))
         if state.sampling.greedy:
@@ -97,7 +104,7 @@ class DraftModel:
         """The run's tokens this draft model has not seen yet."""
         return self.state.tokens[len(self.cache):]
 
-    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
+    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
         """Draft up to `limit` tokens one call at a time, under the run's grammar if any, while `keep_going(p)` holds
         for p = the draft's probability of the chain so far. Returns (tokens, distributions, cumulative probs)."""
         grammar = self.state.grammar.fork() if self.state.grammar is not None else None
@@ -108,7 +115,8 @@ class DraftModel:
         while len(tokens) < room:
             if grammar is not None and grammar.is_complete():
                 break
-            token, row, prob, other = self.next_token(feed, grammar.allowed() if grammar is not None else None)
+            allowed = grammar.allowed() if grammar is not None else None
+            token, row, prob, other = yield from self.next_token(feed, allowed)
             self.runner_ups.append(other)
             running *= prob
             tokens.append(token)
@@ -143,10 +151,10 @@ class SharedCacheDraft(DraftModel):
         super().__init__(state)
         self.cache = state.cache
 
-    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
+    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
         committed = len(self.cache)
         try:
-            return super().draft_chain(limit, keep_going)
+            return (yield from super().draft_chain(limit, keep_going))
         finally:
             self.cache.crop(committed)
 

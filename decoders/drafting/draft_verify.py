@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from decoders.base import DecodeState, Decoder, Steps
-from decoders.drafting.draft import Draft, Drafter
+from decoders.drafting.draft import Draft, Drafter, drafting
 from decoders.drafting.grammar import restrict_to_grammar
 from decoders.drafting.tree import depth, keep_path, tree_call
 from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -42,7 +42,7 @@ class DraftVerify(Decoder):
             state.accept(forced, ["grammar"] * len(forced))
             if state.finished:
                 return
-        draft = drafter.propose(state, limit=state.remaining - 1)  # leave room for the target's own token
+        draft = yield from drafting(drafter.propose(state, limit=state.remaining - 1))  # (room for the target's token)
         draft = draft.until(state.lm.eos_token_ids)  # nothing after an EOS is ever emitted
         masks = None
         if grammar is not None:

@@ -18,11 +18,12 @@ Either way the target verifies every token: the draft only changes how many are 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Generator
 
 import torch
 
-from decoders.base import DecodeState
-from decoders.drafting.draft_model import DraftModel
+from decoders.base import Call, DecodeState
+from decoders.drafting.draft_model import Chain, DraftModel
 from decoders.models.lm import LM
 
 REENCODE = 3  # draft tokens re-encoded with the text that follows them (their merges may change)
@@ -186,7 +187,7 @@ class TranslatedDraftModel(DraftModel):
 
     # --- drafting ---
 
-    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
+    def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
         """Draft up to `limit` target tokens while `keep_going(p)` holds (p: the draft's probability of the chain up
         to each target token). Returns (target ids, distributions [target vocab] or None, cumulative probs)."""
         feed = self._catch_up()
@@ -196,20 +197,20 @@ class TranslatedDraftModel(DraftModel):
         space = self._space()
         budget = budget if space is None else min(budget, space)
         if self.shared is not None:
-            return self._sample_chain(feed, budget, keep_going)
-        return self._greedy_chain(feed, limit, budget, keep_going)
+            return (yield from self._sample_chain(feed, budget, keep_going))
+        return (yield from self._greedy_chain(feed, limit, budget, keep_going))
 
-    def _step(self, feed: list[int]) -> torch.Tensor:
+    def _step(self, feed: list[int]) -> Generator[Call, torch.Tensor, torch.Tensor]:
         """One draft call; returns its logits for the next token [width]."""
         self.fed.extend(feed)
-        return self.forward(feed, keep=1)[-1, : self.width]
+        return (yield from self.forward(feed, keep=1))[-1, : self.width]
 
-    def _greedy_chain(self, feed, limit, budget, keep_going):
+    def _greedy_chain(self, feed, limit, budget, keep_going) -> Chain:
         """String-level exact match: draft in the draft's ids, translate the text after each token."""
         drafted, tokens, seen = [], [], []  # seen[i]: the chain's probability when target token i first showed
         running, window = 1.0, self._window()
         for _ in range(budget):
-            logits = self._step(feed)
+            logits = yield from self._step(feed)
             token = int(logits.argmax())
             running *= float(torch.softmax(logits.float(), -1)[token])
             if token in self.lm.eos_token_ids:
@@ -248,7 +249,7 @@ class TranslatedDraftModel(DraftModel):
             return encoded[len(accepted):]
         return self.ours.encode(text)  # the target wrote those tokens otherwise than its tokenizer spells their text
 
-    def _sample_chain(self, feed, budget, keep_going):
+    def _sample_chain(self, feed, budget, keep_going) -> Chain:
         """Token-level intersection: each draft token is drawn from the draft's filtered distribution over the shared
         tokens only (and the grammar's), so its row over target ids is exactly what it was drawn from."""
         state, (theirs, ours, back) = self.state, self.shared
@@ -257,7 +258,7 @@ class TranslatedDraftModel(DraftModel):
         for _ in range(budget):
             if grammar is not None and grammar.is_complete():
                 break
-            logits = self._step(feed)
+            logits = yield from self._step(feed)
             shared = torch.full_like(logits, float("-inf"))  # [width]
             shared[theirs] = logits[theirs]
             if grammar is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from decoders.drafting.chooser import Offer, Plan, expected_tokens
-from decoders.drafting.draft import Draft
+from decoders.drafting.draft import Draft, Drafting, drafting
 
 if TYPE_CHECKING:
     from decoders.base import DecodeState
@@ -55,8 +55,9 @@ class Proposer(Protocol):
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
         """What it could draft after `state.tokens`, at most `limit` levels; None: nothing this step."""
 
-    def draft(self, state: DecodeState, plan: Plan) -> Draft:
-        """The draft of `plan` (this proposer's, from the last `offer`)."""
+    def draft(self, state: DecodeState, plan: Plan) -> Draft | Drafting:
+        """The draft of `plan` (this proposer's, from the last `offer`); a draft model's proposer yields its calls
+        (`decoders.drafting.draft.Drafting`)."""
 
     def learn(self, state: DecodeState, step: Step) -> None:
         """After verification: `state.tokens` holds the step's tokens."""
@@ -73,11 +74,11 @@ class Fixed:
         self.proposer, self.levels = proposer, levels
         self.plan, self.start = Plan(None, 0, 1.0, 1.0), 0
 
-    def propose(self, state: DecodeState, limit: int) -> Draft:
+    def propose(self, state: DecodeState, limit: int) -> Drafting:
         offer, self.start = self.proposer.offer(state, limit), len(state.tokens)
         k = self.levels(offer) if offer is not None else 0
         self.plan = Plan(self.proposer.name if k else None, k, expected_tokens(offer.accept[:k]) if k else 1.0, 1.0)
-        return self.proposer.draft(state, self.plan) if k else Draft([])
+        return (yield from drafting(self.proposer.draft(state, self.plan))) if k else Draft([])
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         self.proposer.learn(state, Step(self.plan, draft, self.start, accepted, state.tokens[self.start:]))

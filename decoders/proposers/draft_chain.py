@@ -9,7 +9,7 @@ from __future__ import annotations
 from decoders.base import DecodeState
 from decoders.drafting.chooser import Acceptance, Chooser, Offer, Plan, given_above
 from decoders.drafting.cost import CostModel
-from decoders.drafting.draft import Draft
+from decoders.drafting.draft import Draft, Drafting
 from decoders.drafting.draft_model import SELF_ACCEPTANCE, DraftModel, SharedCacheDraft, stack_probs
 from decoders.proposers.base import Clock, Step
 
@@ -49,7 +49,7 @@ class ChainProposer:
         self.offered = Offer(self.name, self.acceptance.chain(self.room), drafting, catch_up=catch_up)
         return self.offered
 
-    def draft(self, state: DecodeState, plan: Plan) -> Draft:
+    def draft(self, state: DecodeState, plan: Plan) -> Drafting:
         """`plan.k` tokens (a plan the chooser took for its rate: at least 1), then on while the next one pays."""
         context, clock, stamps, probs = len(state.cache), self.clock, [], []
         planned = plan.k if plan.probe or self.chooser is None else 1
@@ -68,7 +68,7 @@ class ChainProposer:
                                                 call, catch_up)
 
         start = clock.now()
-        tokens, rows, cumulative = self.model.draft_chain(self.room if self.chooser else plan.k, keep_going)
+        tokens, rows, cumulative = yield from self.model.draft_chain(self.room if self.chooser else plan.k, keep_going)
         state.lm.synchronize()
         end, calls = clock.now(), state.stats.draft_calls - calls
         if self.cost is not None and clock.timed and tokens:  # the first call feeds what the draft had not seen

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from decoders.base import DecodeState
-from decoders.drafting import Draft, DraftModel
+from decoders.base import Call, DecodeState
+from decoders.drafting import Draft, Drafting, DraftModel
 from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
 from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
@@ -88,9 +88,11 @@ class Node:
 
 
 Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of at most room tokens to follow it
+Calls = Generator[Call, torch.Tensor, None]  # yields the draft model's calls, is sent their logits
 
 
-def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower) -> list[Node]:
+def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower
+              ) -> Generator[Call, torch.Tensor, list[Node]]:
     """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order).
 
     Every draft call also carries the lower stage's chain under its most probable leaf (the first call: under the
@@ -100,7 +102,7 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
     nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
     frontier: list[int] = []  # empty: the first call, which expands the root
     while cap >= 1:
-        draft_call(model, state, o, nodes, frontier, cap, lower)
+        yield from draft_call(model, state, o, nodes, frontier, cap, lower)
         for n in sorted((n for n in range(len(nodes)) if nodes[n].dist is not None), key=lambda n: -nodes[n].cum):
             node = nodes[n]  # more children, most probable parent first, without replacement
             while len(node.children) < o.branching and len(nodes) <= o.budget:
@@ -120,7 +122,7 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
 
 
 def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
-               cap: int, lower: Lower) -> None:
+               cap: int, lower: Lower) -> Calls:
     """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus the lower stage's chain under
     the first leaf. The draft checks that chain against its own distributions as a target checks a draft (argmax, or
     rejection sampling); the agreed part plus the draft's next token join the tree under that leaf."""
@@ -132,7 +134,7 @@ def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: l
         valid, along = nodes[head].matcher.masks_along(chain)  # [valid + 1, vocab], row 0 = the head's
         chain = chain[:valid]
         masks = torch.cat([torch.stack([nodes[n].matcher.allowed() for n in leaves]), along[1:]])
-    logits, slots = feed(model, state, nodes, frontier, chain)  # [leaves + chain, draft vocab], their cache slots
+    logits, slots = yield from feed(model, state, nodes, frontier, chain)  # [leaves + chain, draft vocab], slots
     dists = distributions(state, model, logits, masks)  # [leaves + chain, vocab]
     for n, dist, slot in zip(leaves, dists, slots):
         nodes[n].dist, nodes[n].slot = dist, slot
@@ -164,12 +166,12 @@ def lower_stage(state: DecodeState, o: StagedOptions, nodes: list[Node], head: i
 
 
 def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: list[int], chain: list[int]
-         ) -> tuple[torch.Tensor, list[int | None]]:
+         ) -> Generator[Call, torch.Tensor, tuple[torch.Tensor, list[int | None]]]:
     """Score the frontier leaves and the chain under the first one in one draft call: each sees the accepted tokens,
     its ancestors' cache slots and itself. Returns their logits and their slots in the draft cache."""
     base, past = len(state.tokens), len(model.cache)
     if not frontier:  # the root: the uncached tail, then the chain, causal
-        logits = model.forward(model.uncached() + chain, keep=len(chain) + 1)  # [1 + chain, vocab]
+        logits = yield from model.forward(model.uncached() + chain, keep=len(chain) + 1)  # [1 + chain, vocab]
         return logits, [None] + list(range(base, base + len(chain)))
     head, k = frontier[0], len(frontier)
     above = {n: [nodes[a].slot for a in ancestors(nodes, n)] for n in frontier}
@@ -177,8 +179,8 @@ def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: lis
     seen += [above[head] + [past] + list(range(past + k, past + k + i + 1)) for i in range(len(chain))]
     positions = [base + nodes[n].depth for n in frontier] + [base + nodes[head].depth + 1 + i for i in range(len(chain))]
     mask = visibility(seen, prefix=base, width=past + k + len(chain))  # [k + chain, past + k + chain]
-    logits = model.forward([nodes[n].token for n in frontier] + chain, positions=positions, tree_mask=mask,
-                           keep=k + len(chain))
+    logits = yield from model.forward([nodes[n].token for n in frontier] + chain, positions=positions,
+                                      tree_mask=mask, keep=k + len(chain))
     return logits, list(range(past, past + k + len(chain)))
 
 
@@ -255,10 +257,10 @@ class TreeDrafter:
             return lookup(context, room, self.options.ngram, 1)
         return propose(self.index, None, context, room, self.suffix).main_branch().tokens
 
-    def propose(self, state: DecodeState, limit: int) -> Draft:
+    def propose(self, state: DecodeState, limit: int) -> Drafting:
         if self.options.lower == "suffix" and self.options.ngram:
             self.index.follow("run", state.tokens)
-        nodes = grow_tree(self.model, state, self.options, self.model.room(limit), self.stage)[1:]
+        nodes = (yield from grow_tree(self.model, state, self.options, self.model.room(limit), self.stage))[1:]
         self.start, self.slots = len(state.tokens), [n.slot for n in nodes]
         probs = None if state.sampling.greedy or not nodes else torch.stack([n.drawn_from for n in nodes])
         return Draft([n.token for n in nodes], probs, [n.parent - 1 for n in nodes])
@@ -319,7 +321,7 @@ class TreeProposer:
         drafting = tuple(chain.catch_up + self.level_seconds.mean * d for d in range(1, room + 1))
         return Offer(self.name, accept, drafting, tuple(self.size(d) for d in range(1, room + 1)), chain.catch_up)
 
-    def draft(self, state: DecodeState, plan: Plan) -> Draft:
+    def draft(self, state: DecodeState, plan: Plan) -> Drafting:
         context, start, calls, self.step = len(state.cache), self.clock.now(), state.stats.draft_calls, len(state.tokens)
         catch_up = self.chain.offered.catch_up
         planned, budget = self.size(plan.k), self.base.budget
@@ -327,7 +329,7 @@ class TreeProposer:
         call = self.cost.draft.predict(self.base.width, context)
         min_prob, expand_prob = tree_thresholds(plan.rate, (big - small) / max(1, budget - planned), call)
         self.drafter.options = replace(self.base, min_prob=min_prob, expand_prob=expand_prob)
-        draft = self.drafter.propose(state, plan.k if plan.probe else self.limit)
+        draft = yield from self.drafter.propose(state, plan.k if plan.probe else self.limit)
         state.lm.synchronize()
         if levels := max((d + 1 for d in depths(draft.links)), default=0):
             spent = self.clock.elapsed(start, (state.stats.draft_calls - calls) * call + catch_up)

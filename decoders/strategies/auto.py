@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from decoders.base import DecodeState
-from decoders.drafting import Draft, DraftModel, DraftVerify, draft_model
+from decoders.drafting import Draft, Drafting, DraftModel, DraftVerify, draft_model, drafting
 from decoders.drafting.chooser import Chooser, Plan
 from decoders.drafting.copies import drafting_model
 from decoders.drafting.cost import CostModel, calibrate
@@ -99,7 +99,7 @@ class AutoDrafter:
         if state.draft is not None:
             state.stats.details["draft"] = state.draft.name
 
-    def propose(self, state: DecodeState, limit: int) -> Draft:
+    def propose(self, state: DecodeState, limit: int) -> Drafting:
         self.began, self.context, self.fed = self.clock.now(), len(state.cache), len(state.uncached())
         self.cost.others = state.others  # (a batch's call costs what all its rows' tokens cost)
         offers = [offer for p in self.proposers if (offer := p.offer(state, limit)) is not None]
@@ -107,7 +107,7 @@ class AutoDrafter:
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
         self.start = len(state.tokens)
         self.record(state, plan)
-        draft = self.by_name[plan.proposer].draft(state, plan) if plan.proposer else Draft([])
+        draft = (yield from drafting(self.by_name[plan.proposer].draft(state, plan))) if plan.proposer else Draft([])
         for proposer in self.proposers:  # what rides along unverified (lookahead's window)
             if (ride := getattr(proposer, "ride", None)) is not None:
                 draft = ride(state, draft, plan)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from decoders.base import DecodeState
-from decoders.drafting import Draft, DraftVerify, draft_model, stack_probs
+from decoders.drafting import Draft, Drafting, DraftVerify, draft_model, stack_probs
 from decoders.options import probability, whole
 from decoders.registry import register
 
@@ -58,9 +58,10 @@ class ThresholdDrafter:
         self.threshold = options.threshold  # per run: this object lives in state.drafter
         self.cumulative: list[float] = []  # [k] the last draft's cumulative probabilities
 
-    def propose(self, state: DecodeState, limit: int) -> Draft:
+    def propose(self, state: DecodeState, limit: int) -> Drafting:
         limit = min(self.options.max_draft, limit)
-        tokens, rows, self.cumulative = self.model.draft_chain(limit, keep_going=lambda p: p >= self.threshold)
+        keep_going = lambda p: p >= self.threshold  # noqa: E731
+        tokens, rows, self.cumulative = yield from self.model.draft_chain(limit, keep_going)
         return Draft(tokens, stack_probs(rows))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
