@@ -255,12 +255,7 @@ def _resize(cache, length: int) -> None:
             layer.values = layer.values.repeat_interleave(reps, dim=-2)[..., :length, :]
 
 
-def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> list[Sample]:
-    """The samples of `measure_with_noise`."""
-    return measure_with_noise(lm, sizes, budget)[0]
-
-
-def measure_with_noise(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
+def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
     """Time calls of `lm` scoring `sizes` tokens, keeping every position's logits: (samples, noise).
 
     Two warm-up calls, then each size at SHORT context up to the first that `proportional` skips, then the smallest
@@ -310,15 +305,12 @@ def proportional(timed: list[tuple[int, float]], n: int) -> bool:
 
 
 def machine(device: torch.device) -> str:
-    """The device as calibrations tell them apart: "cuda:0 <the GPU's name>", "cpu <`processor`>"."""
+    """The device as calibrations tell them apart: "cuda:0 <GPU name>", "cpu <CPU model> (<AVX2, AVX512, ...>)"."""
     if device.type == "cuda":
         return f"{device} {torch.cuda.get_device_name(device)}"
-    return f"{device} {processor()}" if device.type == "cpu" else str(device)
-
-
-def processor() -> str:
-    """This machine's CPU: its model (`cpu_model`) and torch's CPU kernel instruction set (AVX2, AVX512, ...)."""
-    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+    if device.type == "cpu":
+        return f"{device} {cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+    return str(device)
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
@@ -373,7 +365,7 @@ def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = F
                 return cost
         except ValueError as error:
             warnings.warn(f"calibration {path}: {error}; measuring it again", stacklevel=2)
-    samples, noise = measure_with_noise(lm, sizes, budget)
+    samples, noise = measure(lm, sizes, budget)
     cost = fit(samples, tuple(sorted({n for n, _, _ in samples})))  # the sizes measured (`proportional`)
     cost.measured, cost.noise = time.time(), noise
     if cache:
@@ -452,7 +444,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        """The model `to_dict` wrote; entries it no longer writes (an older file's tree-call extra) are ignored."""
+        """The model `to_dict` wrote."""
         draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
         return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})))
 
