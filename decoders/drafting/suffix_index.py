@@ -108,9 +108,6 @@ class SuffixIndex:
         """Tokens held."""
         return self.root.count
 
-    def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._numbers
-
     def extend(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Append `tokens` to sequence `seq_id` (a new one if unknown)."""
         number = self._numbers.get(seq_id)

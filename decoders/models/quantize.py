@@ -7,17 +7,10 @@ Every linear layer (`nn.Linear`, and GPT-2's `Conv1D`, whose weight is [in, out]
 gets its own copy), becomes an `Int8Linear`: int8 weights with one symmetric scale per output channel, each weight off
 by at most half its row's scale. Embeddings, norms and biases stay float and are shared with the original, not copied.
 
-Kernel: torch's `aten._weight_int8pack_mm(x [rows, in], w [out, in] int8, scales [out])`. On CPU it runs in bfloat16
-whatever the model's dtype (only that loop is vectorized) and needs `in` a multiple of 16 and an aligned input (other
-widths would crash, not raise); elsewhere it runs in the model's dtype where torch has a kernel, probed once per
-layer. Else the weight is dequantized inside the matmul: correct, but slower than the float layer it replaced.
-
-Long calls run in float, as the CPU kernel's time grows with its input's rows as fast as at one row: each layer keeps
-its float weight (shared, no copy) for calls of at least `float_from` rows, where float measured faster on this device
-(timed once per layer shape at `quantize`); where it never did, it is not kept. So a self draft costs no more memory
-for this (the target holds those weights anyway), while a draft loaded with `quantize="int8"` keeps them too.
-
-Only "int8" is offered: int4 was not clearly faster at batch 1 and lost accuracy (docs/design/evidence.md).
+Kernel: torch's `aten._weight_int8pack_mm`, in bfloat16 on a CPU (needs `in` a multiple of 16; other widths would
+crash), elsewhere in the model's dtype where a probe finds a kernel; else the weight is dequantized inside the matmul.
+Calls of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`
+(the CPU kernel's time grows with its rows as fast as at one row). Only "int8" is offered (docs/design/evidence.md).
 """
 
 from __future__ import annotations

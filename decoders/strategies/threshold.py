@@ -32,10 +32,8 @@ class ThresholdOptions:
         whole("max_draft", self.max_draft)
         for name in ("threshold", "step", "min_threshold", "max_threshold"):
             probability(name, getattr(self, name))
-        if not 0.0 <= self.min_threshold <= self.max_threshold <= 1.0:
-            raise ValueError(
-                f"need 0 <= min_threshold <= max_threshold <= 1, got {self.min_threshold} and {self.max_threshold}"
-            )
+        if not self.min_threshold <= self.max_threshold:  # (each in [0, 1]: `probability`)
+            raise ValueError(f"need min_threshold <= max_threshold, got {self.min_threshold} and {self.max_threshold}")
         if not self.min_threshold <= self.threshold <= self.max_threshold:
             raise ValueError(f"threshold {self.threshold} must lie in [min_threshold, max_threshold]")
 
