@@ -137,19 +137,12 @@ class CustomGenerate:
 
     @property
     def __signature__(self) -> inspect.Signature:
+        _, *named, rest = inspect.signature(CustomGenerate.__call__).parameters.values()  # (self, model, ..., **kwargs)
         keyword = inspect.Parameter.KEYWORD_ONLY
-        params = [
-            inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            inspect.Parameter("input_ids", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default) for name, default in
-              (("logits_processor", None), ("stopping_criteria", None), ("generation_config", None),
-               ("synced_gpus", False), ("streamer", None), ("assistant_model", None))),
-            inspect.Parameter("strategy", keyword, default="greedy"),
-            *(inspect.Parameter(name, keyword, default=None) for name in _OWN_ARGUMENTS[1:]),
-            *(inspect.Parameter(name, keyword, default=None) for name in _option_names()),
-            inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD),
-        ]
-        return inspect.Signature(params)
+        ours = [inspect.Parameter("strategy", keyword, default="greedy"),
+                *(inspect.Parameter(name, keyword, default=None) for name in (*_OWN_ARGUMENTS[1:], *_option_names()))]
+        named = [p.replace(annotation=inspect.Parameter.empty) for p in named]
+        return inspect.Signature([*named, *ours, rest.replace(name="model_kwargs")])
 
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config: GenerationConfig | None = None, synced_gpus: bool = False, streamer=None,

@@ -126,8 +126,7 @@ class Acceptance:
 
     def level(self, depth: int, confidence: float | None = None, curve: str = "") -> float:
         """P(level `depth` (from 1) accepted | the levels above): calibrated from `confidence` where the drafter
-        gave one, else pooled per depth, each depth's prior the estimate of the one above it (so what shallow levels
-        learn reaches deeper ones before any draft has gone that deep)."""
+        gave one, else pooled per depth, each depth's prior the estimate of the one above it."""
         if confidence is not None:
             return self.calibrated(curve, confidence)
         depth = min(depth, self.options.max_depth)
@@ -201,10 +200,9 @@ class Chooser:
         return plan.rate * self.correction(plan.proposer)
 
     def choose(self, offers: Sequence[Offer], context: int, remaining: int | None = None) -> Plan:
-        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter is due a probe: one
-        that costs drafting seconds, declined `probe_after` steps in a row, and could pay (`could_pay`), or one never
-        taken once the run has spent its catching up (ski rental: a draft's prefill is paid once the run has spent as
-        much without it, so a short answer to a long prompt never pays it). A probe drafts `probe_tokens` levels."""
+        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter that costs drafting
+        seconds is due a probe of `probe_tokens` levels: declined `probe_after` steps in a row and `could_pay`, or never
+        taken once the run has spent its catching up (ski rental: a short answer to a long prompt never pays it)."""
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
         due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (
@@ -247,9 +245,9 @@ class Chooser:
 
     def should_continue(self, accept: Sequence[float], p_next: float, context: int, per_token: float,
                         fixed: float = 0.0) -> bool:
-        """Whether drafting one more level (acceptance `p_next`) after the levels `accept` [k >= 1] raises the rate:
-        the marginal rule for a drafter that drafts a level a call (`per_token` seconds, `fixed` once). E is concave
-        in k and S convex, so stopping at the first level that lowers the rate is optimal."""
+        """Whether drafting one more level (acceptance `p_next`, `per_token` seconds, `fixed` once) after the levels
+        `accept` [k >= 1] raises the rate; E is concave in k and S convex, so stopping at the first that does not is
+        optimal."""
         k = len(accept)
         offer = Offer("", (*accept, p_next), tuple(fixed + per_token * i for i in range(1, k + 2)))
         return self.evaluate(offer, k + 1, context).rate > self.evaluate(offer, k, context).rate

@@ -1,14 +1,11 @@
 """`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second.
 
-The loop: ask each proposer (`decoders.proposers`) what it could draft, let the `Chooser` pick the plan of highest
-expected tokens per second (or a plain step), draft it, verify it in the shared draft-then-verify loop, and pass the
-`Step` to every proposer's `learn`. The proposers: the suffix index of the run's text (always), lookahead's n-grams
-(its Jacobi window riding along in other steps' calls where cheap) and both merged into one tree, and with a draft
-model its chains and, where both models take tree masks, its trees. The cost model (`decoders.drafting.cost`) is
-measured once per model, dtype, device and thread count, cached on disk, and corrected by the calls the run times.
+Each step every proposer (`decoders.proposers`) offers what it could draft, the `Chooser` picks the plan of highest
+expected tokens per second (or a plain step), and the verified `Step` goes to every proposer's `learn`. Proposers: the
+suffix index (always), lookahead's n-grams and both merged, and with a draft model its chains and trees. The cost
+model (`decoders.drafting.cost`) is calibrated once, cached on disk and corrected by the calls the run times.
 
-Every token is verified by the target: exact in greedy and in sampling mode. Where the caller seeds a sampling run,
-auto plans by no clock (its costs stay the calibrated ones), so the seed repeats the sample.
+Exact in greedy and in sampling mode; a seeded sampling run plans by no clock, so the seed repeats the sample.
 """
 
 from __future__ import annotations
@@ -93,7 +90,8 @@ class AutoDrafter:
             if options.draft_trees and trees and type(model) is DraftModel and takes_trees(state.draft):
                 self.proposers.append(TreeProposer(state, chain, suffix, self.cost, self.clock))
         self.by_name = {p.name: p for p in self.proposers}
-        self.plan, self.start, self.began, self.called, self.context, self.fed = Plan(None, 0, 1.0, 1.0), 0, 0.0, 0.0, 0, 1
+        self.plan, self.start, self.began, self.called = Plan(None, 0, 1.0, 1.0), 0, 0.0, 0.0
+        self.context, self.fed = 0, 1  # this step's cached positions and tokens fed
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
         if state.draft is not None:
             state.stats.details["draft"] = state.draft.name
@@ -147,9 +145,8 @@ class Auto(DraftVerify):
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
                  chooser: Callable[[CostModel], Chooser] = Chooser, **options) -> None:
-        """`clock`: what auto times its steps and calls by (`devtools.replay_auto` replays runs on one that advances by
-        each call's calibrated cost); `chooser`: makes a run's `Chooser` from its cost model; `options`: `AutoOptions`.
-        """
+        """`clock`: what auto times its steps and calls by; `chooser`: makes a run's `Chooser` from its cost model;
+        `options`: `AutoOptions`."""
         if not (callable(clock) and callable(chooser)):
             raise TypeError("auto's clock is a function of no arguments giving seconds, its chooser a Chooser factory")
         super().__init__(**options)
