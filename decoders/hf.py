@@ -33,6 +33,7 @@ the latter two are read back from the running call, and the model gets an ids-on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -291,8 +292,7 @@ def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch
     sequence = torch.empty(1, max_length, dtype=torch.long, device=input_ids.device)  # [1, max_length]
     sequence[:, :prompt_len] = input_ids
     length, stopped = prompt_len, False
-    steps = run.chunks(with_text=False)
-    try:
+    with contextlib.closing(run.chunks(with_text=False)) as steps:
         for chunk in steps:
             start = length
             for token in chunk.tokens:  # a criterion that fires inside a step ends the output at that token
@@ -305,8 +305,6 @@ def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch
                 streamer.put(sequence[:, start:length].cpu())  # [1, n]
             if stopped:
                 break
-    finally:
-        steps.close()
     if streamer is not None:
         streamer.end()
     return sequence[:, :length].clone()

@@ -173,16 +173,11 @@ class SuffixIndex:
                     del node.children[token]
                     break
                 child.count -= 1
-                if child.count == 1 and child.newest >> SHIFT in self._tokens:
-                    node.children[token] = self._leaf(child, i - start + 1)
+                if child.count == 1 and child.newest >> SHIFT in self._tokens:  # a leaf at its one occurrence again
+                    self._open[child.newest >> SHIFT].pop((child.newest & INDEX) - i + start, None)  # its suffix closes
+                    node.children[token] = child.newest
                     break
                 node = child
-
-    def _leaf(self, node: _Node, length: int) -> int:
-        """The leaf replacing `node` (a substring of `length` tokens) now that it occurs once, at `node.newest`."""
-        number, end = node.newest >> SHIFT, node.newest & INDEX
-        self._open[number].pop(end - length + 1, None)  # that occurrence's suffix is closed now, if it was open
-        return node.newest
 
     def _walk(self, tokens: Sequence[int]) -> _Node | int | None:
         """Where `tokens` (at most `depth` of them) end in the trie: a node, a leaf position, or None if absent."""

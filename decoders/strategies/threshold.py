@@ -18,9 +18,8 @@ from decoders.registry import register
 
 @dataclass(frozen=True)
 class ThresholdOptions:
-    """Options of `threshold`. A drafted token pays only while its chance of acceptance stays well above a draft call's
-    cost against a target call's (about 0.4 on a CPU), hence min_threshold 0.3; where draft calls are relatively
-    cheaper (a GPU, a smaller draft), a lower min_threshold lets drafts run longer (docs/design/evidence.md)."""
+    """Options of `threshold`: min_threshold 0.3, as a drafted token pays only while its acceptance stays above a
+    draft call's cost against a target call's (about 0.4 on a CPU; lower where draft calls are cheaper)."""
 
     max_draft: int = 16  # the most draft tokens per target call
     threshold: float = 0.4  # initial cumulative-probability threshold
