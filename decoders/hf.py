@@ -90,8 +90,7 @@ _PROCESSOR_ARGUMENTS = {
     "WatermarkLogitsProcessor": "watermarking_config",
     "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
 }
-# Generation-config fields that select another decoding mode or ask for outputs decodekit does not produce:
-# field -> the values it may take here.
+# Generation-config fields of other decoding modes or outputs decodekit does not produce -> the values allowed here.
 _UNSUPPORTED_FIELDS = {
     **dict.fromkeys(("num_beams", "num_beam_groups", "num_return_sequences"), (None, 1)),
     "penalty_alpha": (None, 0, 0.0),
@@ -113,8 +112,8 @@ class DecodekitOutput(GenerateDecoderOnlyOutput):
 
 
 class TokenIds:
-    """An ids-only stand-in for a tokenizer, for runs that never need text: it has no vocabulary to compare (the
-    draft check passes; transformers has checked the assistant model's vocabulary size) and decodes to ""."""
+    """An ids-only stand-in for a tokenizer, for runs that never need text: no vocabulary to compare (transformers
+    checked the assistant model's), and it decodes to ""."""
 
     eos_token_id = None
 
@@ -252,8 +251,8 @@ def _decode(model, input_ids, processors, stopping_criteria, generation_config, 
 
 
 def _row_stats(result: Result, new: int) -> dict:
-    """A row's `decodekit_stats`: its counters, strategy, finish reason and sources, for the `new` tokens the output
-    kept (a stopping criterion may have cut the last step short: then the finish reason is "stop")."""
+    """A row's `decodekit_stats` for the `new` tokens the output kept (finish reason "stop" where a stopping
+    criterion cut the run short)."""
     result.stats.new_tokens = new
     whole_run = result.finish_reason is not None and new == len(result.tokens)
     return {**result.stats.as_dict(), "strategy": result.strategy,
@@ -339,8 +338,8 @@ def _emit_batch(lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: 
 
 
 def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
-    """decodekit's sampling settings from the logits warpers transformers built (or was given): greedy unless
-    do_sample. Any other processor is refused, naming the argument that added it."""
+    """decodekit's sampling settings from the logits warpers (greedy unless do_sample); any other processor is
+    refused, naming the argument that added it."""
     settings: dict[str, Any] = {"temperature": 1.0 if generation_config.do_sample else 0.0,
                                 "top_k": None, "top_p": None, "min_p": None}
     last = -1
@@ -380,9 +379,8 @@ def _left_padding(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> torch.Tensor:
-    """Refuse, naming the argument, what decodekit cannot honor: right padding, other decoding modes and outputs,
-    model inputs besides the prompts' ids and attention mask. Returns which tokens of `input_ids` [B, T] are the
-    prompts' own ([B, T] bool: all, or all but a left padding)."""
+    """Refuse, naming the argument, what decodekit cannot honor (see the module); returns which tokens of
+    `input_ids` are the prompts' own ([B, T] bool: all, or all but a left padding)."""
     for field, allowed in _UNSUPPORTED_FIELDS.items():  # first: beams and return sequences also widen the batch
         value = getattr(generation_config, field, None)
         if value not in allowed:

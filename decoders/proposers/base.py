@@ -61,8 +61,7 @@ class Proposer(Protocol):
     def learn(self, state: DecodeState, step: Step) -> None:
         """After verification: `state.tokens` holds the step's tokens."""
 
-    # Optional: `ride(state, draft, plan) -> Draft`, the step's draft (any proposer's) with what this proposer needs
-    # scored unverified in the same call (lookahead's Jacobi window).
+    # Optional: `ride(state, draft, plan) -> Draft`: the step's draft plus what rides along unverified (lookahead's).
 
 
 class Fixed:
