@@ -1,9 +1,8 @@
 """The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy runs it.
 
-Each step a proposer `offer`s what it could draft (predicted acceptance per level and drafting cost, a
-`decoders.drafting.chooser.Offer`), `draft`s the plan chosen (any proposer's, or none: a plain step), and `learn`s
-from the `Step` that was verified, whoever drafted it (a proposer that follows the run's tokens, as the suffix index
-does, learns from every step). A fixed strategy is a proposer with a fixed plan rule (`Fixed`).
+Each step a proposer `offer`s what it could draft (an `Offer`: acceptance per level and drafting cost), `draft`s the
+plan chosen, and `learn`s from the verified `Step`, whoever drafted it. A fixed strategy is a proposer with a fixed
+plan rule (`Fixed`).
 """
 
 from __future__ import annotations
