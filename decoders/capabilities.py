@@ -29,8 +29,7 @@ def check_request(strategy: type[Decoder] | Decoder, has_draft: bool, has_gramma
 
 def check_models(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = None) -> None:
     """Raise when the loaded models cannot serve `strategy`: a draft of another vocabulary for a strategy that grows
-    token trees in the draft's own cache, or a model class that cannot score a token tree in one call. (Chain drafting
-    takes a draft of any tokenizer: `decoders.drafting.draft_model` translates it through text.)"""
+    token trees in the draft's own cache, or a model class that cannot score a token tree in one call."""
     if draft is not None and strategy.draft_needs_tree_mask:
         try:
             lm.check_draft(draft)

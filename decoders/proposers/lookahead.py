@@ -96,8 +96,7 @@ class LookaheadDrafter:
         self.options = o = options
         self.pool = NgramPool(o.guesses)
         self.pool.add_text(state.tokens, o.ngram)
-        prompt = state.tokens
-        self.levels = [[prompt[(7 * j + 1) % len(prompt)] for j in range(o.window)]] if o.window else []
+        self.levels = [[state.tokens[(7 * j + 1) % len(state.tokens)] for j in range(o.window)]] if o.window else []
         self.seen = len(state.tokens)  # tokens already added to the pool
         self.last = state.tokens[-1]
 
