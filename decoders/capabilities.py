@@ -1,10 +1,7 @@
-"""What a strategy needs, checked once, up front: before any model loads where possible, always before the clock.
+"""What a strategy needs (the `needs_*` / `takes_draft` attributes of `decoders.Decoder`), checked once, up front.
 
-A strategy declares its needs as class attributes of `decoders.Decoder` (needs_draft, takes_draft, needs_grammar,
-needs_tree_mask, draft_needs_tree_mask). `check_request` needs no model (the CLI and `compare` call it before loading
-one); `check_models` probes the loaded models (a shared vocabulary where needed, tree masks), each probe cached on the
-`LM`.
-`generate`, `stream`, `compare` and the CLI all go through these two functions.
+`check_request` needs no model (called before loading one); `check_models` probes the loaded models (a shared
+vocabulary where needed, tree masks), each probe cached on the `LM`.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ def check_request(strategy: type[Decoder] | Decoder, has_draft: bool, has_gramma
 
 def check_models(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = None) -> None:
     """Raise when the loaded models cannot serve `strategy`: a draft of another vocabulary for a strategy that grows
-    token trees in the draft's own cache, or a model class that cannot score a token tree in one call. (Chain drafting
-    takes a draft of any tokenizer: `decoders.drafting.draft_model` translates it through text.)"""
+    token trees in the draft's own cache, or a model class that cannot score a token tree in one call."""
     if draft is not None and strategy.draft_needs_tree_mask:
         try:
             lm.check_draft(draft)

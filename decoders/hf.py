@@ -4,49 +4,36 @@
     out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft,
                          max_new_tokens=128, streamer=TextStreamer(tok))
 
-transformers prepares the call as for any decoding method (generation_config merged with the keyword arguments,
-`max_new_tokens` turned into `max_length`, logits processors and stopping criteria built) and `custom_generate` runs
-`strategy` on the prepared pieces. What carries over:
+transformers prepares the call as for any decoding method and `custom_generate` runs `strategy` on the prepared
+pieces. What carries over:
 
-- length and EOS: `max_new_tokens` / `max_length`, `eos_token_id` (as the generation config resolves them).
-- sampling: `do_sample=False` is greedy; with `do_sample=True` the temperature / top-k / top-p / min-p warpers
-  transformers built (generation_config defaults included, e.g. top_k=50) set decodekit's sampling. `seed=` seeds it,
-  else torch's global RNG does, so `torch.manual_seed` makes a run reproducible (`strategy="auto"`, seeded, plans by
-  its cached calibration, not by the call times it measures).
+- length and EOS: `max_new_tokens` / `max_length` and `eos_token_id`, as the generation config resolves them.
+- sampling: `do_sample=False` is greedy; else transformers' temperature / top-k / top-p / min-p warpers set
+  decodekit's sampling, seeded by `seed=` or else by torch's global RNG (`torch.manual_seed` repeats a run).
 - `stopping_criteria` (and max_time): checked after every token (scores=None); the output ends where one fires.
 - `streamer`: the prompt first (transformers puts it), then one `put` of shape [1, n] per accepted step, then `end()`.
-- `assistant_model`: the draft model, with the target's tokenizer; or `draft=`, as `decoders.generate` takes it.
-  `strategy=` (default "greedy"), `grammar=`, `seed=` and the strategy's options (`k=4`) are keywords of the call.
-- `return_dict_in_generate=True`: a `DecodekitOutput` (a `GenerateDecoderOnlyOutput`) with `sequences` and
-  `decodekit_stats` (`Stats.as_dict()` of the run plus "strategy", "finish_reason" and "sources", one per new token).
+- `assistant_model` (or `draft=`): the draft model. `strategy=` (default "greedy"), `grammar=`, `seed=` and the
+  strategy's options (`k=4`) are keywords of the call.
+- `return_dict_in_generate=True`: a `DecodekitOutput` with `sequences` and `decodekit_stats` (`Stats.as_dict()` plus
+  "strategy", "finish_reason" and "sources", one per new token).
 
-Returns what `generate` returns: prompt plus new tokens, [1, T] on the prompt's device.
+Returns what `generate` returns: prompt plus new tokens, [1, T] on the prompt's device. A left-padded batch [B, T]
+(with its `attention_mask`) decodes every row at once (`decoders.batch`) and returns [B, T + the longest row's new
+tokens], each row padded after its end with `pad_token_id` (else the first EOS id); stopping criteria end one row,
+`decodekit_stats` is one dict per row, `seed=s` seeds row i with s + i; a row that raises makes the call raise.
 
-A batch - `input_ids` [B, T] left-padded, with its `attention_mask` (a tokenizer with padding_side="left", as for
-transformers' own generate) - decodes every row at once (decodekit's continuous batching, `decoders.batch`: the rows
-share each target call, every row exactly its own run) and returns what transformers returns for a batch: [B, T + the
-longest row's new tokens], each row's new tokens after its own (padded) prompt, then `pad_token_id` (else the first
-EOS id) after its end. Stopping criteria are checked on each row's own sequence (its padding included, as
-transformers counts max_length) and end that row only; with `return_dict_in_generate=True`, `decodekit_stats` is a
-list of one dict per row. A row whose strategy raises makes the call raise; `seed=s` seeds row i with s + i. One
-left-padded prompt decodes alone (a streamer works), its padding kept in the output.
-
-Refused with an error naming the argument: right padding, a streamer with a batch of several prompts (its rows
-advance at their own pace: stream one prompt, or use `decoders.stream`), beams and other decoding modes, any logits
-processor besides those four warpers, output_scores / output_logits / output_attentions / output_hidden_states,
-num_return_sequences > 1, a prefilled cache, model inputs other than input_ids and attention_mask. Accepted and not
-needed: pad_token_id, use_cache / cache_implementation (decodekit keeps its own rollback cache).
+Refused with an error naming the argument: right padding, a streamer with several prompts, beams and other decoding
+modes, any logits processor besides those four warpers, output_scores / logits / attentions / hidden_states,
+num_return_sequences > 1, a prefilled cache, model inputs other than input_ids and attention_mask.
 
 transformers 5.x drops `tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`:
-the latter two are read back from the running call (`_generate_call_arguments`), and the model is wrapped with an
-ids-only stand-in (the run needs token ids only). `grammar=` and `stop_strings=` need the real tokenizer: use the
-exported folder (`hub_generate`, `decodekit export-hub`), which receives `tokenizer=` intact.
-
-A fresh `LM` wraps the model on every call, so a tree strategy's mask probe (a few short forward calls) runs per call.
+the latter two are read back from the running call, and the model gets an ids-only tokenizer. `grammar=` and
+`stop_strings=` need the real tokenizer: use the exported folder (`hub_generate`, `decodekit export-hub`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -103,21 +90,13 @@ _PROCESSOR_ARGUMENTS = {
     "WatermarkLogitsProcessor": "watermarking_config",
     "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
 }
-# Generation-config fields that select another decoding mode or ask for outputs decodekit does not produce:
-# field -> the values it may take here.
+# Generation-config fields of other decoding modes or outputs decodekit does not produce -> the values allowed here.
 _UNSUPPORTED_FIELDS = {
-    "num_beams": (None, 1),
-    "num_beam_groups": (None, 1),
-    "num_return_sequences": (None, 1),
+    **dict.fromkeys(("num_beams", "num_beam_groups", "num_return_sequences"), (None, 1)),
     "penalty_alpha": (None, 0, 0.0),
-    "dola_layers": (None,),
-    "prompt_lookup_num_tokens": (None,),
-    "assistant_early_exit": (None,),
-    "token_healing": (None, False),
-    "output_scores": (None, False),
-    "output_logits": (None, False),
-    "output_attentions": (None, False),
-    "output_hidden_states": (None, False),
+    **dict.fromkeys(("dola_layers", "prompt_lookup_num_tokens", "assistant_early_exit"), (None,)),
+    **dict.fromkeys(("token_healing", "output_scores", "output_logits", "output_attentions", "output_hidden_states"),
+                    (None, False)),
 }
 # The model inputs transformers' generate passes a KV cache by: `cache` from 5.24 on, `past_key_values` before.
 _CACHE_INPUTS = ("cache", "past_key_values")
@@ -133,8 +112,8 @@ class DecodekitOutput(GenerateDecoderOnlyOutput):
 
 
 class TokenIds:
-    """An ids-only stand-in for a tokenizer, for runs that never need text: it has no vocabulary to compare (the
-    draft check passes; transformers has checked the assistant model's vocabulary size) and decodes to ""."""
+    """An ids-only stand-in for a tokenizer, for runs that never need text: no vocabulary to compare (transformers
+    checked the assistant model's), and it decodes to ""."""
 
     eos_token_id = None
 
@@ -150,28 +129,20 @@ class TokenIds:
 
 
 class CustomGenerate:
-    """transformers' `custom_generate` callable running a decodekit strategy (see this module's docstring). Its
-    signature, which transformers reads to decide which keyword arguments are ours, lists `strategy`, `draft`, `seed`,
-    `grammar`, `tokenizer` and every option of every registered strategy."""
+    """transformers' `custom_generate` callable running a decodekit strategy. Its signature (transformers reads it
+    to tell our keyword arguments) lists our own arguments and every option of every registered strategy."""
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer  # a tokenizer handed over outside the call (the exported folder's path)
 
     @property
     def __signature__(self) -> inspect.Signature:
+        _, *named, rest = inspect.signature(CustomGenerate.__call__).parameters.values()  # (self, model, ..., **kwargs)
         keyword = inspect.Parameter.KEYWORD_ONLY
-        params = [
-            inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            inspect.Parameter("input_ids", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-            *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default) for name, default in
-              (("logits_processor", None), ("stopping_criteria", None), ("generation_config", None),
-               ("synced_gpus", False), ("streamer", None), ("assistant_model", None))),
-            inspect.Parameter("strategy", keyword, default="greedy"),
-            *(inspect.Parameter(name, keyword, default=None) for name in _OWN_ARGUMENTS[1:]),
-            *(inspect.Parameter(name, keyword, default=None) for name in _option_names()),
-            inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD),
-        ]
-        return inspect.Signature(params)
+        ours = [inspect.Parameter("strategy", keyword, default="greedy"),
+                *(inspect.Parameter(name, keyword, default=None) for name in (*_OWN_ARGUMENTS[1:], *_option_names()))]
+        named = [p.replace(annotation=inspect.Parameter.empty) for p in named]
+        return inspect.Signature([*named, *ours, rest.replace(name="model_kwargs")])
 
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config: GenerationConfig | None = None, synced_gpus: bool = False, streamer=None,
@@ -200,10 +171,8 @@ custom_generate = CustomGenerate()
 
 
 def hub_generate(model, *args, **kwargs) -> torch.Tensor | DecodekitOutput:
-    """The `generate` of an exported custom_generate folder (`evals.export_hub`): transformers hands it the raw
-    arguments of `model.generate(..., custom_generate="DIR", trust_remote_code=True)` (or of every `model.generate`
-    of a model loaded from that folder with trust_remote_code=True); it runs them through `generate`'s usual
-    preparation with `custom_generate`, keeping the tokenizer that path would drop."""
+    """The `generate` of an exported custom_generate folder (`evals.export_hub`): runs transformers' raw arguments
+    through `generate`'s usual preparation with `custom_generate`, keeping the tokenizer that path would drop."""
     tokenizer = kwargs.pop("tokenizer", None)
     stop_strings = kwargs.pop("stop_strings", None)
     if stop_strings is not None:  # transformers builds this criterion only with the tokenizer it drops
@@ -228,9 +197,8 @@ _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
 
 def _generate_call_arguments(model) -> tuple[Any, Any]:
-    """(streamer, assistant_model) of the running `model.generate` call, read unchanged from its frame (the innermost
-    `GenerationMixin.generate` running for `model`): transformers 5.x never passes these named parameters of
-    `generate` to a callable `custom_generate`."""
+    """(streamer, assistant_model) of the innermost `GenerationMixin.generate` running for `model`, read from its
+    frame: transformers 5.x never passes them to a callable `custom_generate`."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _GENERATE_CODE and frame.f_locals.get("self") is model:
@@ -283,8 +251,8 @@ def _decode(model, input_ids, processors, stopping_criteria, generation_config, 
 
 
 def _row_stats(result: Result, new: int) -> dict:
-    """A row's `decodekit_stats`: its counters, strategy, finish reason and sources, for the `new` tokens the output
-    kept (a stopping criterion may have cut the last step short: then the finish reason is "stop")."""
+    """A row's `decodekit_stats` for the `new` tokens the output kept (finish reason "stop" where a stopping
+    criterion cut the run short)."""
     result.stats.new_tokens = new
     whole_run = result.finish_reason is not None and new == len(result.tokens)
     return {**result.stats.as_dict(), "strategy": result.strategy,
@@ -323,8 +291,7 @@ def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch
     sequence = torch.empty(1, max_length, dtype=torch.long, device=input_ids.device)  # [1, max_length]
     sequence[:, :prompt_len] = input_ids
     length, stopped = prompt_len, False
-    steps = run.chunks(with_text=False)
-    try:
+    with contextlib.closing(run.chunks(with_text=False)) as steps:
         for chunk in steps:
             start = length
             for token in chunk.tokens:  # a criterion that fires inside a step ends the output at that token
@@ -337,8 +304,6 @@ def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch
                 streamer.put(sequence[:, start:length].cpu())  # [1, n]
             if stopped:
                 break
-    finally:
-        steps.close()
     if streamer is not None:
         streamer.end()
     return sequence[:, :length].clone()
@@ -346,9 +311,8 @@ def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch
 
 def _emit_batch(lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: int, stopping_criteria,
                 **arguments) -> tuple[torch.Tensor, list[Result], list[int]]:
-    """Decode the rows together (every row in flight), checking the stopping criteria on each row's own sequence [1,
-    T + n] after every token (one that fires ends that row's output there); returns the sequences [B, T + longest],
-    each row padded with `pad` after its end, the rows' results and how many new tokens each kept."""
+    """Decode the rows together, the stopping criteria checked on each row's own sequence [1, T + n] after every
+    token; returns the sequences [B, T + longest] padded with `pad`, the rows' results and the new tokens each kept."""
     width, device = input_ids.shape[1], input_ids.device
     padded = [row.tolist() for row in input_ids]
     new: list[list[int]] = [[] for _ in prompts]
@@ -374,8 +338,8 @@ def _emit_batch(lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: 
 
 
 def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
-    """decodekit's sampling settings from the logits warpers transformers built (or was given): greedy unless
-    do_sample. Any other processor is refused, naming the argument that added it."""
+    """decodekit's sampling settings from the logits warpers (greedy unless do_sample); any other processor is
+    refused, naming the argument that added it."""
     settings: dict[str, Any] = {"temperature": 1.0 if generation_config.do_sample else 0.0,
                                 "top_k": None, "top_p": None, "min_p": None}
     last = -1
@@ -415,9 +379,8 @@ def _left_padding(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> torch.Tensor:
-    """Refuse, naming the argument, what decodekit cannot honor: right padding, other decoding modes and outputs,
-    model inputs besides the prompts' ids and attention mask. Returns which tokens of `input_ids` [B, T] are the
-    prompts' own ([B, T] bool: all, or all but a left padding)."""
+    """Refuse, naming the argument, what decodekit cannot honor (see the module); returns which tokens of
+    `input_ids` are the prompts' own ([B, T] bool: all, or all but a left padding)."""
     for field, allowed in _UNSUPPORTED_FIELDS.items():  # first: beams and return sequences also widen the batch
         value = getattr(generation_config, field, None)
         if value not in allowed:

@@ -190,7 +190,7 @@ def test_calibration_extrapolates_sizes_whose_calls_would_be_dear_and_grow_with_
     # the 1.5B in bfloat16 on an AVX2-only CPU: every token scored costs about as much as the first
     proportional = ClockedLM(lambda n: 0.05 + 0.15 * n)
     monkeypatch.setattr(cost_module, "time", proportional)
-    samples = cost_module.measure(proportional)
+    samples, _ = cost_module.measure(proportional)
     # after the warm-up: 1-3 tokens, then 1 and 3 after 512 positions; then that round again
     assert proportional.scored[2:] == [1, 2, 3, 1, 3] * ROUNDS
     fitted = fit(samples, (1, 2, 3))
@@ -201,7 +201,7 @@ def test_calibration_extrapolates_sizes_whose_calls_would_be_dear_and_grow_with_
     for seconds in (lambda n: 0.002 * n, lambda n: 0.3 + 0.01 * n, smollm2.get):
         clocked = ClockedLM(seconds)
         monkeypatch.setattr(cost_module, "time", clocked)
-        assert [n for n, L, _ in cost_module.measure(clocked) if L == 16] == list(TARGET_SIZES)
+        assert [n for n, L, _ in cost_module.measure(clocked)[0] if L == 16] == list(TARGET_SIZES)
 
 
 def test_calibration_keeps_each_calls_fastest_time_of_at_least_two_rounds(monkeypatch):
@@ -214,7 +214,7 @@ def test_calibration_keeps_each_calls_fastest_time_of_at_least_two_rounds(monkey
 
     clocked = ClockedLM(seconds)
     monkeypatch.setattr(cost_module, "time", clocked)
-    samples = cost_module.measure(clocked, budget=0.0)
+    samples, _ = cost_module.measure(clocked, budget=0.0)
     assert len(clocked.scored) == 2 + (len(TARGET_SIZES) + 2) * ROUNDS and ROUNDS >= 2
     assert [s for _, _, s in samples] == pytest.approx([0.03 + 0.02 * n for n, _, _ in samples])
 

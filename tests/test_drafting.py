@@ -74,18 +74,15 @@ def test_prompt_lookup_copies_from_the_prompt():
     assert result.tokens == decoders.generate(lm, prompt, max_new_tokens=30).tokens
 
 
-def test_prompt_lookup_tells_how_long_its_match_is():
-    """`lookup_with_match`: lookup's chain, and how many tokens before it agree with the context's last ones - from the
-    n-gram it found back as far as they agree, at most `longest` (what `auto` judges its chains by)."""
-    from decoders.proposers.lookup import lookup, lookup_with_match
+def test_prompt_lookup_copies_what_followed_the_most_recent_match():
+    """`lookup`: the up to k tokens after the most recent earlier occurrence of the longest matching suffix."""
+    from decoders.proposers.lookup import lookup
 
-    tokens = [7, 5, 1, 2, 3, 4, 6, 7, 5, 1, 2, 3]  # [1, 2, 3] seen before, and the 2 tokens before it as well
-    assert lookup_with_match(tokens, 3, 3, 1) == ([4, 6, 7], 5)  # (its 7 is the context's first token: no more)
-    assert lookup_with_match(tokens, 3, 3, 1, longest=4) == ([4, 6, 7], 4)
-    assert lookup_with_match(tokens, 3, 2, 1) == ([4, 6, 7], 5)  # a 2-gram found, the same occurrence
-    assert lookup_with_match([9, 1, 2, 8, 2], 4, 3, 1) == ([8, 2], 1)  # only the last token seen before
-    assert lookup_with_match([1, 2, 3], 4, 3, 1) == ([], 0)
+    tokens = [7, 5, 1, 2, 3, 4, 6, 7, 5, 1, 2, 3]  # [1, 2, 3] seen before
     assert lookup(tokens, 3, 3, 1) == [4, 6, 7]
+    assert lookup(tokens, 3, 2, 1) == [4, 6, 7]  # a 2-gram found, the same occurrence
+    assert lookup([9, 1, 2, 8, 2], 4, 3, 1) == [8, 2]  # only the last token seen before
+    assert lookup([1, 2, 3], 4, 3, 1) == []
 
 
 @pytest.mark.parametrize("strategy", DRAFTING)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from decoders.drafting.cost import CostModel
-from decoders.options import probability, whole
+from decoders.options import check_whole, probability
 
 GAMMAS = tuple(0.02 * 200 ** (i / 23) for i in range(24))  # calibration exponents, 0.02 to 4 evenly in log
 CEILINGS = tuple(1 - miss for miss in (0.0, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
@@ -43,8 +43,7 @@ class ChooserOptions:
     probe_tokens: int = 2  # levels of a probe
 
     def __post_init__(self):
-        for name in ("max_depth", "probe_after", "probe_tokens"):
-            whole(name, getattr(self, name))
+        check_whole(self, max_depth=1, probe_after=1, probe_tokens=1)
         probability("prior_mean", self.prior_mean)
         probability("decay", self.decay)
         if not self.prior_strength > 0:
@@ -127,8 +126,7 @@ class Acceptance:
 
     def level(self, depth: int, confidence: float | None = None, curve: str = "") -> float:
         """P(level `depth` (from 1) accepted | the levels above): calibrated from `confidence` where the drafter
-        gave one, else pooled per depth, each depth's prior the estimate of the one above it (so what shallow levels
-        learn reaches deeper ones before any draft has gone that deep)."""
+        gave one, else pooled per depth, each depth's prior the estimate of the one above it."""
         if confidence is not None:
             return self.calibrated(curve, confidence)
         depth = min(depth, self.options.max_depth)
@@ -165,16 +163,11 @@ class Acceptance:
             took = depth <= accepted
             counts = self.counts.setdefault(min(depth, self.options.max_depth), [0.0, 0.0])
             counts[0], counts[1] = decay * counts[0] + took, decay * counts[1] + (not took)
-            if confidences is not None:
-                self.learn_curve("" if curves is None else curves[depth - 1], confidences[depth - 1], took)
-
-    def learn_curve(self, curve: str, confidence: float, took: bool) -> None:
-        """Weigh every (a, gamma) of `curve` by the likelihood of one verified token."""
-        gammas, ceilings = GRID
-        accepted = ceilings * min(max(confidence, 1e-6), 1 - 1e-6) ** gammas  # [CEILINGS, GAMMAS]
-        likelihood = np.log(accepted) if took else np.log1p(-accepted)
-        self.fits[curve] = self.options.decay * self.fits.get(curve, 0.0) + likelihood
-        self.curves.pop(curve, None)
+            if confidences is not None:  # weigh every (a, gamma) of the token's curve by its likelihood
+                curve, (gammas, ceilings) = "" if curves is None else curves[depth - 1], GRID
+                p = ceilings * min(max(confidences[depth - 1], 1e-6), 1 - 1e-6) ** gammas  # [CEILINGS, GAMMAS]
+                self.fits[curve] = decay * self.fits.get(curve, 0.0) + (np.log(p) if took else np.log1p(-p))
+                self.curves.pop(curve, None)
 
 
 class Chooser:
@@ -185,7 +178,7 @@ class Chooser:
         self.cost, self.options = cost, options or ChooserOptions()
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
         self.taken: set[str] = set()  # proposers taken at least once this run
-        self.spent = 0.0  # the run's seconds so far (`learn_rate`, `spend`)
+        self.spent = 0.0  # the run's seconds so far (`choose`'s ski rental)
         self.realized: dict[str, list[float]] = {}  # proposer -> decayed [predicted tokens, tokens, predicted
         # seconds, seconds] of its steps
 
@@ -207,10 +200,9 @@ class Chooser:
         return plan.rate * self.correction(plan.proposer)
 
     def choose(self, offers: Sequence[Offer], context: int, remaining: int | None = None) -> Plan:
-        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter is due a probe: one
-        that costs drafting seconds, declined `probe_after` steps in a row, and could pay (`could_pay`), or one never
-        taken once the run has spent its catching up (ski rental: a draft's prefill is paid once the run has spent as
-        much without it, so a short answer to a long prompt never pays it). A probe drafts `probe_tokens` levels."""
+        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter that costs drafting
+        seconds is due a probe of `probe_tokens` levels: declined `probe_after` steps in a row and `could_pay`, or never
+        taken once the run has spent its catching up (ski rental: a short answer to a long prompt never pays it)."""
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
         due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (
@@ -253,9 +245,9 @@ class Chooser:
 
     def should_continue(self, accept: Sequence[float], p_next: float, context: int, per_token: float,
                         fixed: float = 0.0) -> bool:
-        """Whether drafting one more level (acceptance `p_next`) after the levels `accept` [k >= 1] raises the rate:
-        the marginal rule for a drafter that drafts a level a call (`per_token` seconds, `fixed` once). E is concave
-        in k and S convex, so stopping at the first level that lowers the rate is optimal."""
+        """Whether drafting one more level (acceptance `p_next`, `per_token` seconds, `fixed` once) after the levels
+        `accept` [k >= 1] raises the rate; E is concave in k and S convex, so stopping at the first that does not is
+        optimal."""
         k = len(accept)
         offer = Offer("", (*accept, p_next), tuple(fixed + per_token * i for i in range(1, k + 2)))
         return self.evaluate(offer, k + 1, context).rate > self.evaluate(offer, k, context).rate

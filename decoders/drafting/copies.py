@@ -1,9 +1,5 @@
-"""What `auto` drafts with: the draft model as given or its own int8 copy, and without a draft model the target's own
-int8 copy or nothing, each as a measured one-token call finds it pays (`drafting_model`).
-
-An int8 copy (`decoders.quantize`) reads half the bytes of bfloat16 weights, which pays only where a call is bound by
-reading them (one token on a CPU), so it is measured once per model and role (`cost.call_cost`), not assumed. The
-evidence for CHEAPER and SELF is in docs/design/evidence.md.
+"""What `auto` drafts with: the draft model or its own int8 copy, without one the target's own int8 copy or nothing,
+each as a measured one-token call finds it pays (an int8 copy pays only where reading weights bounds a call).
 """
 
 from __future__ import annotations
@@ -14,15 +10,10 @@ from decoders.drafting.cost import CallCost, call_cost
 from decoders.models.lm import LM, free_memory
 from decoders.models.quantize import int8_bytes
 
-
-CHEAPER = 0.8  # auto drafts with the draft model's own int8 copy where its one-token call is measured at most this
-# share of the original's: its tokens are nearly the original's, so its cheaper calls are what it brings
+CHEAPER = 0.8  # the draft's int8 copy drafts where its one-token call measures at most this share of the draft's
 SELF = 0.7  # the same share for the target's own int8 copy against the target, where there is no draft model
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
-
-
-INT8_PAYS = "_decodekit_int8_pays"  # the torch module's attribute holding role -> whether its int8 copy pays: on the
-# module, so a copy found too dear is not made again per run nor per LM wrapping it (as `model.generate` does)
+INT8_PAYS = "_decodekit_int8_pays"  # the torch module's role -> whether its int8 copy pays: decided once per module
 
 
 def drafting_model(lm: LM, draft: LM | None, context: int, draft_int8: bool | None = None,
@@ -36,12 +27,9 @@ def drafting_model(lm: LM, draft: LM | None, context: int, draft_int8: bool | No
 
 
 def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float) -> LM | None:
-    """`model`'s own int8 copy to draft with (`LM.self_draft`: made on first use, kept with the model), or None:
-    where `int8` is True, or, when None, where a one-token draft call of the copy after `context` tokens is measured
-    (`call_cost`, cached per model and device) at most `bar` of a one-token call of `model` in `role` ("draft":
-    the run's draft model, "target": the target itself, without a draft) and the copy takes at most MEMORY of the
-    memory free on the model's device. Decided once per model and role; a copy found too dear is let go again.
-    Making the copy costs seconds, once, in the first run with the model."""
+    """`model`'s own int8 copy (`LM.self_draft`), or None: the copy where `int8` is True, or, when None, where its
+    one-token call after `context` tokens measures at most `bar` of `model`'s in `role` and it takes at most MEMORY of
+    the device's free memory. Decided once per model and role; a copy found too dear is let go again."""
     if int8 is False or model.quantized_from is not None:
         return None
     verdicts = vars(model.model).setdefault(INT8_PAYS, {})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -85,8 +86,8 @@ class CallCost:
         return f + (self.per_position + self.per_position_per_token * (n - 1)) * context
 
     def predict(self, n: int, context: int) -> float:
-        """Expected seconds of a call scoring `n` tokens after `context` cached ones: scale * offset(n) * fit, with
-        the scale of the cost it `follows` until this run observed a call of its own (a slower machine slows both)."""
+        """Expected seconds of a call scoring `n` tokens after `context` cached ones: scale * offset(n) * fit, the
+        scale that of the cost it `follows` until this run observed a call of its own."""
         scale = self.scale if self.history or self.follows is None else self.follows.scale
         return scale * self.offset(n) * self.fitted(n, context)
 
@@ -108,8 +109,7 @@ class CallCost:
                 self._mark_stale(off)
 
     def _mark_stale(self, off: float) -> None:
-        """Remove the cache file, whose curve this run's calls take `off` times, so that the next run measures again
-        (not this one: it would disturb its timing); warn."""
+        """Remove the cache file (this run's calls take `off` times its curve) for the next run to measure; warn."""
         path, self.source = self.source, None
         try:
             path.unlink(missing_ok=True)
@@ -123,9 +123,8 @@ class CallCost:
         return statistics.median(ratio - math.log(self.offset(n)) for n, ratio in self.history)
 
     def offset(self, n: int) -> float:
-        """How much dearer than fit and level calls of `n` tokens ran this run: per knot, the weighted median of its
-        last EVIDENCE log ratios shrunk by w / (w + 1) (w: their weight), interpolated between knots with evidence,
-        the nearest one's beyond them; 1 without any. The curve's shape errs as much as one call varies."""
+        """How much dearer than fit and level calls of `n` tokens ran this run: per knot `_correction`, interpolated
+        between knots with evidence, the nearest one's beyond them; 1 without any."""
         sizes, values = self.corrections
         if not sizes:
             return 1.0
@@ -216,10 +215,8 @@ def _hat(sizes: tuple[int, ...], n: int) -> list[float]:
 
 
 def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
-    """Least-squares fit of f at `sizes` and of the context terms to `samples`; f made nondecreasing.
-
-    A context term is fitted only where the samples tell it (per_position: some size at two context lengths;
-    per_position_per_token: two such sizes); one fitted negative is raised to 0 and the rest refitted with it."""
+    """Least-squares fit of f at `sizes` and of the context terms to `samples`; f made nondecreasing. A context term
+    is fitted per size measured at two context lengths (up to two); one fitted negative is 0, the rest refitted."""
     lengths: dict[int, set[int]] = {}
     for n, L, _ in samples:
         lengths.setdefault(n, set()).add(L)
@@ -233,10 +230,7 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     per_position, per_token = max(0.0, per_position), max(0.0, per_token)
     context = torch.tensor([[L * (per_position + per_token * (n - 1))] for n, L, _ in samples], dtype=torch.float64)
     solution = torch.linalg.lstsq(rows[:, :len(sizes)], times - context, driver="gelsd").solution[:, 0].tolist()
-    knots, running = [], 1e-9
-    for value in solution:
-        running = max(running, value)  # a call never gets cheaper by scoring more tokens
-        knots.append(running)
+    knots = list(itertools.accumulate(solution, max, initial=1e-9))[1:]  # a call never gets cheaper by scoring more
     return CallCost(tuple(sizes), tuple(knots), per_position, per_token, 1.0, tuple(samples))
 
 
@@ -255,12 +249,7 @@ def _resize(cache, length: int) -> None:
             layer.values = layer.values.repeat_interleave(reps, dim=-2)[..., :length, :]
 
 
-def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> list[Sample]:
-    """The samples of `measure_with_noise`."""
-    return measure_with_noise(lm, sizes, budget)[0]
-
-
-def measure_with_noise(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
+def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
     """Time calls of `lm` scoring `sizes` tokens, keeping every position's logits: (samples, noise).
 
     Two warm-up calls, then each size at SHORT context up to the first that `proportional` skips, then the smallest
@@ -299,8 +288,8 @@ def measure_with_noise(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float 
 
 def proportional(timed: list[tuple[int, float]], n: int) -> bool:
     """Whether a call of `n` tokens need not be measured, given `timed` ((size, seconds), sizes increasing from 1):
-    at least three sizes timed, each several-token call took at least LINEAR of a one-token call per token
-    (compute-bound), and extrapolating the last segment to `n` exceeds BUDGET. The fit extends that segment alike."""
+    three sizes timed, each call compute-bound (LINEAR of a one-token call per token) and the last segment extrapolated
+    to `n` past BUDGET."""
     if len(timed) < 3:
         return False
     one = timed[0][1]
@@ -310,20 +299,17 @@ def proportional(timed: list[tuple[int, float]], n: int) -> bool:
 
 
 def machine(device: torch.device) -> str:
-    """The device as calibrations tell them apart: "cuda:0 <the GPU's name>", "cpu <`processor`>"."""
+    """The device as calibrations tell them apart: "cuda:0 <GPU name>", "cpu <CPU model> (<AVX2, AVX512, ...>)"."""
     if device.type == "cuda":
         return f"{device} {torch.cuda.get_device_name(device)}"
-    return f"{device} {processor()}" if device.type == "cpu" else str(device)
-
-
-def processor() -> str:
-    """This machine's CPU: its model (`cpu_model`) and torch's CPU kernel instruction set (AVX2, AVX512, ...)."""
-    return f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+    if device.type == "cpu":
+        return f"{device} {cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+    return str(device)
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
     """What a calibration depends on: role, name, model (config, parameter shapes and dtypes), dtype, `machine`,
-    threads, torch version and sizes. The CPU is in it as a cache folder may be shared by machines of several CPUs."""
+    threads, torch version and sizes."""
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)
@@ -348,8 +334,7 @@ def cache_file(key: dict, folder: Path | None = None) -> Path:
 
 
 def planned_sizes(lm, role: str) -> tuple[int, ...]:
-    """The call sizes calibration measures `lm` at in `role` ("target" or "draft"): those its context holds after SHORT
-    tokens."""
+    """The call sizes calibration measures `lm` at in `role` ("target" or "draft") that fit after SHORT tokens."""
     if role not in ("target", "draft"):
         raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
     room = (lm.context_length or math.inf) - SHORT
@@ -359,8 +344,7 @@ def planned_sizes(lm, role: str) -> tuple[int, ...]:
 def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = False, folder: Path | None = None,
               budget: float = BUDGET) -> CallCost:
     """The cost of `lm`'s calls in `role`: from the cache file when it matches, else measured (and written unless
-    `cache=False`; `refresh=True` measures again). An invalid file is warned of and replaced; a curve that cannot be
-    written is warned of and kept in `UNSAVED`: a cache never fails a run."""
+    `cache=False`; `refresh=True` measures again). A bad or unwritable file is warned of: a cache never fails a run."""
     sizes = planned_sizes(lm, role)
     key = calibration_key(lm, role, sizes)
     path = cache_file(key, folder)
@@ -373,7 +357,7 @@ def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = F
                 return cost
         except ValueError as error:
             warnings.warn(f"calibration {path}: {error}; measuring it again", stacklevel=2)
-    samples, noise = measure_with_noise(lm, sizes, budget)
+    samples, noise = measure(lm, sizes, budget)
     cost = fit(samples, tuple(sorted({n for n, _, _ in samples})))  # the sizes measured (`proportional`)
     cost.measured, cost.noise = time.time(), noise
     if cache:
@@ -393,8 +377,7 @@ def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = F
 
 
 def _read(path: Path, key: dict) -> CallCost | None:
-    """The curve cached at `path` for `key`; None where there is none, or one of another version or key; ValueError
-    saying what is wrong where the file holds no valid curve."""
+    """The curve cached at `path` for `key`; None where none (or of another version or key); ValueError if invalid."""
     if not path.is_file():
         return None
     try:
@@ -454,7 +437,7 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        """The model `to_dict` wrote; entries it no longer writes (an older file's tree-call extra) are ignored."""
+        """The model `to_dict` wrote."""
         draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
         return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})))
 

@@ -14,9 +14,8 @@ sequence itself, so text seen once costs one dict entry per token. A second occu
 removing a sequence turns a node left with one occurrence back into a leaf (when that occurrence's sequence is alive:
 always under the store's first-in first-out eviction, since a node remembers its newest occurrence).
 
-Costs: appending a token O(1 + r), r <= depth the longest earlier-seen suffix ending there (only the *open* suffixes,
-whose whole path is nodes, cost work); removing a sequence O(its length x r); matching O(max_match log max_match), a
-binary search over suffix lengths; a draft of n nodes O(n log n) plus one sort per expanded node (cached).
+Costs: appending a token O(1 + r), r <= depth the longest earlier-seen suffix ending there; removing a sequence
+O(its length x r); matching O(max_match log max_match); a draft of n nodes O(n log n) plus a sort per expanded node.
 """
 
 from __future__ import annotations
@@ -38,9 +37,8 @@ INDEX = (1 << SHIFT) - 1
 
 @dataclass(frozen=True)
 class SuffixOptions:
-    """Options of suffix drafting: ArcticInference / vLLM's defaults (min_token_prob 0.1, trees of up to 24 tokens)
-    but `depth_factor` 2.0 against their max_spec_factor 1.0: in copied text a short match is followed by a long run
-    seen once, which a tree of twice the match length follows further in one call (docs/design/evidence.md)."""
+    """Options of suffix drafting: ArcticInference / vLLM's defaults but `depth_factor` 2.0 (theirs 1.0), as in copied
+    text a short match is followed by a long run seen once (docs/design/evidence.md)."""
 
     max_tree: int = 24  # the most draft-tree nodes per target call
     depth_factor: float = 2.0  # a match of m tokens drafts at most depth_factor x m nodes: long matches earn big trees
@@ -107,9 +105,6 @@ class SuffixIndex:
     def __len__(self) -> int:
         """Tokens held."""
         return self.root.count
-
-    def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._numbers
 
     def extend(self, seq_id: Hashable, tokens: Iterable[int]) -> None:
         """Append `tokens` to sequence `seq_id` (a new one if unknown)."""
@@ -178,16 +173,11 @@ class SuffixIndex:
                     del node.children[token]
                     break
                 child.count -= 1
-                if child.count == 1 and child.newest >> SHIFT in self._tokens:
-                    node.children[token] = self._leaf(child, i - start + 1)
+                if child.count == 1 and child.newest >> SHIFT in self._tokens:  # a leaf at its one occurrence again
+                    self._open[child.newest >> SHIFT].pop((child.newest & INDEX) - i + start, None)  # its suffix closes
+                    node.children[token] = child.newest
                     break
                 node = child
-
-    def _leaf(self, node: _Node, length: int) -> int:
-        """The leaf replacing `node` (a substring of `length` tokens) now that it occurs once, at `node.newest`."""
-        number, end = node.newest >> SHIFT, node.newest & INDEX
-        self._open[number].pop(end - length + 1, None)  # that occurrence's suffix is closed now, if it was open
-        return node.newest
 
     def _walk(self, tokens: Sequence[int]) -> _Node | int | None:
         """Where `tokens` (at most `depth` of them) end in the trie: a node, a leaf position, or None if absent."""
@@ -307,9 +297,8 @@ KINDS = ("output", "prompt")
 
 class SuffixStore:
     """Earlier outputs (and, if added, prompts) shared across `generate` calls: a `SuffixIndex` of at most
-    `max_tokens` tokens, evicting whole sequences first in, first out. Safe to draft from while another thread adds:
-    every method holds one lock. `max_tokens` 100k: hours of CPU generation in tens of MB; `depth` 48 = max_match +
-    max_tree of the default `SuffixOptions`, so the longest match still leaves room for the deepest tree."""
+    `max_tokens` tokens, evicting whole sequences first in, first out; thread-safe (one lock). `depth` 48 = max_match
+    + max_tree of the default `SuffixOptions`."""
 
     def __init__(self, max_tokens: int = 100_000, depth: int = 48) -> None:
         self.max_tokens = max_tokens  # evict the oldest sequences beyond this many tokens
@@ -368,8 +357,7 @@ class SuffixStore:
 def propose(local: SuffixIndex | None, store: SuffixStore | None, context: Sequence[int], limit: int,
             options: SuffixOptions, vocab: int | None = None) -> SuffixDraft:
     """The higher-scoring of the trees drafted from the run's own index and from the store (the run's own on a tie),
-    at most `limit` levels deep, of tokens below `vocab` (a store may hold a bigger vocabulary's). Empty when neither
-    matches at least `options.min_match` tokens."""
+    at most `limit` levels deep, of tokens below `vocab`; empty when neither matches `options.min_match` tokens."""
     best = SuffixDraft()
     if limit <= 0:
         return best

@@ -1,16 +1,14 @@
 """`TranslatedDraftModel`: a draft model of another tokenizer, drafting for the target through text.
 
-The two vocabularies meet in text (Timor et al. 2025, "Lossless speculative decoding algorithms for heterogeneous
-vocabularies", arXiv 2502.05202; transformers' universal assisted decoding):
+The two vocabularies meet in text (Timor et al. 2025, arXiv 2502.05202; transformers' universal assisted decoding):
 
-- The draft follows the run's text, not its tokens: the accepted target tokens are decoded (special tokens kept as
-  text) and re-encoded with the draft's tokenizer, a few draft tokens back from the end each step, since the last one
-  may merge with what follows. Its KV cache keeps the longest prefix it shares with those ids.
+- The draft follows the run's text: the accepted target tokens are decoded (special tokens as text) and re-encoded
+  with the draft's tokenizer from a few draft tokens back (the last may merge with what follows); its KV cache keeps
+  the longest prefix it shares with those ids.
 - Greedy mode, string-level exact match: the drafted text, encoded with the target's tokenizer after the last
-  accepted tokens, is the draft in target ids. Its last token may be cut short (" hel" for " hello"): it is still
-  proposed, as checking it costs one position of the target call, and waiting for the next draft token a draft call.
+  accepted tokens, is the draft in target ids (its last token possibly cut short: checking it costs one position).
 - Sampling mode, token-level intersection: the draft samples only tokens whose text is also one target token, so its
-  distribution is a distribution over target tokens (zero elsewhere) and rejection sampling stays exact.
+  distribution is one over target tokens and rejection sampling stays exact.
 
 Either way the target verifies every token: the draft only changes how many are accepted, never what is emitted.
 """
@@ -31,8 +29,8 @@ LOOKBEHIND = 3  # accepted target tokens encoded with a drafted text, to align i
 
 
 class Codec:
-    """One tokenizer's text <-> ids. A run of ids is spelled as it reads inside a longer text (after an anchor token),
-    so decoders that strip a leading space or drop a lone first byte spell every piece the same way."""
+    """One tokenizer's text <-> ids, a run of ids spelled as it reads after an anchor token (so decoders that strip a
+    leading space or drop a lone first byte spell every piece the same way)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -64,8 +62,7 @@ _SHARED: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def shared_tokens(lm: LM, draft: LM) -> tuple[torch.Tensor, torch.Tensor]:
-    """(draft ids [s], target ids [s]): the tokens both vocabularies spell alike, paired one to one. Made once per
-    pair of vocabularies and kept."""
+    """(draft ids [s], target ids [s]): the tokens both vocabularies spell alike, paired; kept per vocabulary pair."""
     key = (lm.vocab_key, draft.vocab_key)
     if key not in _SHARED:
         targets: dict[str, int] = {}
@@ -117,8 +114,6 @@ class TranslatedDraftModel(DraftModel):
         back[ours] = theirs
         return theirs.to(self.lm.device), ours.to(self.state.lm.device), back
 
-    # --- following the run's text ---
-
     def sync(self) -> None:
         """Bring `text` and the draft's `ids` up to the run's accepted tokens."""
         tokens = self.state.tokens
@@ -146,9 +141,7 @@ class TranslatedDraftModel(DraftModel):
     def _cached(self) -> int:
         """How many of the ids the draft cache holds (at most all but the last, which is fed to draft from)."""
         common = 0
-        for cached, wanted in zip(self.fed, self.ids[:-1]):
-            if cached != wanted:
-                break
+        while common < min(len(self.fed), len(self.ids) - 1) and self.fed[common] == self.ids[common]:
             common += 1
         return common
 
@@ -185,11 +178,9 @@ class TranslatedDraftModel(DraftModel):
         """Keep only cached positions that spell accepted text."""
         self._catch_up()
 
-    # --- drafting ---
-
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
-        """Draft up to `limit` target tokens while `keep_going(p)` holds (p: the draft's probability of the chain up
-        to each target token). Returns (target ids, distributions [target vocab] or None, cumulative probs)."""
+        """Up to `limit` target tokens while `keep_going(p)` holds (p: the chain's draft probability up to each
+        token): (target ids, distributions [target vocab] or None, cumulative probs)."""
         feed = self._catch_up()
         if limit <= 0 or not self.room(limit) or not feed or self.done < len(self.state.tokens):
             return [], [], []  # (the last: the target is inside a character, which it ends first)

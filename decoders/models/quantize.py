@@ -7,17 +7,10 @@ Every linear layer (`nn.Linear`, and GPT-2's `Conv1D`, whose weight is [in, out]
 gets its own copy), becomes an `Int8Linear`: int8 weights with one symmetric scale per output channel, each weight off
 by at most half its row's scale. Embeddings, norms and biases stay float and are shared with the original, not copied.
 
-Kernel: torch's `aten._weight_int8pack_mm(x [rows, in], w [out, in] int8, scales [out])`. On CPU it runs in bfloat16
-whatever the model's dtype (only that loop is vectorized) and needs `in` a multiple of 16 and an aligned input (other
-widths would crash, not raise); elsewhere it runs in the model's dtype where torch has a kernel, probed once per
-layer. Else the weight is dequantized inside the matmul: correct, but slower than the float layer it replaced.
-
-Long calls run in float, as the CPU kernel's time grows with its input's rows as fast as at one row: each layer keeps
-its float weight (shared, no copy) for calls of at least `float_from` rows, where float measured faster on this device
-(timed once per layer shape at `quantize`); where it never did, it is not kept. So a self draft costs no more memory
-for this (the target holds those weights anyway), while a draft loaded with `quantize="int8"` keeps them too.
-
-Only "int8" is offered: int4 was not clearly faster at batch 1 and lost accuracy (docs/design/evidence.md).
+Kernel: torch's `aten._weight_int8pack_mm`, in bfloat16 on a CPU (needs `in` a multiple of 16; other widths would
+crash), elsewhere in the model's dtype where a probe finds a kernel; else the weight is dequantized inside the matmul.
+Calls of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`
+(the CPU kernel's time grows with its rows as fast as at one row). Only "int8" is offered (docs/design/evidence.md).
 """
 
 from __future__ import annotations
@@ -97,18 +90,14 @@ class Int8Linear(nn.Module):
 
 
 def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: (q [out, in] int8, scales [out] in `dtype`) with |weight - q * scales| <= scales / 2.
-
-    Each scale is rounded up to `dtype` before the weights are divided by it, so every quotient is within [-127, 127]
-    (the clamp only guards the division's rounding) and the bound holds for the scales actually stored. Done about a
-    million weights at a time, which stay in the CPU's cache."""
+    """Symmetric per-row int8: (q [out, in] int8, scales [out] in `dtype`) with |weight - q * scales| <= scales / 2
+    for the scales stored (each rounded up to `dtype` before dividing); a million weights at a time (in cache)."""
     parts = [_quantize_rows(chunk, dtype) for chunk in weight.split(max(1, 2**20 // weight.shape[1]))]
     return torch.cat([q for q, _ in parts]), torch.cat([scales for _, scales in parts])
 
 
 def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # In float32 where it matters (the row maxima are exact in any float dtype, and dividing by float32 scales promotes
-    # the weights as it reads them): the same bits as converting the chunk to float32 first, in fewer passes
+    # in float32 where it matters: the row maxima are exact in any dtype, and float32 scales promote as they divide
     scales = (weight.abs().amax(dim=1).float() / 127).clamp(min=torch.finfo(dtype).tiny)  # [out], a zero row: tiny
     stored = scales.to(dtype)
     stored = torch.where(stored.float() < scales, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
@@ -169,8 +158,7 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
     if (done := is_quantized(lm)) is not None:
         raise ValueError(f"{lm.name!r} is already quantized ({done}); quantize its float original instead")
     model = lm.model
-    # Deep-copy the module tree (configs, rotary caches, ...) but map every parameter and buffer to itself: the copy
-    # shares them, and the float weights of the linear layers leave the copy when their modules are replaced below.
+    # a deep copy of the module tree sharing every parameter and buffer (the linear layers' are replaced below)
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     twin = copy.deepcopy(model, memo=shared)
     replaced: dict[int, Int8Linear] = {}  # one int8 layer per float layer, should a layer sit in two places

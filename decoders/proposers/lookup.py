@@ -30,24 +30,14 @@ class PromptLookupOptions:
 
 def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """The up to k tokens that followed the most recent earlier match of the longest matching suffix."""
-    return lookup_with_match(tokens, k, max_ngram, min_ngram)[0]
-
-
-def lookup_with_match(tokens: list[int], k: int, max_ngram: int, min_ngram: int, longest: int = 8
-                      ) -> tuple[list[int], int]:
-    """(`lookup`'s chain, its match: how many tokens before the chain agree with the context's last ones, from the
-    n-gram found up to `longest`; 0 when nothing matches). The longer the match, the likelier the chain goes on."""
     context = torch.tensor(tokens, dtype=torch.long)
     for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
         earlier = context.unfold(0, n, 1)[:-1]  # [L - n, n]: every n-gram but the suffix itself
         hits = (earlier == context[-n:]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n  # most recent match
-            match = n
-            while match < longest and start > match and tokens[start - match - 1] == tokens[-match - 1]:
-                match += 1
-            return tokens[start: start + k], match
-    return [], 0
+            return tokens[start: start + k]
+    return []
 
 
 class LookupDrafter:

@@ -1,8 +1,5 @@
-"""`auto`'s merged guesses: the suffix index's tree and lookahead's n-grams as one tree, checked in one call.
-
-Where a call of a few more tokens costs little more than one (a CPU reading bfloat16 weights, a GPU), checking every
-draft-free guess at once takes the tokens of whichever is right. Each node keeps the source of the guess that holds
-it, and each part learns how far its own guesses went.
+"""`auto`'s merged guesses: the suffix index's tree and lookahead's n-grams as one tree, checked in one call (where a
+few more tokens cost a call little). Each node keeps its guess's source; each part learns how far its guesses went.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The suffix index's trees: what followed the longest matching suffix of the context (`suffix`, and `auto`).
 
-Oliaro et al. 2024, "SuffixDecoding". The index (`decoders.drafting.suffix_index`) holds the run's own tokens and,
-with a `SuffixStore`, earlier outputs; its trees are deterministic (one-hot for the verifier). Their acceptance is
-estimated per level on calibration curves of the index's probabilities, one per length of the matched suffix
-(`match_curve`): the counts of what followed a match are blind to its length, which tells most.
+The index (`decoders.drafting.suffix_index`) holds the run's tokens and, with a `SuffixStore`, earlier outputs. The
+trees' acceptance is estimated per level on calibration curves of the index's probabilities, one per length of the
+matched suffix (`match_curve`), which the counts of what followed the match are blind to.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second.
 
-The loop: ask each proposer (`decoders.proposers`) what it could draft, let the `Chooser` pick the plan of highest
-expected tokens per second (or a plain step), draft it, verify it in the shared draft-then-verify loop, and pass the
-`Step` to every proposer's `learn`. The proposers: the suffix index of the run's text (always), lookahead's n-grams
-(its Jacobi window riding along in other steps' calls where cheap) and both merged into one tree, and with a draft
-model its chains and, where both models take tree masks, its trees. The cost model (`decoders.drafting.cost`) is
-measured once per model, dtype, device and thread count, cached on disk, and corrected by the calls the run times.
+Each step every proposer (`decoders.proposers`) offers what it could draft, the `Chooser` picks the plan of highest
+expected tokens per second (or a plain step), and the verified `Step` goes to every proposer's `learn`. Proposers: the
+suffix index (always), lookahead's n-grams and both merged, and with a draft model its chains and trees. The cost
+model (`decoders.drafting.cost`) is calibrated once, cached on disk and corrected by the calls the run times.
 
-Every token is verified by the target: exact in greedy and in sampling mode. Where the caller seeds a sampling run,
-auto plans by no clock (its costs stay the calibrated ones), so the seed repeats the sample.
+Exact in greedy and in sampling mode; a seeded sampling run plans by no clock, so the seed repeats the sample.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from decoders.drafting.copies import drafting_model
 from decoders.drafting.cost import CostModel, calibrate
 from decoders.drafting.suffix_index import SuffixOptions
 from decoders.models.lm import LM
-from decoders.options import check_whole, whole
+from decoders.options import check_flags, check_whole, whole
 from decoders.proposers.base import Clock, Proposer, Step
 from decoders.proposers.draft_chain import ChainProposer
 from decoders.proposers.draft_tree import TreeProposer
@@ -54,8 +51,7 @@ class AutoOptions:
             whole("max_lookup", self.max_lookup, 1)
             warnings.warn("auto's max_lookup has no effect (auto drafts no prompt-lookup chains of its own: the suffix "
                           "index holds their matches) and will be removed", DeprecationWarning, stacklevel=3)
-        if not isinstance(self.draft_trees, bool):
-            raise ValueError(f"draft_trees must be True or False, got {self.draft_trees!r}")
+        check_flags(self)
         for name in ("draft_int8", "self_int8"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be None (where measured to pay), True or False, got "
@@ -94,7 +90,8 @@ class AutoDrafter:
             if options.draft_trees and trees and type(model) is DraftModel and takes_trees(state.draft):
                 self.proposers.append(TreeProposer(state, chain, suffix, self.cost, self.clock))
         self.by_name = {p.name: p for p in self.proposers}
-        self.plan, self.start, self.began, self.called, self.context, self.fed = Plan(None, 0, 1.0, 1.0), 0, 0.0, 0.0, 0, 1
+        self.plan, self.start, self.began, self.called = Plan(None, 0, 1.0, 1.0), 0, 0.0, 0.0
+        self.context, self.fed = 0, 1  # this step's cached positions and tokens fed
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
         if state.draft is not None:
             state.stats.details["draft"] = state.draft.name
@@ -150,9 +147,8 @@ class Auto(DraftVerify):
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
                  chooser: Callable[[CostModel], Chooser] = Chooser, **options) -> None:
-        """`clock`: what auto times its steps and calls by (`devtools.replay_auto` replays runs on one that advances by
-        each call's calibrated cost); `chooser`: makes a run's `Chooser` from its cost model; `options`: `AutoOptions`.
-        """
+        """`clock`: what auto times its steps and calls by; `chooser`: makes a run's `Chooser` from its cost model;
+        `options`: `AutoOptions`."""
         if not (callable(clock) and callable(chooser)):
             raise TypeError("auto's clock is a function of no arguments giving seconds, its chooser a Chooser factory")
         super().__init__(**options)

@@ -1,13 +1,9 @@
 """`guided`: grammar-constrained decoding that skips the model wherever the grammar alone decides the next tokens.
 
-Each step first accepts the run of tokens the grammar forces (`Matcher.forced()`, source "grammar") without calling
-the model. The target cache lags behind them, so the step's one target call scores the uncached tail - the previous
-chosen token plus the forced ones, as a prefill - and the next token is chosen under the grammar's mask. A forced token
-costs a prefill position, not a decode step (the seed's Character example: 41 tokens, 11 from the model).
-
-Lossless: forced tokens have probability 1 under the masked distribution, and `DecodeState.choose` returns a forced
-token without drawing from the random stream. So in greedy mode `guided` equals `greedy` with the same grammar token
-for token, and in sampling mode it follows the same masked target distribution; it only saves calls.
+Each step first accepts the tokens the grammar forces (`Matcher.forced()`, source "grammar") without calling the
+model; the step's one target call then scores them with the uncached tail, as a prefill, and the next token is chosen
+under the grammar's mask. Lossless: a forced token has probability 1 under the masked distribution, and
+`DecodeState.choose` returns it without drawing from the random stream.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """`prompt_lookup`: draft by copying from the context - no draft model.
 
-Saxena 2023, "Prompt lookup decoding": find the most recent earlier occurrence of the last n tokens (n from
-`max_ngram` down to `min_ngram`) in the prompt and the text generated so far, and propose the up to k tokens that
-followed it. Strong when the output copies its input (code editing, retrieval-grounded answers); when nothing
-matches, a step is a plain greedy step.
+Saxena 2023, "Prompt lookup decoding": the up to k tokens that followed the most recent earlier occurrence of the
+context's last n tokens (n from `max_ngram` down to `min_ngram`); without a match a step is a plain step.
 """
 
 from __future__ import annotations

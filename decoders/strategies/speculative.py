@@ -1,11 +1,8 @@
 """`speculative`: a small draft model proposes k tokens, the target checks them all in one call.
 
-Leviathan et al. 2023 / Chen et al. 2023. Exact in greedy mode (accept while the target's argmax agrees) and in
-sampling mode (rejection sampling in `samplers.verify`).
-
-k is fixed for the run. Unless given, it is the k this device's measured call costs favour (`default_k`): the best k
-turns on what a draft call costs against a target call, which changes with the draft (bfloat16, int8, the target's
-own int8 copy) and the machine (evidence: docs/design/evidence.md).
+Leviathan et al. 2023 / Chen et al. 2023; exact in greedy and in sampling mode (`samplers.verify`). k is fixed for
+the run: unless given, the k this device's measured call costs favour (`default_k`), as the best k turns on what a
+draft call costs against a target call.
 """
 
 from __future__ import annotations
@@ -38,9 +35,8 @@ class SpeculativeOptions:
 
 
 def default_k(cost: CostModel, context: int, acceptance: float) -> int:
-    """The k of most expected tokens per second for a draft each of whose tokens is accepted with probability
-    `acceptance`: k draft calls and one target call of k + 1 tokens after `context` cached ones, priced by `cost`
-    (the chooser's own rule, `Chooser.best`)."""
+    """The k of most expected tokens per second (`Chooser.best`) for a draft whose tokens are each accepted with
+    probability `acceptance`: k draft calls and a target call of k + 1 tokens after `context`, priced by `cost`."""
     call = cost.draft_seconds(1, context)
     draft = Offer("draft", (acceptance,) * MOST, tuple(call * k for k in range(1, MOST + 1)))
     return Chooser(cost).best(draft, context).k

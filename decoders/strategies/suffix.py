@@ -1,16 +1,8 @@
 """`suffix`: suffix decoding - no draft model; continuations of the longest matching context suffix, as a tree.
 
-Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975; Snowflake ArcticInference, vLLM method="suffix"). Each step
-matches the longest suffix of the context (up to `max_match` tokens) in a counted suffix trie over the prompt and the
-output so far, and - with `store=` a `decoders.SuffixStore` - over earlier outputs too (a server's memory: requests that
-repeat what earlier requests produced). From the match it grows a token tree best first by how often each
-continuation followed it, at most `depth_factor` x the match length nodes (a longer match earns a bigger tree), never
-a path rarer than `min_prob`; the target checks the whole tree in one call. Against prompt lookup, which copies one
-chain after the most recent match of at most a few tokens, the tree holds the other continuations seen, and the
-length of the match decides how much to draft.
-
-The data structure is `decoders.drafting.suffix_index`; drafts are deterministic (one-hot for the verifier), so the
-strategy is exact in greedy and in sampling mode.
+Oliaro et al. 2024, "SuffixDecoding": the suffix trie over the prompt, the output so far and - with `store=` a
+`decoders.SuffixStore` - earlier outputs, and how it grows a tree, are `decoders.drafting.suffix_index`. Drafts are
+deterministic (one-hot for the verifier), so the strategy is exact in greedy and in sampling mode.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ from decoders.registry import register
 
 @dataclass(frozen=True)
 class ThresholdOptions:
-    """Options of `threshold`. A drafted token pays only while its chance of acceptance stays well above a draft call's
-    cost against a target call's (about 0.4 on a CPU), hence min_threshold 0.3; where draft calls are relatively
-    cheaper (a GPU, a smaller draft), a lower min_threshold lets drafts run longer (docs/design/evidence.md)."""
+    """Options of `threshold`: min_threshold 0.3, as a drafted token pays only while its acceptance stays above a
+    draft call's cost against a target call's (about 0.4 on a CPU; lower where draft calls are cheaper)."""
 
     max_draft: int = 16  # the most draft tokens per target call
     threshold: float = 0.4  # initial cumulative-probability threshold
@@ -32,10 +31,8 @@ class ThresholdOptions:
         whole("max_draft", self.max_draft)
         for name in ("threshold", "step", "min_threshold", "max_threshold"):
             probability(name, getattr(self, name))
-        if not 0.0 <= self.min_threshold <= self.max_threshold <= 1.0:
-            raise ValueError(
-                f"need 0 <= min_threshold <= max_threshold <= 1, got {self.min_threshold} and {self.max_threshold}"
-            )
+        if not self.min_threshold <= self.max_threshold:  # (each in [0, 1]: `probability`)
+            raise ValueError(f"need min_threshold <= max_threshold, got {self.min_threshold} and {self.max_threshold}")
         if not self.min_threshold <= self.threshold <= self.max_threshold:
             raise ValueError(f"threshold {self.threshold} must lie in [min_threshold, max_threshold]")
 
