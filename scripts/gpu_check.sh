@@ -11,7 +11,7 @@ LOG="$OUT/gpu_check.log"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PYTHON=${PYTHON:-python3}  # the interpreter that holds torch (on the device, plain python3)
 START=$SECONDS
-TOTAL=${GPU_CHECK_TOTAL:-490}  # seconds for the parts: 8 minutes less the wheels' install, the summary, slack
+TOTAL=${GPU_CHECK_TOTAL:-470}  # seconds for the parts: 8 minutes less the wheels' install, the summary, slack
 QUICK=0; for a in "$@"; do [ "$a" = --quick ] && QUICK=1; done
 
 # The project's dependencies missing on the device, as wheels gathered by scripts/gather_wheels.sh; only those not
@@ -61,7 +61,7 @@ run_part() {  # PART SECONDS [OPTIONS]: killed after SECONDS; it measures for SE
     echo "$part: exit $rc at $((SECONDS - START)) s" | tee -a "$LOG"
 }
 # seconds per part, full and --quick; GPU_CHECK_PARTS (e.g. "env greedy tests") runs some of them, in this order
-declare -A WALL=([env]=20 [greedy]=80 [profile]=60 [curves]=100 [compiled]=170 [tests]=240)
+declare -A WALL=([env]=15 [greedy]=60 [profile]=30 [curves]=60 [compiled]=100 [tests]=200)  # 465 s in all
 [ $QUICK = 1 ] && WALL=([env]=30 [greedy]=60 [profile]=40 [curves]=40 [compiled]=30 [tests]=60)
 for part in ${GPU_CHECK_PARTS:-env greedy profile curves compiled tests}; do
     run_part "$part" "${WALL[$part]}" "$@"
