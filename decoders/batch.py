@@ -119,8 +119,12 @@ class BatchCache:
         self.valid = torch.cat([self.valid, torch.zeros(self.rows, extra, dtype=torch.bool)], 1)
         self.positions = torch.cat([self.positions, torch.zeros(self.rows, extra, dtype=torch.long)], 1)
 
-    def load(self, b: int, prefix: KVCache) -> None:
-        """Row `b` now holds exactly `prefix`'s positions (a prompt prefilled alone), in its first slots."""
+    def prefill(self, b: int, tokens: Sequence[int]) -> None:
+        """Row `b` now holds exactly `tokens` (a prompt), in its first slots: scored in a call of their own, so that no
+        other row's call is padded to a prompt's length."""
+        prefix = KVCache()  # (transformers' cache, copied from below)
+        if tokens:
+            self.lm.forward(list(tokens), prefix, keep=1)
         n = len(prefix)
         self.valid[b] = False
         self._grow(n, prefix)
@@ -149,11 +153,7 @@ class BatchCache:
         for b, call in list(calls.items()):
             head = len(call.tokens) - (call.keep or len(call.tokens))
             if head > 0 and not self.valid[b].any() and call.positions is None and call.tree_mask is None:
-                # a draft's first call, on its row's prompt: run alone (as `admit` runs the target's), so that the
-                # other rows' calls are not padded to its length
-                prefix = KVCache()
-                lm.forward(call.tokens[:head], prefix, keep=1)
-                self.load(b, prefix)
+                self.prefill(b, call.tokens[:head])  # a draft's first call, on its row's prompt (as `admit` does)
                 calls[b] = replace(call, tokens=call.tokens[head:])
         if self.slots > 64 and self.slots > 2 * int(self.valid.sum(1).max()):
             self.compact()
@@ -220,7 +220,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
         while queue or any(rows):
             for b in range(batch.rows):
                 if rows[b] is None and queue:
-                    rows[b] = admit(lm, batch, b, *queue.popleft())
+                    rows[b] = admit(batch, b, *queue.popleft())
             for row in filter(None, rows):
                 # the rows before it have asked for their target calls; the rest (or drafting) ask for a token at least
                 row.state.others = sum(len(r.pending.tokens) if r.pending is not None and r.pending.lm is None else 1
@@ -265,15 +265,12 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                         yield row.index, chunk, None
 
 
-def admit(lm: LM, batch: BatchCache, b: int, index: int, run: tuple[DecodeState, Decoder]) -> Row:
+def admit(batch: BatchCache, b: int, index: int, run: tuple[DecodeState, Decoder]) -> Row:
     """Start run `index` in row `b`: its prompt but the last token prefilled alone, then its strategy's `start`. Its
     clock starts before the prefill, as a run alone counts its prompt's call."""
     state, decoder = run
     began = time.perf_counter()
-    prefix = KVCache()  # (transformers' cache, which `BatchCache.load` copies from)
-    if len(state.tokens) > 1:
-        lm.forward(state.tokens[:-1], prefix, keep=1)
-    batch.load(b, prefix)
+    batch.prefill(b, state.tokens[:-1])
     state.cache = batch.row(b)
     row = Row(index, state, decoder, began)
     decoder.start(state)
