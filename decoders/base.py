@@ -178,7 +178,10 @@ class DecodeState:
     stats: Stats = field(default_factory=Stats)
     finish_reason: str | None = None  # "eos", "stop" or "length" once finished
     drafter: Drafter | None = None  # a drafting strategy's per-run drafter (its draft cache, adaptive settings)
-    others: int = 0  # in a batch, the tokens the other rows score in this step's target call (`batch.run` sets it)
+    width: int = 0  # in a batch, the most tokens its next target call may score (`batch.Width`); 0: alone, no limit
+    batch_tokens: int = 0  # in a batch, the tokens the shared target call scores in all rows: what the call costs
+    verified: tuple[int, int, list[int]] | None = None  # a drafting step's target call: (its width limit, tokens
+    # scored before the draft, the accepted draft nodes), for the batch's `Width`
 
     def __post_init__(self) -> None:
         self.cache = self.lm.new_cache(self.expected_length)

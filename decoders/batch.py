@@ -25,8 +25,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from decoders.base import Call, Chunk, DecodeState, Decoder, Result
+from decoders.drafting.chooser import ChooserOptions
+from decoders.drafting.cost import CallCost, calibrate
 from decoders.models.cache import KVCache
 from decoders.models.lm import LM
+
+
+FEED_ALONE = 8  # a row's call feeding this many tokens more than it keeps logits for runs them alone first: padding
+# 8 rows to 8 more tokens costs about a call of 8 tokens alone (1.5B, this CPU: 8 x 4 tokens 511 ms, 8 x 1 337 ms)
 
 
 class RowCache:
@@ -134,6 +140,21 @@ class BatchCache:
         self.valid[b, :n] = True
         self.positions[b, :n] = torch.arange(n)
 
+    def feed(self, b: int, tokens: Sequence[int]) -> None:
+        """Append `tokens` to row `b`'s, scored in a call of its own on a copy of the row (a draft's catch-up after
+        steps it did not draft), so that no other row's call is padded to their length."""
+        slots, row = self.valid[b].nonzero()[:, 0], KVCache()
+        for i, layer in enumerate(self._layers()):
+            row.hf.update(layer.keys[b:b + 1, :, slots], layer.values[b:b + 1, :, slots], i)
+        held, start = len(slots), self.slots
+        self.lm.forward(list(tokens), row, keep=1)
+        self._grow(start + len(tokens), row)
+        for layer, source in zip(self._layers(), row.hf.layers):
+            layer.keys[b, :, start:] = source.keys[0, :, held:]
+            layer.values[b, :, start:] = source.values[0, :, held:]
+        self.valid[b, start:] = True
+        self.positions[b, start:] = torch.arange(held, held + len(tokens))
+
     def compact(self) -> None:
         """Gather each row's slots to the front and drop the rest (rejected drafts, finished rows, padding)."""
         counts = self.valid.sum(1)
@@ -152,9 +173,15 @@ class BatchCache:
         lm, device, calls = self.lm, self.lm.device, dict(calls)
         for b, call in list(calls.items()):
             head = len(call.tokens) - (call.keep or len(call.tokens))
-            if head > 0 and not self.valid[b].any() and call.positions is None and call.tree_mask is None:
+            if call.positions is not None or call.tree_mask is not None or head <= 0:
+                continue
+            if not self.valid[b].any():
                 self.prefill(b, call.tokens[:head])  # a draft's first call, on its row's prompt (as `admit` does)
-                calls[b] = replace(call, tokens=call.tokens[head:])
+            elif head >= FEED_ALONE:
+                self.feed(b, call.tokens[:head])
+            else:
+                continue
+            calls[b] = replace(call, tokens=call.tokens[head:])
         if self.slots > 64 and self.slots > 2 * int(self.valid.sum(1).max()):
             self.compact()
         past, width = self.slots, max(len(call.tokens) for call in calls.values())
@@ -190,6 +217,50 @@ class BatchCache:
         return logits
 
 
+WIDTHS = (1, 2, 3, 5, 9, 17)  # target call widths a batch weighs: a plain step, then 1, 2, 4, 8, 16 drafted tokens
+EXPLORE = 8  # every this many calls the batch tries the width above its best, to learn what that would gain
+DECAY = 0.99  # per row's step, older evidence fades
+
+
+class Width:
+    """How many tokens each row may score in the batch's target calls. Every row's call is padded to the widest, so
+    the batch picks one width for all: the one of most expected tokens per second, from what each width gained or
+    would have (a draft's accepted nodes among its first ones, counted on every verified step) over the target's
+    measured cost of a call scoring rows x width tokens (`calibrate`)."""
+
+    def __init__(self, lm: LM, rows: int, cost: CallCost | None = None) -> None:
+        """`cost`: the target's call cost (default: `calibrate`d on first use, once a step is verified)."""
+        self.lm, self.rows, self.cost = lm, rows, cost
+        prior = ChooserOptions()  # (auto's prior: each drafted level accepted with prior_mean, as prior_strength steps)
+        self.steps = dict.fromkeys(WIDTHS, prior.prior_strength)  # decayed steps counted
+        self.gained = {w: prior.prior_strength * sum(prior.prior_mean ** i for i in range(w)) for w in WIDTHS}
+        # (decayed tokens a row's step gained at each width)
+        self.calls, self.verified = 0, False
+
+    def observe(self, width: int, fed: int, path: list[int]) -> None:
+        """A row's verified step whose call scored `fed` tokens, then a draft of at most `width` - `fed` nodes, of
+        which `path` were accepted (0: no limit)."""
+        self.verified = True
+        for w in WIDTHS:
+            if width and w > width:
+                break
+            kept = next((i for i, node in enumerate(path) if node >= w - fed), len(path))  # nodes within width w
+            self.gained[w] = DECAY * self.gained[w] + 1 + kept
+            self.steps[w] = DECAY * self.steps[w] + 1
+
+    def next(self, context: int) -> int:
+        """The width of the batch's next target call, its rows holding up to `context` slots."""
+        if not self.verified:
+            return WIDTHS[3]  # until a step is verified (4 drafted tokens, what a call of a few rows affords)
+        if self.cost is None:
+            self.cost = calibrate(self.lm).target  # (measured once per machine and model, then cached)
+        best = max(WIDTHS, key=lambda w: self.gained[w] / self.steps[w] / self.cost.predict(self.rows * w, context))
+        self.calls += 1
+        if self.calls % EXPLORE == 0 and best != WIDTHS[-1]:
+            return WIDTHS[WIDTHS.index(best) + 1]
+        return best
+
+
 @dataclass
 class Row:
     """A run in the batch: its index in the caller's prompts, state, strategy and the step in progress."""
@@ -216,15 +287,15 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
     queue = deque(enumerate(runs))
     batch = BatchCache(lm, min(batch_size, len(runs)))
     rows: list[Row | None] = [None] * batch.rows
+    width = Width(lm, batch.rows)
     with torch.inference_mode():
         while queue or any(rows):
             for b in range(batch.rows):
                 if rows[b] is None and queue:
                     rows[b] = admit(batch, b, *queue.popleft())
+            limit = width.next(batch.slots)
             for row in filter(None, rows):
-                # the rows before it have asked for their target calls; the rest (or drafting) ask for a token at least
-                row.state.others = sum(len(r.pending.tokens) if r.pending is not None and r.pending.lm is None else 1
-                                       for r in filter(None, rows) if r is not row)
+                row.state.width, row.state.batch_tokens = limit, limit * batch.rows
                 _advance(row, None)
             pending = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
             answers: dict[int, torch.Tensor] = {}
@@ -240,6 +311,9 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
             for b, row in enumerate(rows):
                 if row is not None and row.steps is None:  # its step is done
                     state = row.state
+                    if state.verified is not None:
+                        width.observe(*state.verified)
+                        state.verified = None
                     added = state.tokens[row.before:]
                     if not added and not state.finished and row.error is None:
                         raise RuntimeError(f"strategy {row.decoder.name!r} made a step that accepted no token")

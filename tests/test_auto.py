@@ -750,23 +750,31 @@ def test_max_lookup_is_still_accepted_with_a_deprecation_warning():
 
 
 def test_in_a_batch_a_step_is_priced_as_the_call_all_rows_share():
-    """A row's plan costs the target call scoring its tokens beside the other rows' (`DecodeState.others`): a plain
-    step of four rows is priced as a 4-token call, and alone as a 1-token call."""
-    seen = []
+    """A row's plan costs the batch's target call, its rows padded to the batch's width (`DecodeState.batch_tokens`):
+    in a batch of four rows every plan within the width costs a call of 4 x width tokens, of which the row spends a
+    quarter toward a draft's prefill; alone, a plain step costs a 1-token call."""
+    seen, spent = [], []
 
     class Recording(chooser.Chooser):
         def choose(self, offers, context, remaining=None):
             plan = super().choose(offers, context, remaining)
-            seen.append((self.cost.others, self.evaluate(None, 0, context).seconds,
-                         self.cost.target.predict(1 + self.cost.others, context)))
+            seen.append((self.cost.batch_tokens, self.evaluate(None, 0, context).seconds,
+                         self.cost.target.predict(max(1, self.cost.batch_tokens), context), plan.k))
+            self.last = plan
             return plan
+
+        def spend(self, seconds):  # (the ski rental's count: in a batch, a row's share of the call)
+            spent.append(seconds / self.last.seconds)
+            super().spend(seconds)
 
     lm, prompts = tiny_lm("llama"), PROMPTS[:4]
     costs = priced(lambda: CostModel(line(1.0, 0.5)), Recording, frozen=True)
     alone = [decoders.generate(lm, p, strategy=auto.Auto(chooser=costs), max_new_tokens=12).tokens for p in prompts]
-    assert seen and all(others == 0 for others, _, _ in seen)
-    seen.clear()
+    assert seen and all(tokens == 0 for tokens, *_ in seen)
+    seen.clear(), spent.clear()
     batched = decoders.generate(lm, prompts, strategy=auto.Auto(chooser=costs), max_new_tokens=12, batch_size=4)
     assert [r.tokens for r in batched] == alone
-    assert max(others for others, _, _ in seen) >= 3  # the first step: three other rows, a token each at least
-    assert all(plain == expected for _, plain, expected in seen)
+    assert seen and all(tokens >= 4 and tokens % 4 == 0 for tokens, *_ in seen)  # four rows, padded alike
+    assert all(plain == expected for _, plain, expected, _ in seen)
+    assert all(k < tokens // 4 for tokens, _, _, k in seen)  # a plan fits the width: fed token + k drafted
+    assert spent and all(share == pytest.approx(0.25) for share in spent)

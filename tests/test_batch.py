@@ -23,8 +23,10 @@ import torch
 import decoders
 import grammars
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_tokenizer
+from decoders import batch
 from decoders.base import Decoder, Result
 from decoders.batch import BatchCache
+from decoders.drafting.cost import CallCost
 from samplers import SamplingConfig
 from stats import chi_square_fits
 
@@ -247,19 +249,24 @@ def sampled_cases():
 
 @pytest.mark.parametrize("seed", [11, [5, 9, 3]], ids=["int", "list"])
 @pytest.mark.parametrize("strategy, draft_kind", sampled_cases(), ids=[f"{s}-{k}" for s, k in sampled_cases()])
-def test_seeded_rows_equal_their_own_seeded_runs(strategy, draft_kind, seed):
-    """seed=s seeds row i with s + i; a list gives each row its own: each row is then exactly its batch-1 run."""
+def test_seeded_batches_repeat_for_every_strategy(strategy, draft_kind, seed):
+    """seed=s seeds row i with s + i; a list gives each row its own: the same seeds, prompts and batch size repeat
+    every row exactly. (A row may differ from its run alone: the batch's width limits its drafts, and what is drafted
+    decides how the random numbers are spent; a strategy that drafts nothing spends them alike.)"""
     lm = tiny_lm("llama")
     cls = decoders.registry.get(strategy)
     prompts = [PROMPTS[0], lm.encode(PROMPTS[2]), PROMPTS[1]]
     names = ["regex", "schema", "choice"] if cls.needs_grammar else [None, "regex", None]
     settings = dict(temperature=1.0, max_new_tokens=12, strategy=strategy, draft=draft_of(draft_kind, lm))
-    results = decoders.generate(lm, prompts, seed=seed, batch_size=2,
-                                grammar=[None if n is None else constraint(n) for n in names], **settings)
+    grammars = lambda: [None if n is None else constraint(n) for n in names]  # noqa: E731  (a matcher per run)
+    results = decoders.generate(lm, prompts, seed=seed, batch_size=2, grammar=grammars(), **settings)
+    again = decoders.generate(lm, prompts, seed=seed, batch_size=2, grammar=grammars(), **settings)
     seeds = [seed + i for i in range(3)] if isinstance(seed, int) else seed
     for i, (prompt, name, s) in enumerate(zip(prompts, names, seeds)):
-        want = decoders.generate(lm, prompt, seed=s, grammar=None if name is None else constraint(name), **settings)
-        assert_same_row(results[i], want, i, strategy)
+        assert_same_row(again[i], results[i], i, strategy)
+        if strategy == "greedy":
+            want = decoders.generate(lm, prompt, seed=s, grammar=None if name is None else constraint(name), **settings)
+            assert_same_row(results[i], want, i, strategy)
 
 
 def test_seeded_batches_repeat_exactly():
@@ -557,3 +564,70 @@ def test_the_draft_model_drafts_for_all_rows_in_one_forward(monkeypatch, case):
     seen.clear()
     alone = decoders.generate(lm, prompts[0], strategy=strategy, draft=draft, max_new_tokens=MAX_NEW)
     assert alone.tokens == results[0].tokens and alone.stats.draft_calls > 0 and not seen
+
+
+# ------------------------------------------------------------------------------------------------------ the width
+
+
+def test_width_counts_what_each_narrower_call_would_have_gained():
+    """A step verified at width 5 (one token fed, four drafted, the first three accepted) would have gained 1, 2, 3, 4
+    tokens at widths 1, 2, 3, 5; it says nothing of wider calls."""
+    width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 64), (1.0, 1.0)))
+    prior = dict(width.gained)
+    width.observe(5, 1, [0, 1, 2])
+    gained = {w: round(width.gained[w] - batch.DECAY * prior[w], 6) for w in batch.WIDTHS}
+    assert gained == {1: 1, 2: 2, 3: 3, 5: 4, 9: round(0.01 * prior[9], 6), 17: round(0.01 * prior[17], 6)}
+
+
+@pytest.mark.parametrize("slope, want", [(0.0, 17), (1.0, 1)])
+def test_width_weighs_the_tokens_against_the_call_of_rows_x_width_tokens(slope, want):
+    """Every draft accepted in full: with a flat call cost the widest width pays; when each token costs as much as
+    the call (x rows), none does. Every `EXPLORE`-th call tries the width above the best."""
+    width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 1000), (1.0, 1.0 + 1999 * slope)))
+    for _ in range(30):
+        width.observe(0, 1, list(range(16)))
+    picks = [width.next(context=10) for _ in range(batch.EXPLORE)]
+    assert picks[:-1] == [want] * (batch.EXPLORE - 1)
+    assert picks[-1] == (want if want == batch.WIDTHS[-1] else batch.WIDTHS[batch.WIDTHS.index(want) + 1])
+
+
+def test_a_batch_limits_every_rows_call_to_its_width(monkeypatch):
+    """Each row's target call scores at most the batch's width, and the rows still equal their batch-1 greedy runs."""
+    lm = tiny_lm("llama")
+    prompts = [PROMPTS[0] * 3, PROMPTS[1] * 3, PROMPTS[2] * 3]
+    want = [decoders.generate(lm, p, max_new_tokens=24).tokens for p in prompts]
+    monkeypatch.setattr(batch.Width, "next", lambda self, context: 3)
+    widest = []
+    forward = batch.BatchCache.forward
+
+    def recording(self, calls):
+        widest.append(max(len(call.tokens) for call in calls.values() if call.lm is None) if self.lm is lm else 0)
+        return forward(self, calls)
+
+    monkeypatch.setattr(batch.BatchCache, "forward", recording)
+    got = decoders.generate(lm, prompts, strategy="suffix", max_new_tokens=24, batch_size=3)
+    assert [r.tokens for r in got] == want
+    assert max(widest[1:]) == 3  # (the first call feeds each prompt's last token: one a row)
+    assert sum(r.stats.accepted for r in got) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_a_long_catch_up_is_fed_alone_and_scores_as_alone(arch, monkeypatch):
+    """A row's call feeding FEED_ALONE or more tokens before those it keeps logits for (a draft catching up) runs
+    them in a call of its own: the other row's call is not padded to them, and both rows' logits are those of their
+    runs alone."""
+    lm = tiny_lm(arch)
+    first, second = lm.encode(PROMPTS[0]), lm.encode(PROMPTS[1])
+    catch_up = lm.encode(PROMPTS[2] * 3)[: batch.FEED_ALONE + 2]
+    cache = BatchCache(lm, 2)
+    cache.prefill(0, first[:-1])
+    cache.prefill(1, second[:-1])
+    widths = []
+    model = lm.model.forward
+    monkeypatch.setattr(lm.model, "forward", lambda *a, **k: widths.append(k["input_ids"].shape) or model(*a, **k))
+    calls = {0: decoders.base.Call(first[-1:] + catch_up, keep=2), 1: decoders.base.Call(second[-1:], keep=1)}
+    got = cache.forward(calls)
+    assert widths[-1] == (2, 2)  # the batch's call: two rows, the first's two kept tokens
+    for tokens, logits in ((first + catch_up, got[0]), (second, got[1])):
+        alone = lm.forward(tokens, decoders.models.cache.KVCache(), keep=len(logits))
+        torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)

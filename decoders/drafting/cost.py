@@ -400,7 +400,7 @@ class CostModel:
     target: CallCost
     draft: CallCost | None = None  # None: no draft model
     observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
-    others: int = 0  # tokens the other rows of a batch score in the same target call (`DecodeState.others`)
+    batch_tokens: int = 0  # in a batch, the tokens its shared target call scores in all rows (`DecodeState`)
 
     def __post_init__(self):
         if self.draft is not None:
@@ -408,8 +408,8 @@ class CostModel:
 
     def target_seconds(self, n: int, context: int) -> float:
         """One target call scoring `n` tokens (a draft of n - 1 plus one) after `context` cached ones; in a batch, the
-        call that scores them beside the other rows' `others` (a call costs what its tokens in all rows cost)."""
-        return self.target.predict(n + self.others, context)
+        shared call, whose rows are padded to the batch's width."""
+        return self.target.predict(max(n, self.batch_tokens), context)
 
     def draft_seconds(self, calls: int, context: int, catch_up: int = 1) -> float:
         """A draft model's chain of `calls` tokens after `context`: its first call feeds the `catch_up` tokens the

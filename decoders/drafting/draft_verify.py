@@ -15,6 +15,7 @@ A drafting strategy is a `DraftVerify` subclass that names its drafter class and
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -42,14 +43,24 @@ class DraftVerify(Decoder):
             state.accept(forced, ["grammar"] * len(forced))
             if state.finished:
                 return
-        draft = yield from drafting(drafter.propose(state, limit=state.remaining - 1))  # (room for the target's token)
+        fed, width = len(state.uncached()), state.width
+        limit = state.remaining - 1  # (room for the target's token)
+        if width:  # in a batch: its call scores at most `width` tokens a row
+            limit = min(limit, width - fed)
+        draft = yield from drafting(drafter.propose(state, limit=max(limit, 0)))
         draft = draft.until(state.lm.eos_token_ids)  # nothing after an EOS is ever emitted
+        if width:  # (a tree `limit` deep may hold more nodes; topological order: a prefix keeps their parents)
+            if draft.window is not None and fed + len(draft.window.tokens) > width:
+                draft = replace(draft, window=None)  # a window rides along only where it fits
+            window = len(draft.window.tokens) if draft.window is not None else 0
+            draft = draft.subset(list(range(min(len(draft.tokens), max(width - fed - window, 0)))))
         masks = None
         if grammar is not None:
             draft, masks = restrict_to_grammar(grammar, draft, type(drafter).__name__, state.lm.eos_token_ids)  # masks: [k + 1, vocab]
         start = len(state.tokens)  # where the draft begins in the target cache after the call
         logits = yield state.call(draft.tokens) if draft.is_chain else tree_call(state, draft)  # [k + 1 (+ w), vocab]
         path, token, rows = verify(state, draft, masks, logits)
+        state.verified = width, fed, path
         sources = [draft.source_of(i) for i in path] + ["target"]
         added = state.accept([draft.tokens[i] for i in path] + [token], sources, rows)
         kept = min(len(path), added)  # fewer when the run ended (EOS, stop string) inside the accepted draft

@@ -70,8 +70,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.float_from is not None and x.numel() >= self.float_from * self.in_features:
             w = self.float_weight
-            return nn.functional.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).to(
-                x.dtype)
+            rows = x.reshape(-1, self.in_features).to(w.dtype)  # (2D: a strided 3D input, e.g. the last positions'
+            # hidden states of a batch, makes linear copy the weight for every row)
+            y = nn.functional.linear(rows, w, None if self.bias is None else self.bias.to(w.dtype))
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return self.quantized(x)
 
     def quantized(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], with the int8 weights

@@ -98,7 +98,7 @@ class AutoDrafter:
 
     def propose(self, state: DecodeState, limit: int) -> Drafting:
         self.began, self.context, self.fed = self.clock.now(), len(state.cache), len(state.uncached())
-        self.cost.others = state.others  # (a batch's call costs what all its rows' tokens cost)
+        self.cost.batch_tokens = state.batch_tokens
         offers = [offer for p in self.proposers if (offer := p.offer(state, limit)) is not None]
         # (a call that feeds the prompt is planned as the steps after it: the prompt's cost is the same for any plan)
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
@@ -114,14 +114,15 @@ class AutoDrafter:
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         state.lm.synchronize()
         ended = self.clock.now()
-        alone = not state.others  # (in a batch the clock also counts the other rows' work: the plan's seconds stand)
+        alone = not state.width  # (in a batch the clock also counts the other rows' work: the plan's seconds stand)
         if self.clock.timed and alone:
             window = len(draft.window.tokens) if draft.window is not None else 0
             self.cost.observe("target", self.fed + len(draft.tokens) + window, self.context, ended - self.called)
         seconds = self.clock.elapsed(self.began, self.plan.seconds, ended) if alone else self.plan.seconds
         step = Step(self.plan, draft, self.start, accepted, state.tokens[self.start:], seconds)
         if self.fed <= 1:  # (a prompt's call says nothing of the steps' rates)
-            self.chooser.spend(step.seconds)
+            # in a batch, a row's share of the shared call: a draft's prefill (the rent's price) stalls every row
+            self.chooser.spend(step.seconds if alone else step.seconds * state.width / state.batch_tokens)
             proposer = self.by_name.get(self.plan.proposer)
             if proposer is not None and proposer.corrected and not self.plan.probe:
                 self.chooser.learn_rate(self.plan, len(step.tokens), step.seconds)
