@@ -15,7 +15,6 @@ Either way the target verifies every token: the draft only changes how many are 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Generator
 
 import torch
@@ -163,16 +162,6 @@ class TranslatedDraftModel(DraftModel):
         self.sync()
         context = self.lm.context_length
         return None if context is None else max(0, context - len(self.ids))
-
-    def room(self, limit: int) -> int:
-        """How many of `limit` tokens the draft may propose (counting draft tokens) before passing its context."""
-        space = self._space()
-        room = limit if space is None else min(limit, space)
-        if room < limit and not self.warned:
-            self.warned = True
-            warnings.warn(f"draft model {self.lm.name!r} reaches its context of {self.lm.context_length} tokens; "
-                          "the target goes on without drafts", stacklevel=2)
-        return room
 
     def rewind(self) -> None:
         """Keep only cached positions that spell accepted text."""
