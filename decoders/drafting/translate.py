@@ -188,7 +188,9 @@ class TranslatedDraftModel(DraftModel):
     def _greedy_chain(self, feed, limit, budget, keep_going) -> Chain:
         """String-level exact match: draft in the draft's ids, translate the text after each token."""
         drafted, tokens, seen = [], [], []  # seen[i]: the chain's probability when target token i first showed
-        running, window = 1.0, self._window()
+        start = max(self.lead, self.done - LOOKBEHIND)  # the last accepted tokens, encoded with each drafted text
+        before = self.ours.text(self.state.tokens[start: self.done])
+        running, window = 1.0, (start, before) if self.text.endswith(before) else (self.done, "")
         for _ in range(budget):
             logits = yield from self._step(feed)
             token = int(logits.argmax())
@@ -209,12 +211,6 @@ class TranslatedDraftModel(DraftModel):
                 break
             feed = [token]
         return tokens, [None] * len(tokens), seen[: len(tokens)]
-
-    def _window(self) -> tuple[int, str]:
-        """(start, text): the last accepted tokens, from `start`, and their text, to encode with a drafted text."""
-        start = max(self.lead, self.done - LOOKBEHIND)
-        before = self.ours.text(self.state.tokens[start: self.done])
-        return (start, before) if self.text.endswith(before) else (self.done, "")
 
     def translate(self, drafted: list[int], window: tuple[int, str]) -> list[int]:
         """The target ids of the text `drafted` (draft ids) adds to the run's accepted tokens, whose last ones from
