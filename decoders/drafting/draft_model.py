@@ -134,8 +134,7 @@ class DraftModel:
         self.cache.crop(min(len(self.cache), len(self.state.tokens) - 1))
 
 
-SELF_ACCEPTANCE = 0.98  # the acceptance expected of the target's own quantized copy (`SharedCacheDraft`), which agreed
-# with it at every position measured (`speculative`'s k and `auto`'s prior plan for it)
+SELF_ACCEPTANCE = 0.98  # the acceptance expected of the target's own quantized copy (`SharedCacheDraft`)
 
 
 class SharedCacheDraft(DraftModel):

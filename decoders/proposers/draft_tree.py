@@ -29,7 +29,7 @@ from decoders.drafting import Draft, Drafting, DraftModel
 from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
 from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import depths, first_branch, keep_path, visibility
+from decoders.drafting.tree import depth, first_branch, keep_path, visibility
 from decoders.options import check_whole, probability
 from decoders.proposers.base import Clock, Step
 from decoders.proposers.draft_chain import ChainProposer
@@ -317,7 +317,7 @@ class TreeProposer:
         self.drafter.options = replace(self.base, min_prob=min_prob, expand_prob=expand_prob)
         draft = yield from self.drafter.propose(state, plan.k if plan.probe else self.limit)
         state.lm.synchronize()
-        if levels := max((d + 1 for d in depths(draft.links)), default=0):
+        if levels := depth(draft):
             spent = self.clock.elapsed(start, (state.stats.draft_calls - calls) * call + catch_up)
             self.level_seconds.add(max(0.0, spent - catch_up) / levels)
             self.level_nodes.add(len(draft.tokens) / levels)
@@ -350,7 +350,7 @@ class TreeProposer:
         self.drafter.update(state, step.draft, step.accepted)  # keeps the accepted path in the draft cache
         if not step.draft.tokens:
             return
-        levels = max(d + 1 for d in depths(step.draft.links))
+        levels = depth(step.draft)
         # a level the tree did not grow is one not accepted
         self.acceptance.learn(levels + (levels < step.plan.k and step.accepted == levels), step.accepted)
         main, path = first_branch(step.draft.links), step.draft.follow(step.tokens[: step.accepted])
