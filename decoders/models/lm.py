@@ -325,12 +325,12 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     `quantize="int8"` returns its weight-only int8 copy (`decoders.quantize`), e.g. a cheap draft."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from decoders.models import zoo
+
     name = str(name_or_path)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     kwargs: dict = {}
     if name.startswith("zoo:"):
-        from decoders.models import zoo
-
         source = str(zoo.path(name[len("zoo:"):]))
     elif name.endswith(".gguf") and Path(name).is_file():
         source, kwargs["gguf_file"] = str(Path(name).parent), Path(name).name
@@ -342,8 +342,6 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     elif source.startswith((".", "/", "~")) or source.count("/") > 1 or source.endswith(".gguf"):
         raise OSError(f"could not load model {name!r}: no such local folder or .gguf file")
     elif not _hub_may_have(source):
-        from decoders.models import zoo
-
         raise OSError(f"no local folder, zoo name or cached hub model called {name!r} (and the Hugging Face hub is "
                       f"not reachable from here); zoo models: {', '.join('zoo:' + n for n in zoo.names())}")
     try:
