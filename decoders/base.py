@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from grammars import GrammarMatcher
 
 SLACK = 64  # positions past the run's last token that a call checking a draft may write (`expected_length`)
-SOURCES = ("target", "draft", "lookup", "lookahead", "suffix", "grammar")  # where a new token came from
 
 
 @dataclass

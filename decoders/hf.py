@@ -147,24 +147,57 @@ class CustomGenerate:
     def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config: GenerationConfig | None = None, synced_gpus: bool = False, streamer=None,
                  assistant_model=None, **kwargs) -> torch.Tensor | DecodekitOutput:
+        """Run `strategy` on a prepared `generate` call and return what `generate` returns."""
         if generation_config is None:
             raise TypeError("decoders.hf.custom_generate is called by model.generate: "
                             "model.generate(**inputs, custom_generate=custom_generate, strategy=...)")
         if synced_gpus:
             raise ValueError("synced_gpus=True is not supported by decodekit's custom_generate (one process)")
         options = {name: kwargs.pop(name) for name in _option_names() if name in kwargs}
-        own = {name: kwargs.pop(name) for name in _OWN_ARGUMENTS if name in kwargs}
-        tokenizer = own.pop("tokenizer", None)
+        strategy = kwargs.pop("strategy", "greedy")
+        draft, seed, grammar, tokenizer = (kwargs.pop(name, None) for name in _OWN_ARGUMENTS[1:])
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
         call_streamer, call_assistant = _generate_call_arguments(model)
-        return _decode(
-            model, input_ids, list(logits_processor or ()), stopping_criteria, generation_config,
-            streamer=streamer if streamer is not None else call_streamer,
-            assistant_model=assistant_model if assistant_model is not None else call_assistant,
-            tokenizer=tokenizer if tokenizer is not None else self.tokenizer,
-            model_kwargs=kwargs,
-            options=options,
-            **own,
-        )
+        streamer = streamer if streamer is not None else call_streamer
+        assistant_model = assistant_model if assistant_model is not None else call_assistant
+        kept = _check_call(input_ids, generation_config, kwargs)  # [B, T] bool: the prompts' own tokens
+        if input_ids.shape[0] > 1 and streamer is not None:
+            raise ValueError(f"streamer= with a batch of {input_ids.shape[0]} prompts is not supported by decodekit's "
+                             "custom_generate: its rows advance at their own pace, not one token per row per step; "
+                             "stream one prompt at a time, or use decoders.stream(lm, prompts)")
+        sampling = _sampling(generation_config, list(logits_processor or ()))
+        if sampling["temperature"] and seed is None:
+            seed = int(torch.randint(0, 2**62, ()))  # from torch's global RNG, as transformers samples
+        if grammar is not None and tokenizer is None:
+            raise ValueError("grammar= needs the tokenizer, which transformers does not pass to a custom_generate "
+                             "callable: export a folder (decodekit export-hub DIR) and call model.generate(..., "
+                             "custom_generate='DIR', trust_remote_code=True, tokenizer=tok, grammar=...), or use "
+                             "decoders.generate")
+        was_training = model.training  # LM puts the model in evaluation mode; the caller's mode comes back afterwards
+        try:
+            lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)
+            try:
+                check_request(strategy if isinstance(strategy, Decoder) else registry.get(strategy),
+                              has_draft=draft is not None, has_grammar=grammar is not None)
+            except ValueError as error:
+                raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
+            prompts = [row[keep.to(row.device)].tolist() for row, keep in zip(input_ids, kept)]
+            arguments = dict(strategy=strategy, max_new_tokens=generation_config.max_length - input_ids.shape[1],
+                             draft=draft, seed=seed, grammar=grammar, **sampling, **options)
+            if len(prompts) == 1:
+                run = prepare(lm, prompts[0], **arguments)
+                sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
+                results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
+            else:
+                pad = _pad_id(generation_config)
+                sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria,
+                                                           **arguments)
+        finally:
+            model.train(was_training)
+        if not generation_config.return_dict_in_generate:
+            return sequences
+        stats = [_row_stats(result, new) for result, new in zip(results, kept_new)]
+        return DecodekitOutput(sequences=sequences, decodekit_stats=stats[0] if len(stats) == 1 else stats)
 
 
 custom_generate = CustomGenerate()
@@ -205,49 +238,6 @@ def _generate_call_arguments(model) -> tuple[Any, Any]:
             return frame.f_locals.get("streamer"), frame.f_locals.get("assistant_model")
         frame = frame.f_back
     return None, None
-
-
-def _decode(model, input_ids, processors, stopping_criteria, generation_config, *, streamer, assistant_model,
-            tokenizer, model_kwargs, options, strategy: str | Decoder = "greedy", draft=None, seed=None,
-            grammar=None):
-    """Run `strategy` on a prepared `generate` call and return what `generate` returns."""
-    kept = _check_call(input_ids, generation_config, model_kwargs)  # [B, T] bool: the prompts' own tokens
-    if input_ids.shape[0] > 1 and streamer is not None:
-        raise ValueError(f"streamer= with a batch of {input_ids.shape[0]} prompts is not supported by decodekit's "
-                         "custom_generate: its rows advance at their own pace, not one token per row per step; "
-                         "stream one prompt at a time, or use decoders.stream(lm, prompts)")
-    sampling = _sampling(generation_config, processors)
-    if sampling["temperature"] and seed is None:
-        seed = int(torch.randint(0, 2**62, ()))  # from torch's global RNG, as transformers samples
-    if grammar is not None and tokenizer is None:
-        raise ValueError("grammar= needs the tokenizer, which transformers does not pass to a custom_generate "
-                         "callable: export a folder (decodekit export-hub DIR) and call model.generate(..., "
-                         "custom_generate='DIR', trust_remote_code=True, tokenizer=tok, grammar=...), or use "
-                         "decoders.generate")
-    was_training = model.training  # LM puts the model in evaluation mode; the caller's mode comes back afterwards
-    try:
-        lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)
-        try:
-            check_request(strategy if isinstance(strategy, Decoder) else registry.get(strategy),
-                          has_draft=draft is not None, has_grammar=grammar is not None)
-        except ValueError as error:
-            raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
-        prompts = [row[keep.to(row.device)].tolist() for row, keep in zip(input_ids, kept)]
-        arguments = dict(strategy=strategy, max_new_tokens=generation_config.max_length - input_ids.shape[1],
-                         draft=draft, seed=seed, grammar=grammar, **sampling, **options)
-        if len(prompts) == 1:
-            run = prepare(lm, prompts[0], **arguments)
-            sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
-            results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
-        else:
-            pad = _pad_id(generation_config)
-            sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria, **arguments)
-    finally:
-        model.train(was_training)
-    if not generation_config.return_dict_in_generate:
-        return sequences
-    stats = [_row_stats(result, new) for result, new in zip(results, kept_new)]
-    return DecodekitOutput(sequences=sequences, decodekit_stats=stats[0] if len(stats) == 1 else stats)
 
 
 def _row_stats(result: Result, new: int) -> dict:

@@ -738,15 +738,10 @@ def test_the_evaluator_meters_the_int8_copy_auto_drafts_with():
     assert second.draft_calls > 0 and second.draft_seconds > 0
 
 
-def test_max_lookup_is_still_accepted_with_a_deprecation_warning():
-    """auto drafts no prompt-lookup chains of its own any more; a caller's max_lookup= still runs, with a warning."""
-    lm = tiny_lm("llama")
-    want = decoders.generate(lm, PROMPTS[2], max_new_tokens=8).tokens
-    with pytest.warns(DeprecationWarning, match="max_lookup has no effect"):
-        got = decoders.generate(lm, PROMPTS[2], strategy="auto", max_lookup=5, max_new_tokens=8)
-    assert got.tokens == want
-    with pytest.raises(ValueError, match="max_lookup"):
-        decoders.generate(lm, PROMPTS[2], strategy="auto", max_lookup=0, max_new_tokens=8)
+def test_the_removed_max_lookup_is_refused_naming_the_options_auto_takes():
+    """max_lookup= had no effect (auto drafts no prompt-lookup chains of its own) and went after its deprecation."""
+    with pytest.raises(TypeError, match="unknown option.*max_lookup; its options: max_draft"):
+        decoders.generate(tiny_lm("llama"), PROMPTS[2], strategy="auto", max_lookup=5, max_new_tokens=8)
 
 
 def test_in_a_batch_a_step_is_priced_as_the_call_all_rows_share():

@@ -93,8 +93,7 @@ class CallCost:
 
     def observe(self, n: int, context: int, seconds: float) -> None:
         """Correct the fit by a measured call: its log ratio to the fit (clipped to 1/4..4) beyond the level teaches
-        the knots around n (`offset`); the level becomes the median of the last WINDOW calls' ratios over their
-        offsets. Removes the cache file (`source`) once the run's calls show it STALE."""
+        the knots around n (`offset`), and sets the level (`scale`). Removes the cache file once it is STALE."""
         ratio = math.log(min(max(seconds / self.fitted(n, context), 0.25), 4.0))
         self.history.append((n, ratio))
         level = self._level()
@@ -250,11 +249,9 @@ def _resize(cache, length: int) -> None:
 
 
 def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
-    """Time calls of `lm` scoring `sizes` tokens, keeping every position's logits: (samples, noise).
-
-    Two warm-up calls, then each size at SHORT context up to the first that `proportional` skips, then the smallest
-    and largest at LONG; the round is repeated, ROUNDS times and more until `budget` seconds, each point keeping its
-    fastest time (a busy machine only adds time). noise: the median over points of median / fastest - 1."""
+    """Time calls of `lm` scoring `sizes` tokens (at SHORT context up to the first `proportional` skips, the smallest
+    and largest at LONG), keeping every position's logits: (samples, noise). Rounds repeat, ROUNDS and more until
+    `budget` seconds, each point keeping its fastest time; noise: the median over points of median / fastest - 1."""
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
     begin = time.perf_counter()
@@ -395,7 +392,7 @@ def _read(path: Path, key: dict) -> CallCost | None:
 
 @dataclass
 class CostModel:
-    """Seconds of this run's target and draft calls. A target call with a tree mask is costed as a causal one."""
+    """Seconds of this run's target and draft calls (a tree-masked call costed as a causal one)."""
 
     target: CallCost
     draft: CallCost | None = None  # None: no draft model

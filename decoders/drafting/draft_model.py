@@ -58,27 +58,27 @@ class DraftModel:
         self.warned = False
         self.runner_ups: list[int] = []  # the draft's second choice at each token of the last chain
 
+    def _space(self) -> int | None:
+        """How many draft tokens fit in the draft's context after the run's tokens (None: no limit)."""
+        context = self.lm.context_length
+        return None if context is None else max(0, context - len(self.state.tokens))
+
     def room(self, limit: int) -> int:
         """How many of `limit` tokens the draft may propose before its next position would pass its context."""
-        context = self.lm.context_length
-        if context is None:
-            return limit
-        room = max(0, min(limit, context - len(self.state.tokens)))
+        space = self._space()
+        room = limit if space is None else min(limit, space)
         if room < limit and not self.warned:
             self.warned = True
-            warnings.warn(f"draft model {self.lm.name!r} reaches its context of {context} tokens; "
+            warnings.warn(f"draft model {self.lm.name!r} reaches its context of {self.lm.context_length} tokens; "
                           "the target goes on without drafts", stacklevel=2)
         return room
-
-    def readable(self, tokens: list[int]) -> list[int]:
-        """`tokens` with ids the draft cannot embed replaced by a stand-in (its drafts there are then just guesses)."""
-        return [t if t < self.embeds else 0 for t in tokens]
 
     def forward(self, tokens: list[int], **kwargs) -> Generator[Call, torch.Tensor, torch.Tensor]:
         """One draft call on `tokens` (counted in the run's stats), yielded for the run's driver to run (`Call`'s
         other arguments: `positions`, `tree_mask`, `keep`); returns its logits."""
         self.state.stats.draft_calls += 1
-        return (yield Call(self.readable(tokens), lm=self.lm, cache=self.cache, **kwargs))
+        readable = [t if t < self.embeds else 0 for t in tokens]  # a stand-in for ids the draft cannot embed
+        return (yield Call(readable, lm=self.lm, cache=self.cache, **kwargs))
 
     def next_token(self, feed: list[int], allowed: torch.Tensor | None = None
                    ) -> Generator[Call, torch.Tensor, tuple[int, torch.Tensor | None, float, int]]:
@@ -134,18 +134,14 @@ class DraftModel:
         self.cache.crop(min(len(self.cache), len(self.state.tokens) - 1))
 
 
-SELF_ACCEPTANCE = 0.98  # the acceptance expected of the target's own quantized copy (`SharedCacheDraft`), which agreed
-# with it at every position measured (`speculative`'s k and `auto`'s prior plan for it)
+SELF_ACCEPTANCE = 0.98  # the acceptance expected of the target's own quantized copy (`SharedCacheDraft`)
 
 
 class SharedCacheDraft(DraftModel):
     """The target's own quantized copy (`decoders.quantize`, "self:int8"), drafting on the target's KV cache.
 
-    Both models have the same layers, so the copy can attend to the keys and values the target computed: it needs no
-    prefill of its own (a second prompt's worth of calls: 3.4 s for 400 tokens of the 1.5B here) and no catch-up after
-    steps it sat out or long accepted runs, and it drafts from the target's own view of the context. Its drafted
-    positions are cut from the cache before the target verifies, so the target's cache holds only its own work.
-    """
+    Both models have the same layers, so the copy attends to the target's keys and values: no prefill or catch-up of
+    its own. Its drafted positions are cut from the cache before the target verifies."""
 
     def __init__(self, state: DecodeState) -> None:
         super().__init__(state)

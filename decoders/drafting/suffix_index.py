@@ -201,19 +201,6 @@ class SuffixIndex:
             return (at & INDEX) + 1 < len(self._tokens[at >> SHIFT])
         return at.cont > 0
 
-    def count(self, tokens: Sequence[int]) -> int:
-        """How often `tokens` (1 to `depth` of them) occur in the indexed sequences."""
-        if not 0 < len(tokens) <= self.depth:
-            raise ValueError(f"count needs 1 to depth={self.depth} tokens, got {len(tokens)}")
-        at = self._walk(tokens)
-        return 0 if at is None else 1 if type(at) is int else at.count
-
-    def continuations(self, tokens: Sequence[int]) -> dict[int, int]:
-        """{next token: count} over the occurrences of `tokens` (fewer than `depth`) that something follows."""
-        if len(tokens) >= self.depth:
-            return {}
-        return {token: count for count, token, _ in self._ranked(self._walk(tokens))}
-
     def match(self, context: Sequence[int], max_match: int | None = None) -> tuple[_Node | int | None, int]:
         """(place in the trie, m): the longest suffix of `context`, of at most `max_match` and `depth - 1` tokens,
         that occurs followed by a token. m = 0 (and the root) when none does."""

@@ -15,7 +15,6 @@ Either way the target verifies every token: the draft only changes how many are 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Generator
 
 import torch
@@ -164,16 +163,6 @@ class TranslatedDraftModel(DraftModel):
         context = self.lm.context_length
         return None if context is None else max(0, context - len(self.ids))
 
-    def room(self, limit: int) -> int:
-        """How many of `limit` tokens the draft may propose (counting draft tokens) before passing its context."""
-        space = self._space()
-        room = limit if space is None else min(limit, space)
-        if room < limit and not self.warned:
-            self.warned = True
-            warnings.warn(f"draft model {self.lm.name!r} reaches its context of {self.lm.context_length} tokens; "
-                          "the target goes on without drafts", stacklevel=2)
-        return room
-
     def rewind(self) -> None:
         """Keep only cached positions that spell accepted text."""
         self._catch_up()
@@ -199,7 +188,9 @@ class TranslatedDraftModel(DraftModel):
     def _greedy_chain(self, feed, limit, budget, keep_going) -> Chain:
         """String-level exact match: draft in the draft's ids, translate the text after each token."""
         drafted, tokens, seen = [], [], []  # seen[i]: the chain's probability when target token i first showed
-        running, window = 1.0, self._window()
+        start = max(self.lead, self.done - LOOKBEHIND)  # the last accepted tokens, encoded with each drafted text
+        before = self.ours.text(self.state.tokens[start: self.done])
+        running, window = 1.0, (start, before) if self.text.endswith(before) else (self.done, "")
         for _ in range(budget):
             logits = yield from self._step(feed)
             token = int(logits.argmax())
@@ -220,12 +211,6 @@ class TranslatedDraftModel(DraftModel):
                 break
             feed = [token]
         return tokens, [None] * len(tokens), seen[: len(tokens)]
-
-    def _window(self) -> tuple[int, str]:
-        """(start, text): the last accepted tokens, from `start`, and their text, to encode with a drafted text."""
-        start = max(self.lead, self.done - LOOKBEHIND)
-        before = self.ours.text(self.state.tokens[start: self.done])
-        return (start, before) if self.text.endswith(before) else (self.done, "")
 
     def translate(self, drafted: list[int], window: tuple[int, str]) -> list[int]:
         """The target ids of the text `drafted` (draft ids) adds to the run's accepted tokens, whose last ones from

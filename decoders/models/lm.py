@@ -155,7 +155,7 @@ class LM:
     @functools.cached_property
     def cache_keyword(self) -> str:
         """The keyword the model's forward takes its KV cache by: `cache` from transformers 5.24 on, `past_key_values`
-        before (5.24 takes that too, with a FutureWarning per model class, and drops it in 5.40)."""
+        before."""
         return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     @functools.cached_property
@@ -165,9 +165,8 @@ class LM:
         return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 
     def self_draft(self, scheme: str) -> LM:
-        """This model's own quantized copy (`decoders.quantize`), made on first use and kept with this LM: a draft
-        that needs no second model ("self:int8"). Every LM that wraps the same torch module shares its quantized
-        layers (`COPIES`): transformers' `model.generate` wraps the module anew in each call."""
+        """This model's own quantized copy (`decoders.quantize`, "self:int8"), made on first use and kept with this
+        LM; every LM wrapping the same torch module shares it (`COPIES`), as `model.generate` wraps it anew per call."""
         copies = self.__dict__.setdefault("_self_drafts", {})
         if scheme not in copies:
             from decoders.models.quantize import copy_of, quantize
@@ -202,12 +201,8 @@ class LM:
         )
 
     def _tree_attention_mask(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):
-        """Additive 4D masks [1, 1, T, past + T]: the cached prefix is visible to every node, the nodes per `tree_mask`.
-
-        Sliding-window layers also hide keys more than `sliding_window` positions behind the query; models mixing full
-        and sliding layers get one mask per layer type. A [T, past + T] `tree_mask` sets the visibility of cached
-        positions too, the window then taking a cached key's position to be its cache index (exact for a plain prefix;
-        for cached tree nodes, which only a draft model's tree growth has, it may keep a few more keys)."""
+        """`attention_masks` [1, 1, T, past + T]: the cached prefix is visible to every node, the nodes per
+        `tree_mask` ([T, T], or [T, past + T] to hide cached positions too; a cached key's position is its index)."""
         length = tree_mask.shape[0]
         allowed = torch.ones(length, past + length, dtype=torch.bool, device=self.device)
         allowed[:, past + length - tree_mask.shape[1]:] = tree_mask.to(self.device, torch.bool)
@@ -237,9 +232,8 @@ class LM:
         return additive["full_attention"]
 
     def check_tree_mask(self, role: str = "target") -> None:
-        """Raise a clear error unless a tree-masked call scores every node exactly as its own path would; `role`
-        ("target" or "draft") names this model's part in the run, for the error. Probed once per LM on a short input
-        (the sliding-window rule is built into the mask), as some model classes ignore or reject custom 4D masks."""
+        """Raise a clear error naming the model's `role` ("target" or "draft") unless a tree-masked call scores every
+        node exactly as its own path would (probed once per LM: some model classes ignore or reject 4D masks)."""
         if getattr(self, "_tree_mask_ok", None) is None:
             self._tree_mask_ok = _probe_tree_mask(self)
         if self._tree_mask_ok is not True:
@@ -251,9 +245,8 @@ class LM:
 
 
 def _probe_tree_mask(lm: LM) -> bool | str:
-    """True if a tree-masked call scores each node of a 2-branch tree as plain causal calls of the same shape do (each
-    node right after its path), else what went wrong. Same shape, same cached prefix: kernels that change with the
-    number of rows (an int8 copy's `float_from`) compute both alike, so only the mask can tell them apart."""
+    """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do (so that
+    kernels that change with the number of rows compute both alike), else what went wrong."""
     prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
     a, b, c = (i % lm.vocab_size for i in (13, 17, 19))
     tree = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)  # a | b -> c
@@ -332,12 +325,12 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     `quantize="int8"` returns its weight-only int8 copy (`decoders.quantize`), e.g. a cheap draft."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from decoders.models import zoo
+
     name = str(name_or_path)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     kwargs: dict = {}
     if name.startswith("zoo:"):
-        from decoders.models import zoo
-
         source = str(zoo.path(name[len("zoo:"):]))
     elif name.endswith(".gguf") and Path(name).is_file():
         source, kwargs["gguf_file"] = str(Path(name).parent), Path(name).name
@@ -349,8 +342,6 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     elif source.startswith((".", "/", "~")) or source.count("/") > 1 or source.endswith(".gguf"):
         raise OSError(f"could not load model {name!r}: no such local folder or .gguf file")
     elif not _hub_may_have(source):
-        from decoders.models import zoo
-
         raise OSError(f"no local folder, zoo name or cached hub model called {name!r} (and the Hugging Face hub is "
                       f"not reachable from here); zoo models: {', '.join('zoo:' + n for n in zoo.names())}")
     try:

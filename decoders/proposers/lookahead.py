@@ -6,12 +6,11 @@ after the uncached tail, two branches side by side under one mask (`decoders.dra
 - the **verification branch**: up to `guesses` candidate n-grams (N - 1 tokens each) from an n-gram pool that
   continue the last accepted token, merged into a prefix tree and verified like any draft (source "lookahead");
 - the **lookahead branch**: a Jacobi window of `window` (W) columns and up to N - 1 levels, level l holding the l-th
-  latest Jacobi iteration's guesses for the W positions from l on; token (l, j), at offset l + j after the last
-  accepted token, sees level 0 up to column j, then column j up to level l. The target's predictions after the top
-  level give the next level; once all are filled, each column's trajectory plus that prediction is a pool N-gram.
+  latest Jacobi iteration's guesses (`window_mask`). The target's predictions after the top level give the next
+  level; once all are filled, each column's trajectory plus that prediction is a pool N-gram.
 
-The pool is seeded with the prompt's n-grams and learns the accepted text's; n-grams whose token before the key
-matches too are tried first. Candidates are deterministic: one-hot drafts, exact in both modes.
+The pool is seeded with the prompt's n-grams and learns the accepted text's. Candidates are one-hot drafts: exact in
+both modes.
 """
 
 from __future__ import annotations

@@ -45,17 +45,13 @@ class SuffixProposer:
         self.tree, self.levels, self.curves = SuffixDraft(), [], []
         self.offered: Offer | None = None  # this step's offer
 
-    def guess(self, context: list[int], limit: int) -> SuffixDraft:
-        """The index's tree (its main branch where `trees` is False) after `context`, at most `limit` levels."""
-        tree = propose(self.index, self.store, context, limit, self.options, self.vocab)
-        return tree if self.trees else tree.main_branch()
-
     def curve(self, match: int) -> str:
         """The calibration curve of a guess continuing a `match`-token suffix (`match_curve`)."""
         return match_curve(match)
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
-        self.tree = self.guess(state.tokens, limit)
+        tree = propose(self.index, self.store, state.tokens, limit, self.options, self.vocab)
+        self.tree = tree if self.trees else tree.main_branch()
         self.levels = summarize(self.tree)
         self.curves = [self.curve(self.tree.match + d) for d in range(len(self.levels))]
         self.offered = Offer(self.name, self.acceptance.chain(len(self.levels), self.levels, self.curves),

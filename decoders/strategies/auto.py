@@ -11,7 +11,6 @@ Exact in greedy and in sampling mode; a seeded sampling run plans by no clock, s
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from decoders.drafting.copies import drafting_model
 from decoders.drafting.cost import CostModel, calibrate
 from decoders.drafting.suffix_index import SuffixOptions
 from decoders.models.lm import LM
-from decoders.options import check_flags, check_whole, whole
+from decoders.options import check_flags, check_whole
 from decoders.proposers.base import Clock, Proposer, Step
 from decoders.proposers.draft_chain import ChainProposer
 from decoders.proposers.draft_tree import TreeProposer
@@ -43,14 +42,9 @@ class AutoOptions:
     # (`copies.int8_copy`), True always, False never; a draft already quantized is used as it is
     self_int8: bool | None = None  # without a draft model, draft with the target's own int8 copy: None where its
     # calls measure cheap enough and it fits in memory, True always, False never
-    max_lookup: int | None = None  # deprecated, no effect (the suffix index holds every match prompt lookup copies)
 
     def __post_init__(self):
         check_whole(self, max_draft=1, max_tree=1)
-        if self.max_lookup is not None:
-            whole("max_lookup", self.max_lookup, 1)
-            warnings.warn("auto's max_lookup has no effect (auto drafts no prompt-lookup chains of its own: the suffix "
-                          "index holds their matches) and will be removed", DeprecationWarning, stacklevel=3)
         check_flags(self)
         for name in ("draft_int8", "self_int8"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):

@@ -18,8 +18,7 @@ from decoders.registry import register
 
 @dataclass(frozen=True)
 class ThresholdOptions:
-    """Options of `threshold`: min_threshold 0.3, as a drafted token pays only while its acceptance stays above a
-    draft call's cost against a target call's (about 0.4 on a CPU; lower where draft calls are cheaper)."""
+    """Options of `threshold` (a drafted token pays only while its acceptance beats a draft call's relative cost)."""
 
     max_draft: int = 16  # the most draft tokens per target call
     threshold: float = 0.4  # initial cumulative-probability threshold
