@@ -1,8 +1,9 @@
 """Throughput of batched decoding against one prompt at a time and transformers' batched `generate`.
 
-    python -m devtools.bench_batch [--strategies greedy,suffix] [--batch-sizes 1,8] [--prompts 8] [--tokens 48]
+    python -m devtools.bench_batch [--strategies greedy,suffix] [--batch-sizes 1,8] [--prompts 16] [--tokens 48]
 
-Loads Qwen2.5-Coder-1.5B in bfloat16 (the zoo's), takes the first `--prompts` prompts of bench + mixed, and times
+Loads Qwen2.5-Coder-1.5B in bfloat16 (the zoo's), takes the first `--prompts` of 16 prompts (the first 8 of bench +
+mixed, then every second of agentic's first 16), and times
 `decoders.generate(lm, prompts, batch_size=B)` per strategy and batch size (B = 1: one prompt at a time), then
 transformers' `generate` on left-padded batches of the largest B. Prints tokens per second, how many rows equal
 batch-1 greedy's tokens, and target calls. Run it alone: a second process on a 2-core machine spoils the timings.
@@ -24,11 +25,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default="greedy,suffix")
     parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args(argv)
     lm = decoders.load("zoo:qwen2.5-coder-1.5b", dtype="bfloat16")
-    prompts = [p.prompt for p in suites.load("bench") + suites.load("mixed")][: args.prompts]
+    prompts = ([p.prompt for p in suites.load("bench") + suites.load("mixed")][:8]
+               + [p.prompt for p in suites.load("agentic")][::2][:8])[: args.prompts]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     decoders.generate(lm, ["def f(x):", "Hello"], max_new_tokens=4)  # warm-up
     reference = [decoders.generate(lm, p, max_new_tokens=args.tokens).tokens for p in prompts]
