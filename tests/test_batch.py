@@ -437,7 +437,7 @@ def test_a_row_whose_step_raises_ends_with_an_error_and_the_others_go_on(registe
 # ----------------------------------------------------------------------------------------------------------- memory
 
 
-MEMORY_CASES = [("greedy", NONE, 200, 8, 6), ("lookahead", NONE, 40, 4, 12), ("staged", RANDOM, 40, 4, 12),
+MEMORY_CASES = [("greedy", NONE, 200, 8, 6), ("lookahead", NONE, 80, 4, 12), ("staged", RANDOM, 40, 4, 12),
                 (DRAFTING, SELF, 80, 4, 12)]
 
 
