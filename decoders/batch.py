@@ -131,29 +131,27 @@ class BatchCache:
         prefix = KVCache()  # (transformers' cache, copied from below)
         if tokens:
             self.lm.forward(list(tokens), prefix, keep=1)
-        n = len(prefix)
         self.valid[b] = False
-        self._grow(n, prefix)
-        for layer, source in zip(self._layers(), prefix.hf.layers):
-            layer.keys[b, :, :n] = source.keys[0]
-            layer.values[b, :, :n] = source.values[0]
-        self.valid[b, :n] = True
-        self.positions[b, :n] = torch.arange(n)
+        self._store(b, 0, prefix, 0)
 
     def feed(self, b: int, tokens: Sequence[int]) -> None:
-        """Append `tokens` to row `b`'s, scored in a call of its own on a copy of the row (a draft's catch-up after
+        """Append `tokens` to row `b`'s, scored in a call of their own on a copy of the row (a draft's catch-up after
         steps it did not draft), so that no other row's call is padded to their length."""
         slots, row = self.valid[b].nonzero()[:, 0], KVCache()
         for i, layer in enumerate(self._layers()):
             row.hf.update(layer.keys[b:b + 1, :, slots], layer.values[b:b + 1, :, slots], i)
-        held, start = len(slots), self.slots
         self.lm.forward(list(tokens), row, keep=1)
-        self._grow(start + len(tokens), row)
-        for layer, source in zip(self._layers(), row.hf.layers):
-            layer.keys[b, :, start:] = source.keys[0, :, held:]
-            layer.values[b, :, start:] = source.values[0, :, held:]
-        self.valid[b, start:] = True
-        self.positions[b, start:] = torch.arange(held, held + len(tokens))
+        self._store(b, self.slots, row, len(slots))
+
+    def _store(self, b: int, at: int, cache: KVCache, held: int) -> None:
+        """Row `b`'s slots from `at` on now hold `cache`'s positions from `held` on (a one-row cache run alone)."""
+        n = len(cache) - held
+        self._grow(at + n, cache)
+        for layer, source in zip(self._layers(), cache.hf.layers):
+            layer.keys[b, :, at:at + n] = source.keys[0, :, held:]
+            layer.values[b, :, at:at + n] = source.values[0, :, held:]
+        self.valid[b, at:at + n] = True
+        self.positions[b, at:at + n] = torch.arange(held, held + n)
 
     def compact(self) -> None:
         """Gather each row's slots to the front and drop the rest (rejected drafts, finished rows, padding)."""
