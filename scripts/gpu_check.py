@@ -350,6 +350,43 @@ def part_greedy(args) -> dict:
     return result
 
 
+def median_seconds(lm: decoders.LM, function, repeats: int = 30) -> float:
+    function()
+    return statistics.median(timed(lm, function) for _ in range(repeats))
+
+
+def replay_costs(lm: decoders.LM, prompt: list[int], new: int) -> dict:
+    """With `lm`'s graphs as they are set (plain or compiled): the median seconds of a one-token call after the prompt
+    (decodekit's, and its graph's replay alone), a greedy run's decoding seconds per token, and the profiler's busiest
+    device kernels over a run of `new` tokens with how many kernels a token launches."""
+    result: dict = {}
+    with torch.inference_mode():
+        cache = lm.new_cache(2 * len(prompt))
+        lm.forward(prompt, cache, keep=1)
+
+        def call():
+            cache.crop(len(prompt))
+            lm.forward(prompt[:1], cache, keep=1)
+
+        result["call_seconds"] = median_seconds(lm, call)
+        graphs = getattr(getattr(cache, "slab", None), "graphs", {})
+        key = next((k for k in graphs if k[0] == 1 and k[1] == lm.compile_calls and graphs[k][0] is not None), None)
+        if key is not None:
+            result["replay_alone_seconds"] = median_seconds(lm, graphs[key][0].replay)
+    run = attempt(decodekit_greedy, lm, prompt, new, True)
+    result["step_seconds"] = 1 / run["decode_tokens_per_second"] if "decode_tokens_per_second" in run else run
+    if lm.device.type == "cuda":
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profile:
+            decodekit_greedy(lm, prompt, new, True)
+        events = profile.key_averages()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        result["kernels_per_token"] = sum(e.count for e in kernels) / new
+        result["kernel_seconds_per_token"] = sum(e.self_device_time_total for e in kernels) / 1e6 / new
+        result["kernels"] = events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)[:7000]
+    return result
+
+
 def part_profile(args) -> dict:
     """Where a greedy step of the target goes: the median seconds of one-token calls after PROMPT cached positions
     (decodekit on its static cache, as a bare graph replay, on transformers' cache; transformers' model call on its own
@@ -358,24 +395,18 @@ def part_profile(args) -> dict:
     lm = build("target", args.device, args.quick)
     prompt = [(5 * i + 11) % lm.vocab_size for i in range(PROMPT[args.quick])]
     result: dict = {"calls": {}, "steps": {}, "profiles": {}}
-
-    def median_seconds(function, repeats: int = 30) -> float:
-        function()
-        return statistics.median(timed(lm, function) for _ in range(repeats))
-
+    result["graphs"] = attempt(replay_costs, lm, prompt, 16)
     with torch.inference_mode():
-        for graphs in (True, False):
-            lm.cuda_graphs = graphs
-            cache = lm.new_cache(2 * len(prompt))
-            lm.forward(prompt, cache, keep=1)
+        lm.cuda_graphs = False
+        cache = lm.new_cache(2 * len(prompt))
+        lm.forward(prompt, cache, keep=1)
 
-            def call():
-                cache.crop(len(prompt))
-                lm.forward(prompt[:1], cache, keep=1)
+        def call():
+            cache.crop(len(prompt))
+            lm.forward(prompt[:1], cache, keep=1)
 
-            result["calls"]["decodekit_" + ("static" if graphs else "eager")] = median_seconds(call)
-            if graphs and getattr(cache, "slab", None) is not None and (1, False) in cache.slab.graphs:
-                result["calls"]["graph_replay_alone"] = median_seconds(cache.slab.graphs[1, False][0].replay)
+        result["calls"]["decodekit_eager"] = median_seconds(lm, call)
+        lm.cuda_graphs = True
         hf_cache = decoders.KVCache()  # (transformers' DynamicCache, with a crop across its versions)
         lm.model(input_ids=torch.tensor([prompt], device=lm.device), **{lm.cache_keyword: hf_cache.hf})
 
@@ -385,17 +416,15 @@ def part_profile(args) -> dict:
                      attention_mask=torch.ones(1, len(prompt) + 1, dtype=torch.long, device=lm.device),
                      **{lm.cache_keyword: hf_cache.hf}, logits_to_keep=1)
 
-        result["calls"]["transformers_model"] = median_seconds(hf_call)
-    for graphs in (True, False):
-        mode = "graphs" if graphs else "eager"
-        result["steps"][mode] = attempt(decodekit_greedy, lm, prompt, NEW_TOKENS[args.quick] // 2, graphs)
-        result["steps"][mode].pop("ids", None)
-        activities = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [])
-        with torch.profiler.profile(activities=activities) as profile:
-            decodekit_greedy(lm, prompt, 8, graphs)
-        table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
-        result["profiles"][mode] = table[:6000]
+        result["calls"]["transformers_model"] = median_seconds(lm, hf_call)
+    result["steps"]["eager"] = attempt(decodekit_greedy, lm, prompt, NEW_TOKENS[args.quick] // 2, False)
+    result["steps"]["eager"].pop("ids", None)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        decodekit_greedy(lm, prompt, 8, False)
+    table = profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+    result["profiles"]["eager"] = table[:6000]
     return result
 
 
@@ -425,6 +454,11 @@ def part_compiled(args) -> dict:
                         next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), len(ids))}
         result["dynamo_stats"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats",)}
         (args.outdir / "compiled.json").write_text(json.dumps({"part": "compiled", "partial": True, "result": result}))
+    # where a step goes, compiled against plain graphs (the compiled graphs are captured above)
+    for compiled in (True, False):
+        lm.compile_calls = compiled
+        result["replays_" + ("compiled" if compiled else "graphs")] = attempt(replay_costs, lm, prompt, 16)
+    lm.compile_calls = False
     return result
 
 
