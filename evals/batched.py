@@ -17,6 +17,7 @@ peers generate up to the longest max_new_tokens of a batch (queue); each row's t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import sys
 import time
@@ -202,8 +203,10 @@ def generate_batch(lm: decoders.LM, inputs: list[list[int]], batch_size: int, ma
     longest = max(len(tokens) for tokens in inputs) + max_new_tokens
     settings = peers.greedy_arguments(lm)
     config = transformers.GenerationConfig(max_new_tokens=max_new_tokens, **settings)
+    page = "page_size" if "page_size" in inspect.signature(transformers.ContinuousBatchingConfig).parameters else \
+        "block_size"  # (its name in older transformers, e.g. 5.17)
     paged = transformers.ContinuousBatchingConfig(
-        page_size=PAGE_SIZE, max_requests_per_batch=batch_size,
+        **{page: PAGE_SIZE}, max_requests_per_batch=batch_size,
         num_blocks=2 * batch_size * math.ceil(longest / PAGE_SIZE))  # (not 90% of free memory: room for N requests)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity(transformers.logging.CRITICAL)  # its failures come back as our error

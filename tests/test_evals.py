@@ -382,7 +382,7 @@ def test_accelerate_with_two_cpu_processes_gives_the_same_table_as_one(tmp_path,
     tiny_model("llama").save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     args = ["compare", "--model", str(folder), "--suite", str(suite_file), "--strategies", "greedy,hf:greedy",
-            "--max-new-tokens", "12", "--no-progress", "--bandwidth-mb", "0", "--no-warmup"]
+            "--max-new-tokens", "12", "--no-progress", "--bandwidth-mb", "0", "--no-warmup", "--device", "cpu"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=python_path())
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",

@@ -13,6 +13,7 @@ import decoders
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm
 from decoders.drafting import cost
 from decoders.models.cache import KVCache
+from decoders.models import graphs
 from decoders.models.graphs import MIN_CAPACITY, StaticKVCache
 
 
@@ -139,6 +140,22 @@ def test_a_model_the_static_cache_cannot_run_keeps_transformers_cache():
         assert type(lm.new_cache()) is KVCache
     assert decoders.generate(lm, PROMPTS[0], max_new_tokens=8).tokens == \
         decoders.generate(base, PROMPTS[0], max_new_tokens=8).tokens
+
+
+def test_a_call_whose_capture_fails_runs_eagerly_from_then_on(monkeypatch):
+    _, static = twins("llama")
+    with torch.inference_mode():
+        cache = static.new_cache()
+        static.forward([1, 2, 3], cache)
+    slab = cache.slab
+    monkeypatch.setattr(slab, "capture", True)  # (as on CUDA; the capture itself fails)
+    monkeypatch.setattr(graphs.Slab, "_capture", lambda *_: (_ for _ in ()).throw(RuntimeError("not capturable")))
+    ids, positions = torch.tensor([[4]]), torch.tensor([[3]])
+    with pytest.warns(UserWarning, match="calls of 1 tokens could not be captured .*not capturable.*run eagerly"):
+        assert slab.replay(static, ids, positions, 3, None, None) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tried once: no second capture, no second warning
+        assert slab.replay(static, ids, positions, 3, None, None) is None
 
 
 @pytest.mark.parametrize("strategy", ["speculative", "auto"])

@@ -18,6 +18,9 @@ fused kernels). Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True`
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -127,6 +130,8 @@ class Slab:
         if key not in self.graphs:
             self.graphs[key] = (None, self._inputs(bucket), None)
         graph, static, logits = self.graphs[key]
+        if graph is False:  # its capture failed: the caller runs it eagerly
+            return None
         static["ids"][:, :length] = ids  # (padding: stale ids and positions, rows no real query sees)
         static["positions"][:, :length] = positions
         static["past"].fill_(past)
@@ -137,7 +142,13 @@ class Slab:
                 static["wide"][:length] = wide
                 static["wide_set"] = True
         if graph is None:
-            graph, logits = self._capture(lm, static)
+            try:
+                graph, logits = self._capture(lm, static)
+            except Exception as error:  # noqa: BLE001 - any failure: this call runs eagerly from now on
+                warnings.warn(f"{lm.name}: its calls of {bucket} tokens could not be captured as a CUDA graph "
+                              f"({type(error).__name__}: {error}); they run eagerly")
+                self.graphs[key] = (False, static, None)
+                return None
             self.graphs[key] = (graph, static, logits)
         graph.replay()
         return logits[0, :length]
@@ -178,9 +189,25 @@ class Slab:
             for _ in range(2):
                 run()
         torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool(self.lm)):
-            logits = run()
+        graph, pool, caller = torch.cuda.CUDAGraph(), graph_pool(self.lm), torch.cuda.current_stream(device)
+        # no garbage collection inside the capture: collecting a dropped LM (a cycle with its slabs) frees its graphs'
+        # memory pool, a cudaFree that invalidates the capture
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                logits = run()
+        except Exception:
+            # a capture failing midway leaves the allocator recording into the pool, which every later capture of
+            # this LM would refuse, and the capture stream current
+            with contextlib.suppress(RuntimeError):
+                torch._C._cuda_endAllocateToPool(device.index or torch.cuda.current_device(), pool)
+            self.lm._graph_pool = None
+            torch.cuda.set_stream(caller)
+            raise
+        finally:
+            if collecting:
+                gc.enable()
         return graph, logits
 
 
@@ -249,8 +276,9 @@ class StaticKVCache:
                 wide = torch.ones(length, slab.capacity, dtype=torch.bool, device=device)
                 wide[:, past + length - tree_mask.shape[1]:past] = tree_mask[:, :-length]
         with torch.inference_mode():  # (its buffers are inference tensors, whoever calls)
-            if graphed and slab.capture:
-                logits = slab.replay(lm, ids, positions, past, tree, wide).clone()
+            logits = slab.replay(lm, ids, positions, past, tree, wide) if graphed and slab.capture else None
+            if logits is not None:
+                logits = logits.clone()
             else:
                 if tree is None:
                     tree = torch.ones(length, length, dtype=torch.bool, device=device).tril()
