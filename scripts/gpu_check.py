@@ -383,7 +383,8 @@ def replay_costs(lm: decoders.LM, prompt: list[int], new: int) -> dict:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         result["kernels_per_token"] = sum(e.count for e in kernels) / new
         result["kernel_seconds_per_token"] = sum(e.self_device_time_total for e in kernels) / 1e6 / new
-        result["kernels"] = events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)[:7000]
+        table = events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+        result["kernels"] = table[:7000]
     return result
 
 

@@ -13,7 +13,8 @@ whole call at once. A graph replays fixed addresses and shapes, so:
   them without capturing again. A cache outgrowing its slab moves to one of twice the capacity.
 
 `LM.compile_calls` also compiles each captured call with `torch.compile` first (tens of seconds of compiling for fewer,
-fused kernels). Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a CPU), which the tests check.
+fused kernels). A call whose capture fails runs eagerly on the same cache, with a warning. Off the GPU the same cache
+runs eagerly (`LM.cuda_graphs = True` on a CPU), which the tests check.
 """
 
 from __future__ import annotations
