@@ -223,8 +223,9 @@ DECAY = 0.99  # per row's step, older evidence fades
 class Width:
     """How many tokens each row may score in the batch's target calls. Every row's call is padded to the widest, so
     the batch picks one width for all: the one of most expected tokens per second, from what each width gained or
-    would have (a draft's accepted nodes among its first ones, counted on every verified step) over the target's
-    measured cost of a call scoring rows x width tokens (`calibrate`)."""
+    would have (a draft's accepted nodes among its first ones, counted on every verified step) over the seconds a
+    step of the batch takes at that width: the target's measured cost of a call scoring rows x width tokens
+    (`calibrate`), corrected by what the batch's steps at that width (or the nearest width run) took."""
 
     def __init__(self, lm: LM, rows: int, cost: CallCost | None = None) -> None:
         """`cost`: the target's call cost (default: `calibrate`d on first use, once a step is verified)."""
@@ -233,6 +234,8 @@ class Width:
         self.steps = dict.fromkeys(WIDTHS, prior.prior_strength)  # decayed steps counted
         self.gained = {w: prior.prior_strength * sum(prior.prior_mean ** i for i in range(w)) for w in WIDTHS}
         # (decayed tokens a row's step gained at each width)
+        self.timed = dict.fromkeys(WIDTHS, 0.0)  # decayed batch steps timed at each width
+        self.ratio = dict.fromkeys(WIDTHS, 0.0)  # their decayed sum of seconds taken / the cost predicted
         self.calls, self.verified = 0, False
 
     def observe(self, width: int, fed: int, path: list[int]) -> None:
@@ -246,13 +249,29 @@ class Width:
             self.gained[w] = DECAY * self.gained[w] + 1 + kept
             self.steps[w] = DECAY * self.steps[w] + 1
 
+    def took(self, width: int, seconds: float, context: int) -> None:
+        """A step of the batch whose target call was `width` tokens wide took `seconds`: the call, the draft calls
+        before it, every row's own work; not the prompts admitted meanwhile."""
+        if self.cost is None:
+            return  # (no prediction yet to correct: the first steps, at the starting width)
+        w = next((w for w in WIDTHS if w >= width), WIDTHS[-1])
+        self.timed[w] = DECAY * self.timed[w] + 1
+        self.ratio[w] = DECAY * self.ratio[w] + seconds / self.cost.predict(self.rows * width, context)
+
+    def seconds(self, width: int, context: int) -> float:
+        """The expected seconds of a step of the batch at `width`."""
+        seen = [w for w in WIDTHS if self.timed[w] > 0]
+        near = min(seen, key=lambda w: abs(WIDTHS.index(w) - WIDTHS.index(width))) if seen else None
+        correction = self.ratio[near] / self.timed[near] if near else 1.0
+        return correction * self.cost.predict(self.rows * width, context)
+
     def next(self, context: int) -> int:
         """The width of the batch's next target call, its rows holding up to `context` slots."""
         if not self.verified:
             return WIDTHS[3]  # until a step is verified (4 drafted tokens, what a call of a few rows affords)
         if self.cost is None:
             self.cost = calibrate(self.lm).target  # (measured once per machine and model, then cached)
-        best = max(WIDTHS, key=lambda w: self.gained[w] / self.steps[w] / self.cost.predict(self.rows * w, context))
+        best = max(WIDTHS, key=lambda w: self.gained[w] / self.steps[w] / self.seconds(w, context))
         self.calls += 1
         if self.calls % EXPLORE == 0 and best != WIDTHS[-1]:
             return WIDTHS[WIDTHS.index(best) + 1]
@@ -286,11 +305,15 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
     batch = BatchCache(lm, min(batch_size, len(runs)))
     rows: list[Row | None] = [None] * batch.rows
     width = Width(lm, batch.rows)
+    timed = not any(state.seeded for state, _ in runs)  # (seeded: widths from the calibration alone, so runs repeat)
+    since = time.perf_counter()  # the last target call's end, less the prompts admitted and chunks yielded since
     with torch.inference_mode():
         while queue or any(rows):
+            admitting = time.perf_counter()
             for b in range(batch.rows):
                 if rows[b] is None and queue:
                     rows[b] = admit(batch, b, *queue.popleft())
+            since += time.perf_counter() - admitting
             limit = width.next(batch.slots)
             for row in filter(None, rows):
                 row.state.width, row.state.batch_tokens = limit, limit * batch.rows
@@ -306,6 +329,11 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 rows[b].state.stats.target_calls += rows[b].pending.lm is None
                 _advance(rows[b], logits)
             lm.synchronize()
+            target = [len(call.tokens) for call in pending.values() if call.lm is None]
+            if target and timed:
+                now = time.perf_counter()
+                width.took(max(target), now - since, batch.slots)
+                since = now
             for b, row in enumerate(rows):
                 if row is not None and row.steps is None:  # its step is done
                     state = row.state
@@ -332,9 +360,9 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                             row.decoder.finish(state)
                         batch.clear(b)
                         rows[b] = None
-                        yield row.index, chunk, result(state, row.decoder, row.error)
-                    else:
-                        yield row.index, chunk, None
+                    paused = time.perf_counter()  # (the caller's time with the chunk is not the batch's)
+                    yield row.index, chunk, result(state, row.decoder, row.error) if state.finished else None
+                    since += time.perf_counter() - paused
 
 
 def admit(batch: BatchCache, b: int, index: int, run: tuple[DecodeState, Decoder]) -> Row:
@@ -343,7 +371,7 @@ def admit(batch: BatchCache, b: int, index: int, run: tuple[DecodeState, Decoder
     state, decoder = run
     began = time.perf_counter()
     batch.prefill(b, state.tokens[:-1])
-    state.cache = batch.row(b)
+    state.cache, state.batch_tokens = batch.row(b), batch.rows  # (its strategy starts knowing it is in a batch)
     row = Row(index, state, decoder, began)
     decoder.start(state)
     return row

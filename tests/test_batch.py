@@ -631,3 +631,38 @@ def test_a_long_catch_up_is_fed_alone_and_scores_as_alone(arch, monkeypatch):
     for tokens, logits in ((first + catch_up, got[0]), (second, got[1])):
         alone = lm.forward(tokens, decoders.models.cache.KVCache(), keep=len(logits))
         torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_width_follows_what_the_batchs_steps_took_over_the_predicted_cost():
+    """The calibrated cost is flat, so every draft accepted makes 17 the widest and best; once steps at 17 are seen
+    to take 20x their prediction and steps at 1 as predicted, a width never run is priced by the nearest run one's
+    correction: 9 by 17's, 2 and 3 by 1's, so 3 pays best (and 2, once 3 is seen to be slow too)."""
+    width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 1000), (1.0, 1.0)))
+    for _ in range(30):
+        width.observe(0, 1, list(range(16)))
+    assert width.next(context=10) == 17
+    for _ in range(10):
+        width.took(17, 20.0, context=10)
+        width.took(1, 1.0, context=10)
+    assert width.seconds(9, context=10) == pytest.approx(20.0) and width.seconds(2, context=10) == pytest.approx(1.0)
+    assert width.next(context=10) == 3
+    for _ in range(10):
+        width.took(3, 20.0, context=10)
+    assert width.next(context=10) == 2
+
+
+def test_auto_in_a_batch_makes_no_int8_copy_unless_asked(monkeypatch):
+    """Where the target's int8 copy pays (here: said to), a run alone drafts with it; a batch's rows do not, unless
+    asked (`self_int8=True`), and give the same tokens either way."""
+    from decoders.drafting import copies
+
+    lm = tiny_lm("llama", seed=47)  # (a model of its own: the verdict and the copy stay with it)
+    monkeypatch.setattr(copies, "pays", lambda *_: True)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    alone = decoders.generate(lm, prompts[0], strategy="auto", max_new_tokens=8)
+    plain = decoders.generate(lm, prompts, strategy="auto", max_new_tokens=8)
+    asked = decoders.generate(lm, prompts, strategy="auto", self_int8=True, max_new_tokens=8)
+    assert alone.stats.details["draft"] == f"{lm.name}:int8"
+    assert all("draft" not in r.stats.details for r in plain)
+    assert all(r.stats.details["draft"] == f"{lm.name}:int8" for r in asked)
+    assert [r.tokens for r in plain] == [r.tokens for r in asked] == [alone.tokens, plain[1].tokens]

@@ -39,9 +39,9 @@ class AutoOptions:
     max_tree: int = 24  # the most suffix-tree nodes per target call (suffix's own bound)
     draft_trees: bool = True  # offer the draft model's trees where both models take tree masks
     draft_int8: bool | None = None  # draft with the draft model's int8 copy: None where its calls measure cheaper
-    # (`copies.int8_copy`), True always, False never; a draft already quantized is used as it is
+    # (`copies.int8_copy`) and not in a batch, True always, False never; a draft already quantized is used as it is
     self_int8: bool | None = None  # without a draft model, draft with the target's own int8 copy: None where its
-    # calls measure cheap enough and it fits in memory, True always, False never
+    # calls measure cheap enough, it fits in memory and not in a batch, True always, False never
 
     def __post_init__(self):
         check_whole(self, max_draft=1, max_tree=1)
@@ -66,7 +66,10 @@ class AutoDrafter:
 
     def __init__(self, state: DecodeState, options: AutoOptions, clock: Callable[[], float] = time.perf_counter,
                  chooser: Callable[[CostModel], Chooser] = Chooser) -> None:
-        state.draft = drafting_model(state.lm, state.draft, len(state.tokens), options.draft_int8, options.self_int8)
+        # in a batch no int8 copy unless asked for: its prompts' prefills and its calls stall every row
+        batched = state.batch_tokens > 1
+        int8 = [False if flag is None and batched else flag for flag in (options.draft_int8, options.self_int8)]
+        state.draft = drafting_model(state.lm, state.draft, len(state.tokens), *int8)
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = chooser(self.cost)
         self.clock = Clock(clock, timed=not state.seeded)
