@@ -355,19 +355,25 @@ def median_seconds(lm: decoders.LM, function, repeats: int = 30) -> float:
     return statistics.median(timed(lm, function) for _ in range(repeats))
 
 
+def one_token_call(lm: decoders.LM, prompt: list[int]):
+    """A cache of `lm` holding `prompt`, and a function making one more one-token call on it (cropped back first)."""
+    cache = lm.new_cache(2 * len(prompt))
+    lm.forward(prompt, cache, keep=1)
+
+    def call():
+        cache.crop(len(prompt))
+        lm.forward(prompt[:1], cache, keep=1)
+
+    return cache, call
+
+
 def replay_costs(lm: decoders.LM, prompt: list[int], new: int) -> dict:
     """With `lm`'s graphs as they are set (plain or compiled): the median seconds of a one-token call after the prompt
     (decodekit's, and its graph's replay alone), a greedy run's decoding seconds per token, and the profiler's busiest
     device kernels over a run of `new` tokens with how many kernels a token launches."""
     result: dict = {}
     with torch.inference_mode():
-        cache = lm.new_cache(2 * len(prompt))
-        lm.forward(prompt, cache, keep=1)
-
-        def call():
-            cache.crop(len(prompt))
-            lm.forward(prompt[:1], cache, keep=1)
-
+        cache, call = one_token_call(lm, prompt)
         result["call_seconds"] = median_seconds(lm, call)
         graphs = getattr(getattr(cache, "slab", None), "graphs", {})
         key = next((k for k in graphs if k[0] == 1 and k[1] == lm.compile_calls and graphs[k][0] is not None), None)
@@ -399,14 +405,7 @@ def part_profile(args) -> dict:
     result["graphs"] = attempt(replay_costs, lm, prompt, 16)
     with torch.inference_mode():
         lm.cuda_graphs = False
-        cache = lm.new_cache(2 * len(prompt))
-        lm.forward(prompt, cache, keep=1)
-
-        def call():
-            cache.crop(len(prompt))
-            lm.forward(prompt[:1], cache, keep=1)
-
-        result["calls"]["decodekit_eager"] = median_seconds(lm, call)
+        result["calls"]["decodekit_eager"] = median_seconds(lm, one_token_call(lm, prompt)[1])
         lm.cuda_graphs = True
         hf_cache = decoders.KVCache()  # (transformers' DynamicCache, with a crop across its versions)
         lm.model(input_ids=torch.tensor([prompt], device=lm.device), **{lm.cache_keyword: hf_cache.hf})

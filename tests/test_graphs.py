@@ -12,8 +12,8 @@ import torch
 import decoders
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm
 from decoders.drafting import cost
-from decoders.models.cache import KVCache
 from decoders.models import graphs
+from decoders.models.cache import KVCache
 from decoders.models.graphs import MIN_CAPACITY, StaticKVCache
 
 

@@ -16,10 +16,10 @@ import decoders
 import grammars
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_model, tiny_tokenizer
 from decoders.driver import _prepare
-from decoders.models.graphs import StaticKVCache
 from decoders.drafting import Draft, Window, drafting
 from decoders.drafting.grammar import restrict_to_grammar
 from decoders.drafting.tree import ancestry, common, first_branch, merge, tree_call
+from decoders.models.graphs import StaticKVCache
 from decoders.proposers.lookahead import NgramPool, prefix_tree, window_mask
 from samplers import SamplingConfig, make_generator
 from samplers.verify import tree_children, verify_tree_greedy, verify_tree_sampling
