@@ -4,7 +4,8 @@ Each row of the batch is an ordinary run (its own `DecodeState`: tokens, grammar
 rows share is each model's forward. Every round, each row steps until its strategy asks for a call (`Decoder.steps`
 yields a `Call`: the target's, or its draft model's), the calls of all rows to one model go through one forward
 (`BatchCache.forward`: one row of the batch per run, the queries right-aligned, a 4D mask hiding every other row's
-slots, padding and what each row's own call must not see), and each row is sent its own logits and steps on. A draft
+slots, padding and what each row's own call must not see), and each row is sent its own logits and steps on. While
+any row drafts, the rows waiting for the target wait: so the target's call verifies every row's draft at once. A draft
 model's calls run on a `BatchCache` of its own beside the target's (`BatchCache.beside`). A row whose run ends is
 refilled with the next prompt at once; the newcomer's prompt is prefilled in a call of its own, so the other rows wait
 one prefill, not a whole run.
@@ -216,7 +217,7 @@ class BatchCache:
 
 
 WIDTHS = (1, 2, 3, 5, 9, 17)  # target call widths a batch weighs: a plain step, then 1, 2, 4, 8, 16 drafted tokens
-EXPLORE = 8  # every this many calls the batch tries the width above its best, to learn what that would gain
+EXPLORE = 8  # every this many calls the batch tries another width than its best, to learn what that gains and takes
 DECAY = 0.99  # per row's step, older evidence fades
 
 
@@ -273,8 +274,9 @@ class Width:
             self.cost = calibrate(self.lm).target  # (measured once per machine and model, then cached)
         best = max(WIDTHS, key=lambda w: self.gained[w] / self.steps[w] / self.seconds(w, context))
         self.calls += 1
-        if self.calls % EXPLORE == 0 and best != WIDTHS[-1]:
-            return WIDTHS[WIDTHS.index(best) + 1]
+        if self.calls % EXPLORE == 0:  # the width above the best and a plain step in turn: what a wider call gains
+            # and what a step without drafts takes (the price to beat) are learnt only by running them
+            return WIDTHS[min(WIDTHS.index(best) + 1, len(WIDTHS) - 1)] if self.calls // EXPLORE % 2 else WIDTHS[0]
         return best
 
 
@@ -319,9 +321,11 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 row.state.width, row.state.batch_tokens = limit, limit * batch.rows
                 _advance(row, None)
             pending = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
+            drafting = {b: call for b, call in pending.items() if call.lm is not None}
+            served = drafting or pending  # target calls wait for the rows still drafting, to verify all in one call
             answers: dict[int, torch.Tensor] = {}
             for cache in (batch, *batch.drafts):  # one forward per model: the target's, each draft model's
-                calls = {b: call for b, call in pending.items()
+                calls = {b: call for b, call in served.items()
                          if (batch if call.lm is None else call.cache.batch) is cache}
                 if calls:
                     answers.update(cache.forward(calls))
@@ -329,7 +333,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 rows[b].state.stats.target_calls += rows[b].pending.lm is None
                 _advance(rows[b], logits)
             lm.synchronize()
-            target = [len(call.tokens) for call in pending.values() if call.lm is None]
+            target = [len(call.tokens) for call in served.values() if call.lm is None]
             if target and timed:
                 now = time.perf_counter()
                 width.took(max(target), now - since, batch.slots)

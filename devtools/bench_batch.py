@@ -1,11 +1,12 @@
 """Throughput of batched decoding against one prompt at a time and transformers' batched `generate`.
 
     python -m devtools.bench_batch [--strategies greedy,suffix] [--batch-sizes 1,8] [--prompts 16] [--tokens 48]
+        [--draft zoo:qwen2.5-coder-0.5b [--draft-quantize int8]]
 
 Loads Qwen2.5-Coder-1.5B in bfloat16 (the zoo's), takes the first `--prompts` of 16 prompts (the first 8 of bench +
 mixed, then every second of agentic's first 16), and times
 `decoders.generate(lm, prompts, batch_size=B)` per strategy and batch size (B = 1: one prompt at a time), then
-transformers' `generate` on left-padded batches of the largest B. Prints tokens per second, how many rows equal
+transformers' `generate` on left-padded batches of each B. Prints tokens per second, how many rows equal
 batch-1 greedy's tokens, and target calls. Run it alone: a second process on a 2-core machine spoils the timings.
 `decodekit compare --batch-size` is the evaluator's version of this, with latency, TTFT and the tie analysis.
 """
@@ -27,37 +28,49 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--draft", help="a draft model for the strategies that take one (loaded in bfloat16)")
+    parser.add_argument("--draft-quantize", choices=["int8"], help="quantize the draft model")
+    parser.add_argument("--no-reference", action="store_true", help="skip the batch-1 greedy runs the rows are "
+                        "compared with (they take as long as the rest at 128 tokens)")
     args = parser.parse_args(argv)
     lm = decoders.load("zoo:qwen2.5-coder-1.5b", dtype="bfloat16")
+    draft = decoders.load(args.draft, dtype="bfloat16", quantize=args.draft_quantize) if args.draft else None
     prompts = ([p.prompt for p in suites.load("bench") + suites.load("mixed")][:8]
                + [p.prompt for p in suites.load("agentic")][::2][:8])[: args.prompts]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     decoders.generate(lm, ["def f(x):", "Hello"], max_new_tokens=4)  # warm-up
-    reference = [decoders.generate(lm, p, max_new_tokens=args.tokens).tokens for p in prompts]
+    reference = [None if args.no_reference else decoders.generate(lm, p, max_new_tokens=args.tokens).tokens
+                 for p in prompts]
     for strategy in args.strategies.split(","):
         for size in sizes:
+            options = {"strategy": strategy, "max_new_tokens": args.tokens}
+            kind = decoders.registry.get(strategy)
+            if draft is not None and (kind.takes_draft or kind.needs_draft):
+                options["draft"] = draft
             start = time.perf_counter()
             if size == 1:
-                results = [decoders.generate(lm, p, strategy=strategy, max_new_tokens=args.tokens) for p in prompts]
+                results = [decoders.generate(lm, p, **options) for p in prompts]
             else:
-                results = decoders.generate(lm, prompts, strategy=strategy, max_new_tokens=args.tokens, batch_size=size)
+                results = decoders.generate(lm, prompts, batch_size=size, **options)
             seconds = time.perf_counter() - start
             tokens = sum(len(r.tokens) for r in results)
             same = sum(r.tokens == want for r, want in zip(results, reference))
             calls = sum(r.stats.target_calls for r in results)
+            same = "-" if args.no_reference else same
             print(f"{strategy} batch {size}: {tokens / seconds:.2f} tok/s, {same}/{len(prompts)} rows as batch-1 "
-                  f"greedy, {calls} target calls")
+                  f"greedy, {calls} target calls", flush=True)
     tokenizer, eos = lm.tokenizer, set(lm.eos_token_ids)
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    size, tokens, start = max(sizes), 0, time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), size):
-            batch = tokenizer(prompts[i: i + size], return_tensors="pt", padding=True)
-            out = lm.model.generate(**batch, max_new_tokens=args.tokens, do_sample=False, pad_token_id=pad)
-            for row in out[:, batch.input_ids.shape[1]:].tolist():
-                tokens += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-    print(f"hf:batch batch {size}: {tokens / (time.perf_counter() - start):.2f} tok/s")
+    for size in sizes:
+        tokens, start = 0, time.perf_counter()
+        with torch.inference_mode():
+            for i in range(0, len(prompts), size):
+                batch = tokenizer(prompts[i: i + size], return_tensors="pt", padding=True)
+                out = lm.model.generate(**batch, max_new_tokens=args.tokens, do_sample=False, pad_token_id=pad)
+                for row in out[:, batch.input_ids.shape[1]:].tolist():
+                    tokens += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        print(f"hf:batch batch {size}: {tokens / (time.perf_counter() - start):.2f} tok/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -540,7 +540,8 @@ DRAFT_CASES = {  # strategy, its options, the draft model
 def test_the_draft_model_drafts_for_all_rows_in_one_forward(monkeypatch, case):
     """Every row's draft calls go through the draft model's own batch cache, one forward serving all rows drafting in
     that round: the rows' draft calls (each counted once) take a few forwards of several rows each, not one forward a
-    call; each row still its batch-1 greedy run's tokens; and a prompt alone never goes through a batch cache."""
+    call; the target's forwards wait for every row's draft, so each serves every row still running; each row still
+    its batch-1 greedy run's tokens; and a prompt alone never goes through a batch cache."""
     strategy, options, make_draft = DRAFT_CASES[case]
     lm = tiny_lm("llama")
     draft = make_draft(lm)
@@ -561,6 +562,8 @@ def test_the_draft_model_drafts_for_all_rows_in_one_forward(monkeypatch, case):
     calls = sum(r.stats.draft_calls for r in results)
     assert calls >= 2 * len(prompts) and sum(rows) == calls  # each row's draft call served once, in a batch forward
     assert max(rows) == len(prompts) and len(rows) <= calls / 2
+    verified = [n for model, n in seen if model is lm]  # no target forward while a row drafts: each serves every row
+    assert len(verified) == max(r.stats.target_calls for r in results), verified
     seen.clear()
     alone = decoders.generate(lm, prompts[0], strategy=strategy, draft=draft, max_new_tokens=MAX_NEW)
     assert alone.tokens == results[0].tokens and alone.stats.draft_calls > 0 and not seen
@@ -582,13 +585,14 @@ def test_width_counts_what_each_narrower_call_would_have_gained():
 @pytest.mark.parametrize("slope, want", [(0.0, 17), (1.0, 1)])
 def test_width_weighs_the_tokens_against_the_call_of_rows_x_width_tokens(slope, want):
     """Every draft accepted in full: with a flat call cost the widest width pays; when each token costs as much as
-    the call (x rows), none does. Every `EXPLORE`-th call tries the width above the best."""
+    the call (x rows), none does. Every `EXPLORE`-th call tries another width: the next wider, then a plain step."""
     width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 1000), (1.0, 1.0 + 1999 * slope)))
     for _ in range(30):
         width.observe(0, 1, list(range(16)))
-    picks = [width.next(context=10) for _ in range(batch.EXPLORE)]
-    assert picks[:-1] == [want] * (batch.EXPLORE - 1)
-    assert picks[-1] == (want if want == batch.WIDTHS[-1] else batch.WIDTHS[batch.WIDTHS.index(want) + 1])
+    picks = [width.next(context=10) for _ in range(2 * batch.EXPLORE)]
+    at = batch.WIDTHS.index(want)
+    beside = batch.WIDTHS[min(at + 1, len(batch.WIDTHS) - 1)], 1
+    assert picks == ([want] * (batch.EXPLORE - 1) + [beside[0]]) + [want] * (batch.EXPLORE - 1) + [beside[1]]
 
 
 def test_a_batch_limits_every_rows_call_to_its_width(monkeypatch):
