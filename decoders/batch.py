@@ -8,7 +8,7 @@ slots, padding and what each row's own call must not see), and each row is sent 
 any row drafts, the rows waiting for the target wait: so the target's call verifies every row's draft at once. A draft
 model's calls run on a `BatchCache` of its own beside the target's (`BatchCache.beside`). A row whose run ends is
 refilled with the next prompt at once; the newcomer's prompt is prefilled in a call of its own, so the other rows wait
-one prefill, not a whole run.
+one prefill, not a whole run, and from what it shares with a recent prompt's beginning (`BatchCache.kept`).
 
 Rows advance by different numbers of tokens; the cache keeps, per row, which slots hold its tokens (`valid`) and
 their positions, so rejected drafts and finished rows are just slots no mask shows, gathered away when the slots grow
@@ -32,6 +32,8 @@ from decoders.models.cache import KVCache
 from decoders.models.lm import LM
 
 
+PROMPTS_KEPT = 4  # the last prompts' caches a newcomer's prefill starts from where it shares their beginning
+SHARED = 16  # the fewest tokens shared with a kept prompt worth copying (agentic turns share hundreds)
 FEED_ALONE = 8  # a row's call feeding this many tokens more than it keeps logits for runs them alone first: padding
 # 8 rows to 8 more tokens costs about a call of 8 tokens alone (1.5B, this CPU: 8 x 4 tokens 511 ms, 8 x 1 337 ms)
 
@@ -73,6 +75,11 @@ class RowCache:
                         "target's own int8 copy drafts on a batch cache of its own in a batch)")
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` share from their start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class BatchCache:
     """A model's keys and values for `rows` runs: per layer [rows, heads, slots, head_dim], with which slots hold
     each row's tokens (`valid` [rows, slots]) and their positions (`positions` [rows, slots])."""
@@ -83,6 +90,7 @@ class BatchCache:
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.positions = torch.zeros(rows, 0, dtype=torch.long)
         self.drafts: list[BatchCache] = []  # the draft models' caches beside the target's, one per draft model
+        self.kept: deque[tuple[list[int], KVCache]] = deque(maxlen=PROMPTS_KEPT)  # the last prompts prefilled
 
     def beside(self, lm: LM) -> BatchCache:
         """The batch's cache of draft model `lm` (made on first use), so that its rows' draft calls share a forward."""
@@ -128,10 +136,20 @@ class BatchCache:
 
     def prefill(self, b: int, tokens: Sequence[int]) -> None:
         """Row `b` now holds exactly `tokens` (a prompt), in its first slots: scored in a call of their own, so that no
-        other row's call is padded to a prompt's length."""
-        prefix = KVCache()  # (transformers' cache, copied from below)
-        if tokens:
-            self.lm.forward(list(tokens), prefix, keep=1)
+        other row's call is padded to a prompt's length. Where they begin with SHARED or more of a kept prompt's
+        tokens, those positions are copied from its cache and only the rest is scored."""
+        tokens, prefix = list(tokens), KVCache()  # (transformers' cache, copied from below)
+        shared, source = max(((_common(tokens, seen), cache) for seen, cache in self.kept), default=(0, None),
+                             key=lambda pair: pair[0])
+        if shared >= SHARED:
+            for i, layer in enumerate(source.hf.layers):
+                prefix.hf.update(layer.keys[:, :, :shared], layer.values[:, :, :shared], i)
+        else:
+            shared = 0
+        if len(tokens) > shared:
+            self.lm.forward(tokens[shared:], prefix, keep=1)
+        if len(tokens) >= SHARED:
+            self.kept.append((tokens, prefix))
         self.valid[b] = False
         self._store(b, 0, prefix, 0)
 
@@ -217,7 +235,7 @@ class BatchCache:
 
 
 WIDTHS = (1, 2, 3, 5, 9, 17)  # target call widths a batch weighs: a plain step, then 1, 2, 4, 8, 16 drafted tokens
-EXPLORE = 8  # every this many calls the batch tries another width than its best, to learn what that gains and takes
+EXPLORE = 8  # calls before the batch tries another width than its best; the gap doubles while the best holds
 DECAY = 0.99  # per row's step, older evidence fades
 
 
@@ -238,6 +256,7 @@ class Width:
         self.timed = dict.fromkeys(WIDTHS, 0.0)  # decayed batch steps timed at each width
         self.ratio = dict.fromkeys(WIDTHS, 0.0)  # their decayed sum of seconds taken / the cost predicted
         self.calls, self.verified = 0, False
+        self.best, self.gap, self.due, self.explored = 0, EXPLORE, EXPLORE, 0  # the best width, since when explored
 
     def observe(self, width: int, fed: int, path: list[int]) -> None:
         """A row's verified step whose call scored `fed` tokens, then a draft of at most `width` - `fed` nodes, of
@@ -273,11 +292,16 @@ class Width:
         if self.cost is None:
             self.cost = calibrate(self.lm).target  # (measured once per machine and model, then cached)
         best = max(WIDTHS, key=lambda w: self.gained[w] / self.steps[w] / self.seconds(w, context))
+        if best != self.best:  # a new best: the others are tried soon again
+            self.best, self.gap, self.due = best, EXPLORE, self.calls + EXPLORE
         self.calls += 1
-        if self.calls % EXPLORE == 0:  # the width above the best and a plain step in turn: what a wider call gains
-            # and what a step without drafts takes (the price to beat) are learnt only by running them
-            return WIDTHS[min(WIDTHS.index(best) + 1, len(WIDTHS) - 1)] if self.calls // EXPLORE % 2 else WIDTHS[0]
-        return best
+        if self.calls < self.due:
+            return best
+        # the width above the best and a plain step in turn: what a wider call gains and what a step without drafts
+        # takes (the price to beat) are learnt only by running them; each try dearer when a draft model must catch up
+        self.gap, self.explored = 2 * self.gap, self.explored + 1
+        self.due = self.calls + self.gap
+        return WIDTHS[min(WIDTHS.index(best) + 1, len(WIDTHS) - 1)] if self.explored % 2 or best == 1 else WIDTHS[0]
 
 
 @dataclass

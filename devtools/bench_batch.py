@@ -4,10 +4,10 @@
         [--draft zoo:qwen2.5-coder-0.5b [--draft-quantize int8]]
 
 Loads Qwen2.5-Coder-1.5B in bfloat16 (the zoo's), takes the first `--prompts` of 16 prompts (the first 8 of bench +
-mixed, then every second of agentic's first 16), and times
-`decoders.generate(lm, prompts, batch_size=B)` per strategy and batch size (B = 1: one prompt at a time), then
-transformers' `generate` on left-padded batches of each B. Prints tokens per second, how many rows equal
-batch-1 greedy's tokens, and target calls. Run it alone: a second process on a 2-core machine spoils the timings.
+mixed, then every second of agentic's first 16), and times `decoders.generate(lm, prompts, batch_size=B)` per
+strategy and batch size (B = 1: one prompt at a time), then transformers' `generate` on left-padded batches of each B
+and its continuous batching (`generate_batch`). Prints tokens per second, how many rows equal batch-1 greedy's
+tokens, and target calls. Run it alone: a second process on a 2-core machine spoils the timings.
 `decodekit compare --batch-size` is the evaluator's version of this, with latency, TTFT and the tie analysis.
 """
 
@@ -19,7 +19,7 @@ import time
 import torch
 
 import decoders
-from evals import suites
+from evals import batched, suites
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             same = "-" if args.no_reference else same
             print(f"{strategy} batch {size}: {tokens / seconds:.2f} tok/s, {same}/{len(prompts)} rows as batch-1 "
                   f"greedy, {calls} target calls", flush=True)
-    tokenizer, eos = lm.tokenizer, set(lm.eos_token_ids)
+    tokenizer, eos = lm.tokenizer, frozenset(lm.eos_token_ids)
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     for size in sizes:
@@ -71,6 +71,16 @@ def main(argv: list[str] | None = None) -> None:
                 for row in out[:, batch.input_ids.shape[1]:].tolist():
                     tokens += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
         print(f"hf:batch batch {size}: {tokens / (time.perf_counter() - start):.2f} tok/s", flush=True)
+    inputs = [lm.encode(p) for p in prompts]
+    for size in sizes:
+        start = time.perf_counter()
+        try:
+            outputs = batched.generate_batch(lm, inputs, size, args.tokens)
+        except RuntimeError as error:
+            print(f"hf:continuous batch {size}: does not run here ({error})", flush=True)
+            break
+        tokens = sum(len(batched.row_tokens(list(o.generated_tokens), eos, args.tokens)) for o in outputs)
+        print(f"hf:continuous batch {size}: {tokens / (time.perf_counter() - start):.2f} tok/s", flush=True)
 
 
 if __name__ == "__main__":

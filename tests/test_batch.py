@@ -569,6 +569,42 @@ def test_the_draft_model_drafts_for_all_rows_in_one_forward(monkeypatch, case):
     assert alone.tokens == results[0].tokens and alone.stats.draft_calls > 0 and not seen
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+@pytest.mark.parametrize("strategy", ["greedy", "speculative"])
+def test_a_prompt_sharing_a_kept_prompts_beginning_scores_only_the_rest(arch, strategy, monkeypatch):
+    """Prompts beginning alike (agentic turns): a newcomer's prefill copies what it shares with a kept prompt and
+    scores only the rest, its draft model's too; each row still equals its batch-1 greedy run."""
+    lm = tiny_lm(arch)
+    draft = tiny_lm(arch, seed=99) if strategy == "speculative" else None
+    base = lm.encode(LONG_PROMPT * 2)
+    prompts = [base + lm.encode(tail)[-3:] for tail in (" one", " two", "3 three")] + [lm.encode(PROMPTS[1])]
+    assert len(base) > batch.SHARED
+    prefills, inside = defaultdict(list), []  # model -> [tokens a prefill held, tokens it scored]; its prefill running
+    prefill = BatchCache.prefill
+
+    def prefilling(self, b, tokens):
+        inside.append(self.lm)
+        prefills[self.lm].append([len(tokens), 0])
+        prefill(self, b, tokens)
+        inside.pop()
+
+    def scoring(model, forward, tokens, *args, **kwargs):
+        if inside and inside[-1] is model:
+            prefills[model][-1][1] += len(tokens)
+        return forward(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(BatchCache, "prefill", prefilling)
+    for model in filter(None, (lm, draft)):
+        monkeypatch.setattr(model, "forward", functools.partial(scoring, model, model.forward))
+    results = decoders.generate(lm, prompts, strategy=strategy, draft=draft, batch_size=2, max_new_tokens=MAX_NEW)
+    for i, (prompt, got) in enumerate(zip(prompts, results)):
+        assert_same_row(got, reference(lm, prompt), i, strategy)
+    for model in filter(None, (lm, draft)):  # (a draft prefills at its first call: the prompt and tokens since)
+        (first, alone), *shared, (last, unrelated) = prefills[model]
+        assert len(shared) == 2 and alone == first and unrelated == last, (model, prefills[model])
+        assert all(scored <= held - len(base) for held, scored in shared), (model, prefills[model])
+
+
 # ------------------------------------------------------------------------------------------------------ the width
 
 
@@ -585,14 +621,15 @@ def test_width_counts_what_each_narrower_call_would_have_gained():
 @pytest.mark.parametrize("slope, want", [(0.0, 17), (1.0, 1)])
 def test_width_weighs_the_tokens_against_the_call_of_rows_x_width_tokens(slope, want):
     """Every draft accepted in full: with a flat call cost the widest width pays; when each token costs as much as
-    the call (x rows), none does. Every `EXPLORE`-th call tries another width: the next wider, then a plain step."""
+    the call (x rows), none does. After `EXPLORE` calls it tries another width, the next wider (or the widest), then,
+    after twice as many, a plain step (or, where that is the best, the next wider again)."""
     width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 1000), (1.0, 1.0 + 1999 * slope)))
     for _ in range(30):
         width.observe(0, 1, list(range(16)))
-    picks = [width.next(context=10) for _ in range(2 * batch.EXPLORE)]
-    at = batch.WIDTHS.index(want)
-    beside = batch.WIDTHS[min(at + 1, len(batch.WIDTHS) - 1)], 1
-    assert picks == ([want] * (batch.EXPLORE - 1) + [beside[0]]) + [want] * (batch.EXPLORE - 1) + [beside[1]]
+    picks = [width.next(context=10) for _ in range(3 * batch.EXPLORE)]
+    wider = batch.WIDTHS[min(batch.WIDTHS.index(want) + 1, len(batch.WIDTHS) - 1)]
+    then = 1 if want != 1 else wider
+    assert picks == [want] * (batch.EXPLORE - 1) + [wider] + [want] * (2 * batch.EXPLORE - 1) + [then]
 
 
 def test_a_batch_limits_every_rows_call_to_its_width(monkeypatch):
