@@ -90,7 +90,8 @@ class BatchCache:
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.positions = torch.zeros(rows, 0, dtype=torch.long)
         self.drafts: list[BatchCache] = []  # the draft models' caches beside the target's, one per draft model
-        self.kept: deque[tuple[list[int], KVCache]] = deque(maxlen=PROMPTS_KEPT)  # the last prompts prefilled
+        self.kept: deque[tuple[list[int], KVCache]] = deque(maxlen=min(PROMPTS_KEPT, rows))  # the last prompts
+        # prefilled (no more than the rows: their caches hold at most about what the rows' prompts hold)
 
     def beside(self, lm: LM) -> BatchCache:
         """The batch's cache of draft model `lm` (made on first use), so that its rows' draft calls share a forward."""
