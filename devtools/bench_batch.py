@@ -54,9 +54,8 @@ def main(argv: list[str] | None = None) -> None:
                 results = decoders.generate(lm, prompts, batch_size=size, **options)
             seconds = time.perf_counter() - start
             tokens = sum(len(r.tokens) for r in results)
-            same = sum(r.tokens == want for r, want in zip(results, reference))
+            same = "-" if args.no_reference else sum(r.tokens == want for r, want in zip(results, reference))
             calls = sum(r.stats.target_calls for r in results)
-            same = "-" if args.no_reference else same
             print(f"{strategy} batch {size}: {tokens / seconds:.2f} tok/s, {same}/{len(prompts)} rows as batch-1 "
                   f"greedy, {calls} target calls", flush=True)
     tokenizer, eos = lm.tokenizer, frozenset(lm.eos_token_ids)
