@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicCache
 from decoders.base import Call, Chunk, DecodeState, Decoder, Result
 from decoders.drafting.chooser import ChooserOptions
 from decoders.drafting.cost import CallCost, calibrate
+from decoders.drafting.tree import shared_length
 from decoders.models.cache import KVCache
 from decoders.models.lm import LM
 
@@ -73,11 +74,6 @@ class RowCache:
     def hf(self):
         raise TypeError("a batched run's cache is shared by its rows: its calls run in the batch's forward (the "
                         "target's own int8 copy drafts on a batch cache of its own in a batch)")
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    """How many tokens `a` and `b` share from their start."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class BatchCache:
@@ -140,8 +136,8 @@ class BatchCache:
         other row's call is padded to a prompt's length. Where they begin with SHARED or more of a kept prompt's
         tokens, those positions are copied from its cache and only the rest is scored."""
         tokens, prefix = list(tokens), KVCache()  # (transformers' cache, copied from below)
-        shared, source = max(((_common(tokens, seen), cache) for seen, cache in self.kept), default=(0, None),
-                             key=lambda pair: pair[0])
+        shared, source = max(((shared_length(tokens, seen), cache) for seen, cache in self.kept),
+                             default=(0, None), key=lambda pair: pair[0])
         if shared >= SHARED:
             for i, layer in enumerate(source.hf.layers):
                 prefix.hf.update(layer.keys[:, :, :shared], layer.values[:, :, :shared], i)

@@ -42,11 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     reference = [None if args.no_reference else decoders.generate(lm, p, max_new_tokens=args.tokens).tokens
                  for p in prompts]
     for strategy in args.strategies.split(","):
+        options = {"strategy": strategy, "max_new_tokens": args.tokens}
+        kind = decoders.registry.get(strategy)
+        if draft is not None and (kind.takes_draft or kind.needs_draft):
+            options["draft"] = draft
         for size in sizes:
-            options = {"strategy": strategy, "max_new_tokens": args.tokens}
-            kind = decoders.registry.get(strategy)
-            if draft is not None and (kind.takes_draft or kind.needs_draft):
-                options["draft"] = draft
             start = time.perf_counter()
             if size == 1:
                 results = [decoders.generate(lm, p, **options) for p in prompts]

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from decoders.base import DecodeState
 
 
+def shared_length(a: Sequence, b: Sequence) -> int:
+    """How many leading items `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
     """(mask [k, k] bool: node i sees node j iff j is i or one of its ancestors, depth of each node: 0 at the root's
     children). Nodes must come after their parents."""

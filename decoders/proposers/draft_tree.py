@@ -29,7 +29,7 @@ from decoders.drafting import Draft, Drafting, DraftModel
 from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
 from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import depth, first_branch, keep_path, visibility
+from decoders.drafting.tree import depth, first_branch, keep_path, shared_length, visibility
 from decoders.options import check_whole, probability
 from decoders.proposers.base import Clock, Step
 from decoders.proposers.draft_chain import ChainProposer
@@ -354,5 +354,5 @@ class TreeProposer:
         # a level the tree did not grow is one not accepted
         self.acceptance.learn(levels + (levels < step.plan.k and step.accepted == levels), step.accepted)
         main, path = first_branch(step.draft.links), step.draft.follow(step.tokens[: step.accepted])
-        taken = next((i for i, (a, b) in enumerate(zip(main, path)) if a != b), min(len(main), len(path)))
-        self.chain.acceptance.learn(len(main), taken)  # its first branch is the chain the draft would have drafted
+        # its first branch is the chain the draft would have drafted
+        self.chain.acceptance.learn(len(main), shared_length(main, path))
