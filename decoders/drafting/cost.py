@@ -305,8 +305,8 @@ def machine(device: torch.device) -> str:
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
-    """What a calibration depends on: role, name, model (config, parameter shapes and dtypes), dtype, `machine`,
-    threads, torch version and sizes."""
+    """What a calibration depends on: role, name, model (config, parameter shapes and dtypes), its attention
+    implementation, dtype, `machine`, threads, torch version and sizes."""
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)
@@ -314,8 +314,10 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
         config = repr(model.config)
     tensors = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in (*model.named_parameters(), *model.named_buffers())]
     fingerprint = hashlib.sha256("\n".join([type(model).__name__, config, *tensors]).encode()).hexdigest()[:16]
-    return {"role": role, "name": lm.name, "model": fingerprint, "dtype": str(lm.dtype), "device": machine(lm.device),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "sizes": list(sizes)}
+    attention = getattr(model.config, "_attn_implementation", None)
+    return {"role": role, "name": lm.name, "model": fingerprint, "attention": attention, "dtype": str(lm.dtype),
+            "device": machine(lm.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "sizes": list(sizes)}
 
 
 def cache_file(key: dict, folder: Path | None = None) -> Path:

@@ -22,6 +22,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from decoders.models.attention import use_grouped
 from decoders.models.cache import KVCache
 from decoders.models.graphs import StaticKVCache
 
@@ -72,6 +73,7 @@ class LM:
         if tokenizer is None:
             raise ValueError("an LM needs its tokenizer: decoders.wrap(model, tokenizer)")
         self.model = model.eval()
+        use_grouped(model)  # its attention on "sdpa" with grouped heads: the same, without copying keys per query head
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.config = model.config.get_text_config(decoder=True)
