@@ -20,7 +20,7 @@ from decoders.registry import available, register, unregister
 
 
 def quantize(lm: LM, scheme: str = "int8") -> LM:
-    """A new `LM` whose linear layers run weight-only `scheme` (e.g. "int8"): a cheap draft; `lm` is left untouched."""
+    """A new `LM` whose linear layers run on `scheme` (e.g. "int8") weights: a cheap draft; `lm` is left untouched."""
     from decoders.models.quantize import quantize as quantized
 
     return quantized(lm, scheme)

@@ -14,7 +14,8 @@ from transformers.pytorch_utils import Conv1D
 
 import decoders
 from decoders.base import drive
-from decoders.models.quantize import Int8Linear, is_quantized, quantize, quantize_rows
+from decoders.models import quantize as quantize_module
+from decoders.models.quantize import Int8Linear, _kernels, is_quantized, quantize, quantize_rows
 
 
 def _float_layers(model: nn.Module) -> list[nn.Module]:
@@ -38,7 +39,7 @@ def test_quantize_rows_error_is_at_most_half_a_scale():
         assert (q[1] == 0).all()  # a zero row stays zero
 
 
-@pytest.mark.parametrize("in_features", [48, 40])  # the CPU kernel takes multiples of 16; 40 uses the fallback
+@pytest.mark.parametrize("in_features", [48, 40])  # torch's int8_mm takes multiples of 16 on a CPU; 40 does not
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_int8_layer_matches_float_reference_within_the_scale_bound(kind, bias, in_features):
@@ -55,29 +56,35 @@ def test_int8_layer_matches_float_reference_within_the_scale_bound(kind, bias, i
             layer.bias = None
     if layer.bias is not None:
         layer.bias.data.copy_(torch.randn(out_features))
-    int8 = Int8Linear.from_float(layer)
-    int8.float_from = None  # the int8 path at every call size (long calls may run on the float weight)
-    assert int8.fused == (in_features % 16 == 0)
+    q, scales = quantize_rows(weight, torch.bfloat16)
+    kernels = _kernels(q, scales)
+    assert ("int8_mm" in kernels) == (in_features % 16 == 0) and kernels[-1] == "dequantize"
+    assert Int8Linear.from_float(layer).kernel == kernels[0]
     x = torch.randint(-8, 9, (1, 5, in_features)) / 4  # [1, T, in], exact in bfloat16
-    with torch.no_grad():
-        y, reference = int8(x), x @ weight.T  # [1, T, out]
-    assert y.shape == (1, 5, out_features) and y.dtype == x.dtype
-    if layer.bias is not None:
-        y = y - layer.bias
-    assert ((y - reference).abs() <= _error_bound(x, int8, y)).all()
-    int8.fused = False  # the dequantize-in-matmul fallback also rounds each dequantized weight to the kernel's dtype
-    with torch.no_grad():
-        fallback = int8(x) - (0 if layer.bias is None else layer.bias)
-        dequantized = int8.weight_int8.float() * int8.scales.float()[:, None]  # [out, in]
-        from_dequantizing = x.abs() @ dequantized.abs().T * torch.finfo(int8.scales.dtype).eps
-    assert ((fallback - reference).abs() <= _error_bound(x, int8, fallback) + from_dequantizing).all()
+    reference = x @ weight.T  # [1, T, out]
+    for kernel in kernels:
+        int8 = Int8Linear.from_float(layer, kernel)
+        int8.float_from = None  # the int8 path at every call size (long calls may run on the float weight)
+        with torch.no_grad():
+            y = int8(x)
+        assert y.shape == (1, 5, out_features) and y.dtype == x.dtype
+        if layer.bias is not None:
+            y = y - layer.bias
+        dequantized = q.float() * scales.float()[:, None]  # [out, in]
+        bound = _error_bound(x, int8, y)
+        if kernel == "dequantize":  # each dequantized weight also rounded to the kernel's dtype
+            bound = bound + x.abs() @ dequantized.abs().T * torch.finfo(scales.dtype).eps
+        if kernel == "int8_activations":  # each input also rounded to 8 bits (7 without VNNI) over the call's range
+            step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / (127 if quantize_module._REDUCE_RANGE else 255)
+            bound = bound + (dequantized.abs().sum(1) + in_features * scales.float()) * step * 0.51
+        assert ((y - reference).abs() <= bound).all(), kernel
 
 
 def test_weights_that_are_multiples_of_their_scale_come_back_exactly():
     weight = torch.tensor([[127.0, -3.0, 0.0, 5.0], [1.0, 2.0, -127.0, 64.0]]) / 64  # scales are exactly 1/64
     layer = nn.Linear(4, 2, bias=False)
     layer.weight.data.copy_(weight)
-    int8 = Int8Linear.from_float(layer)
+    int8 = Int8Linear.from_float(layer, "dequantize")  # (the inputs as they are: "int8_activations" rounds them)
     int8.float_from = None
     x = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
     assert torch.equal(int8.scales.float(), torch.full((2,), 1 / 64))
@@ -88,9 +95,8 @@ def test_weights_that_are_multiples_of_their_scale_come_back_exactly():
 def test_int8_layer_takes_an_unaligned_bfloat16_input():
     torch.manual_seed(0)
     layer = nn.Linear(64, 8).to(torch.bfloat16)
-    int8 = Int8Linear.from_float(layer)
+    int8 = Int8Linear.from_float(layer, "int8_mm")
     int8.float_from = None
-    assert int8.fused
     x = torch.randn(3 * 64 + 1, dtype=torch.bfloat16)[1:].reshape(1, 3, 64)  # starts 2 bytes into its storage
     assert x.data_ptr() % 64 and torch.equal(int8(x), int8(x.clone()))
 
@@ -179,14 +185,18 @@ def test_original_is_untouched_and_untouched_parameters_are_shared():
     assert draft.model.get_input_embeddings().weight is lm.model.get_input_embeddings().weight
     assert draft.model.model.norm.weight is lm.model.model.norm.weight
     assert draft.model.model.layers[0].input_layernorm.weight is lm.model.model.layers[0].input_layernorm.weight
-    # What the copy adds: the int8 weights and their scales, nothing else.
+    # What the copy adds: the int8 weights (as buffers, or prepacked by fbgemm) and their scales, nothing else.
     original = {t.data_ptr() for t in (*lm.model.parameters(), *lm.model.buffers())}
     added = [t for t in (*draft.model.parameters(), *draft.model.buffers()) if t.data_ptr() not in original]
     int8_layers = [m for m in draft.model.modules() if isinstance(m, Int8Linear)]
-    assert len(added) == 2 * len(int8_layers) == 2 * len(layers)
+    packed = [m for m in int8_layers if m.weight_int8 is None]
+    assert all(m.kernel == "int8_activations" and m.packed is not None for m in packed)
+    assert len(int8_layers) == len(layers) and len(added) == 2 * len(int8_layers) - len(packed)
     linear_bytes = sum(m.weight.numel() for m in layers)  # int8: one byte a weight
+    assert sum(m.weight.numel() for m in int8_layers) == linear_bytes
     scale_bytes = sum(m.scales.numel() * m.scales.element_size() for m in int8_layers)  # one a row
-    assert sum(t.numel() * t.element_size() for t in added) == linear_bytes + scale_bytes
+    stored = linear_bytes - sum(m.weight.numel() for m in packed)
+    assert sum(t.numel() * t.element_size() for t in added) == stored + scale_bytes
     assert scale_bytes < 0.1 * linear_bytes
 
 
@@ -200,7 +210,7 @@ def test_tied_head_gets_its_own_int8_copy():
     before = embedding.clone()
     draft = quantize(lm)
     head = draft.model.get_output_embeddings()
-    assert isinstance(head, Int8Linear) and head.weight_int8.shape == embedding.shape
+    assert isinstance(head, Int8Linear) and head.weight.shape == embedding.shape
     assert draft.model.get_input_embeddings().weight is embedding and torch.equal(embedding, before)
     assert model.get_output_embeddings().weight is embedding  # the original stays tied
     tokens = lm.encode(PROMPTS[0])
@@ -243,3 +253,26 @@ def test_lms_wrapping_one_module_share_its_self_draft_for_as_long_as_the_module_
     del first, second, copy_first, copy_second, module, got, made[:]
     gc.collect()
     assert alive() is None  # the copy kept nothing of the module alive: no model outlives its last user
+
+
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm in this torch")
+def test_int8_activations_round_over_the_calls_range_except_weight_only():
+    from decoders.models.quantize import weight_only
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32, bias=False)
+    int8 = Int8Linear.from_float(layer, "int8_activations")
+    int8.float_from = None
+    x = torch.randn(3, 64)
+    x[2] *= 50  # a row of wide range: every row of its call is rounded in coarser steps
+    q, scales = quantize_rows(layer.weight.detach(), torch.bfloat16)
+    exact = x[:1] @ (q.float() * scales.float()[:, None]).T  # the int8 weights, the input as it is
+    with torch.no_grad():
+        alone, beside = int8(x[:1]), int8(x)[:1]
+        assert not torch.equal(alone, beside)
+        assert (beside - exact).abs().max() > (alone - exact).abs().max()
+        with weight_only(nn.Sequential(int8)):
+            assert int8.kernel == "dequantize"
+            assert torch.equal(int8(x)[:1], int8(x[:1]))
+            torch.testing.assert_close(int8(x[:1]), exact, rtol=1e-2, atol=1e-2)
+    assert int8.kernel == "int8_activations"

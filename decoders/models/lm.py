@@ -248,7 +248,16 @@ class LM:
 
 def _probe_tree_mask(lm: LM) -> bool | str:
     """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do (so that
-    kernels that change with the number of rows compute both alike), else what went wrong."""
+    kernels that change with the number of rows compute both alike), else what went wrong. An int8 copy's layers that
+    round each call's inputs over the call's range run weight-only meanwhile (`quantize.weight_only`): the mask is
+    what is probed, and that rounding moves a node's scores by as much as an ignored mask can."""
+    from decoders.models.quantize import weight_only  # (quantize builds on this module)
+
+    with weight_only(lm.model):
+        return _probe_tree_call(lm)
+
+
+def _probe_tree_call(lm: LM) -> bool | str:
     prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
     a, b, c = (i % lm.vocab_size for i in (13, 17, 19))
     tree = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)  # a | b -> c
@@ -324,7 +333,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "auto", device=None,
          quantize: str | None = None) -> LM:
     """Load a model + tokenizer: `zoo:NAME`, a local folder, a local .gguf file, or a Hugging Face hub id.
-    `quantize="int8"` returns its weight-only int8 copy (`decoders.quantize`), e.g. a cheap draft."""
+    `quantize="int8"` returns its int8 copy (`decoders.quantize`), e.g. a cheap draft."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from decoders.models import zoo

@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization of an `LM`: a cheap copy of a model to draft for its own float original.
+"""Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original.
 
     draft = decoders.quantize(lm, "int8")   # a new LM; `lm` and its weights are untouched
     decoders.generate(lm, prompt, strategy="speculative", draft=draft)   # or draft="self:int8"
@@ -7,15 +7,24 @@ Every linear layer (`nn.Linear`, and GPT-2's `Conv1D`, whose weight is [in, out]
 gets its own copy), becomes an `Int8Linear`: int8 weights with one symmetric scale per output channel, each weight off
 by at most half its row's scale. Embeddings, norms and biases stay float and are shared with the original, not copied.
 
-Kernel: torch's `aten._weight_int8pack_mm` (bfloat16 on a CPU), else the weight dequantized inside the matmul. Calls
-of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`.
+Kernels (`KERNELS`), the first of them the device runs:
+- "int8_activations": fbgemm's dynamic quantized linear (x86 CPUs): each call's inputs rounded to 8 bits over their
+  range, int8 x uint8 products summed in int32, the weights prepacked in fbgemm's layout. On a 2-core EPYC (AVX-512
+  VNNI) a Qwen2.5-0.5B call of 1 / 4 / 16 rows: 56 / 74 / 159 ms with "int8_mm", 39 / 48 / 81 ms with it (each
+  layer timed alone at 1 row, the smallest ones looked faster with "int8_mm": in the model they are not).
+- "int8_mm": torch's `aten._weight_int8pack_mm` (bfloat16 inputs on a CPU, the weights' int8 read as they are).
+- "dequantize": the weight dequantized inside the matmul (any device).
+Calls of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+import warnings
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -24,6 +33,7 @@ from transformers.pytorch_utils import Conv1D
 from decoders.models.lm import LM, synchronize
 
 SCHEMES = ("int8",)
+KERNELS = ("int8_activations", "int8_mm", "dequantize")
 
 
 class Int8Linear(nn.Module):
@@ -36,25 +46,32 @@ class Int8Linear(nn.Module):
         weight_int8: torch.Tensor,  # [out, in] int8
         scales: torch.Tensor,  # [out], in the dtype the kernel computes in
         bias: nn.Parameter | None,  # [out], shared with the float layer this replaces
-        fused: bool,  # True: torch's int8 kernel; False: dequantize inside the matmul
+        kernel: str,  # one of KERNELS
     ) -> None:
         super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown int8 kernel {kernel!r}; known: {', '.join(KERNELS)}")
         self.out_features, self.in_features = weight_int8.shape
+        self.kernel = kernel
+        self.packed = None  # fbgemm's prepacked weights ("int8_activations"), which then hold the only int8 copy
+        if kernel == "int8_activations":
+            self.packed = _prepack(weight_int8, scales)
+            weight_int8 = None
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
         self.bias = bias
-        self.fused = fused
         self.float_from: int | None = None  # calls of at least this many rows use float_weight; None: never
         self.register_buffer("float_weight", None, persistent=False)  # [out, in] the float layer's (shared), or None
 
     @classmethod
-    def from_float(cls, layer: nn.Linear | Conv1D) -> Int8Linear:
-        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `layer` itself is not changed."""
+    def from_float(cls, layer: nn.Linear | Conv1D, kernel: str | None = None) -> Int8Linear:
+        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `layer` itself is not changed. `kernel`: one of
+        KERNELS, or None for the first this device runs."""
         weight = layer.weight.detach()
         weight = weight.T if isinstance(layer, Conv1D) else weight  # [out, in]
         compute = torch.bfloat16 if weight.device.type == "cpu" else weight.dtype
         weight_int8, scales = quantize_rows(weight, compute)
-        int8 = cls(weight_int8, scales, layer.bias, fused=_kernel_takes(weight_int8, scales))
+        int8 = cls(weight_int8, scales, layer.bias, kernel or _kernels(weight_int8, scales)[0])
         float_from = _float_from(int8, weight)
         if float_from is not None:
             int8.float_from, int8.float_weight = float_from, weight
@@ -63,6 +80,8 @@ class Int8Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The int8 weight [out, in], for code that reads a layer's `.weight.shape` (e.g. the logits width)."""
+        if self.weight_int8 is None:
+            return torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
         return self.weight_int8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -75,18 +94,38 @@ class Int8Linear(nn.Module):
         return self.quantized(x)
 
     def quantized(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], with the int8 weights
-        rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
-        if self.fused:
-            if rows.data_ptr() % 64:  # e.g. a slice of the hidden states; the CPU kernel's aligned loads need a copy
-                rows = rows.clone()
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        if self.kernel == "int8_activations":
+            rows = x.reshape(-1, self.in_features).float()
+            y = torch.ops.quantized.linear_dynamic(rows, self.packed, _REDUCE_RANGE)
         else:
-            y = rows @ (self.weight_int8.to(rows.dtype) * self.scales[:, None]).T
+            rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
+            if self.kernel == "int8_mm":
+                if rows.data_ptr() % 64:  # e.g. a slice of the hidden states; the CPU kernel's aligned loads need a copy
+                    rows = rows.clone()
+                y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+            else:
+                y = rows @ (self.weight.to(rows.dtype) * self.scales[:, None]).T
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernel={self.kernel}")
+
+
+@contextlib.contextmanager
+def weight_only(model: nn.Module) -> Iterator[None]:
+    """Within: `model`'s "int8_activations" layers run "dequantize" (their inputs as they are, the weights unpacked at
+    each call: slow), so that a row's result does not depend on the other rows of its call (their range rounds
+    every input of an "int8_activations" call). For probes that compare calls of different rows."""
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.kernel == "int8_activations"]
+    for layer in layers:
+        layer.kernel = "dequantize"
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.kernel = "int8_activations"
 
 
 def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,27 +144,58 @@ def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     return q.contiguous(), stored  # a transposed (Conv1D) weight would leave q transposed in memory
 
 
-def _kernel_takes(weight_int8: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether torch's int8 kernel can run this layer: on CPU when `in` is a multiple of 16 (other widths crash),
-    elsewhere when a probe on a zero input does not raise."""
+def _kernels(weight_int8: torch.Tensor, scales: torch.Tensor) -> list[str]:
+    """The KERNELS this layer's device runs: on a CPU, "int8_activations" where torch has fbgemm and "int8_mm" where
+    `in` is a multiple of 16 (other widths crash); elsewhere "int8_mm" where a probe on a zero input does not raise;
+    always "dequantize"."""
+    kernels = []
     if weight_int8.device.type == "cpu":
-        return weight_int8.shape[1] % 16 == 0
+        if "fbgemm" in torch.backends.quantized.supported_engines:
+            kernels.append("int8_activations")
+        if weight_int8.shape[1] % 16 == 0:
+            kernels.append("int8_mm")
+        return kernels + ["dequantize"]
     probe = torch.zeros(1, weight_int8.shape[1], dtype=scales.dtype, device=scales.device)
     try:
         torch.ops.aten._weight_int8pack_mm(probe, weight_int8, scales)
+        kernels.append("int8_mm")
     except (RuntimeError, NotImplementedError):
+        pass
+    return kernels + ["dequantize"]
+
+
+def _prepack(weight_int8: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's prepacked weights of an int8 weight [out, in] with per-output `scales` (built through a quantized
+    tensor, fbgemm's input, which torch 2.13 warns is deprecated: the prepacked weights are not one)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        zero = torch.zeros(weight_int8.shape[0], dtype=torch.long)
+        quantized = torch._make_per_channel_quantized_tensor(weight_int8, scales.double(), zero, 0)
+        return torch.ops.quantized.linear_prepack(quantized, None)
+
+
+def _vnni() -> bool:
+    """Whether this CPU multiplies int8 pairs into int32 in one instruction (VNNI): fbgemm's products then cannot
+    saturate, so a call's inputs may use all 8 bits (without it, 7: `reduce_range`)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith("flags")), "").split()
+    except OSError:
         return False
-    return True
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+_REDUCE_RANGE = not _vnni()
 
 
 ROWS = (2, 4, 8, 16, 32, 64)  # the call sizes `_float_from` tries, in order
-_crossovers: dict[tuple, int | None] = {}  # (device, dtype, out, in) -> float_from, measured once per process
+_crossovers: dict[tuple, int | None] = {}  # (device, dtype, out, in, kernel) -> float_from, measured once per process
 
 
 def _float_from(layer: Int8Linear, weight: torch.Tensor) -> int | None:
     """The fewest rows at which `weight` (float) multiplies faster than `layer`'s int8 path on this device, or None.
     Timed on zero inputs, best of three per size, once per layer shape and device."""
-    key = (weight.device, weight.dtype, *weight.shape)
+    key = (weight.device, weight.dtype, *weight.shape, layer.kernel)
     if key not in _crossovers:
         _crossovers[key] = None
         for rows in ROWS:
