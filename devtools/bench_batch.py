@@ -19,7 +19,7 @@ import time
 import torch
 
 import decoders
-from evals import batched, suites
+from evals import batched, peers, suites
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         with torch.inference_mode():
             for i in range(0, len(prompts), size):
                 batch = tokenizer(prompts[i: i + size], return_tensors="pt", padding=True)
-                out = lm.model.generate(**batch, max_new_tokens=args.tokens, do_sample=False, pad_token_id=pad)
+                out = peers.quiet_generate(lm.model, **batch, max_new_tokens=args.tokens, do_sample=False,
+                                           pad_token_id=pad)
                 for row in out[:, batch.input_ids.shape[1]:].tolist():
                     tokens += next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
         print(f"hf:batch batch {size}: {tokens / (time.perf_counter() - start):.2f} tok/s", flush=True)

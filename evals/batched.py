@@ -30,6 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import decoders
 from decoders import batch, driver
+from decoders.models.attention import stock
 from evals import peers, suites
 from evals.timing import Run, Stopwatch, pieces
 
@@ -211,7 +212,8 @@ def generate_batch(lm: decoders.LM, inputs: list[list[int]], batch_size: int, ma
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity(transformers.logging.CRITICAL)  # its failures come back as our error
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # (it prints when its thread dies; stdout carries the report)
+        # (it prints when its thread dies: stdout carries the report; it runs transformers' own attention only)
+        with contextlib.redirect_stdout(sys.stderr), stock(lm.model):
             outputs = lm.model.generate_batch(inputs, generation_config=config, continuous_batching_config=paged,
                                               record_timestamps=True, progress_bar=False)
     finally:

@@ -28,6 +28,7 @@ import transformers
 from transformers.generation.streamers import BaseStreamer
 
 import decoders
+from decoders.models.attention import stock
 from evals.timing import Run, Stopwatch, pieces
 
 
@@ -131,11 +132,13 @@ class _Arrivals(BaseStreamer):
 
 
 def quiet_generate(model, **kwargs) -> torch.Tensor:
-    """`model.generate` with transformers' advisory warnings (unused sampling flags, deprecations) silenced."""
+    """`model.generate` with transformers' advisory warnings (unused sampling flags, deprecations) silenced, on
+    transformers' own attention (`attention.stock`)."""
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        return model.generate(**kwargs)
+        with stock(model, kwargs.get("assistant_model")):
+            return model.generate(**kwargs)
     finally:
         transformers.logging.set_verbosity(verbosity)
 

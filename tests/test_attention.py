@@ -48,3 +48,26 @@ def test_wrapping_switches_grouped_models_and_their_logits_stay(arch, switched):
     decoders.wrap(model, tiny_tokenizer())
     assert (model.config._attn_implementation == NAME) is switched
     torch.testing.assert_close(masked_call(), before, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_peers_run_on_transformers_own_attention():
+    from evals import batched, peers
+
+    lm = decoders.wrap(tiny_model("llama"), tiny_tokenizer())
+    draft = decoders.wrap(tiny_model("qwen2", seed=1), tiny_tokenizer())
+    assert lm.model.config._attn_implementation == draft.model.config._attn_implementation == NAME
+    seen = []
+
+    class Watch:  # a streamer: what both models run on while transformers generates
+        def put(self, value):
+            seen.append((lm.model.config._attn_implementation, draft.model.config._attn_implementation))
+
+        def end(self):
+            pass
+
+    ids = torch.tensor([lm.encode("hello there")])
+    peers.quiet_generate(lm.model, input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                         assistant_model=draft.model, streamer=Watch(), **peers.greedy_arguments(lm))
+    assert seen and set(seen) == {("sdpa", "sdpa")}
+    assert batched.continuous_problem(lm, lm.encode("hi")) is None  # (it refuses any other implementation)
+    assert lm.model.config._attn_implementation == draft.model.config._attn_implementation == NAME

@@ -313,13 +313,14 @@ def test_an_unrelated_assistant_model_stays_lossless(llama):
 @pytest.mark.parametrize("draft", ["self:int8", "lm"])
 def test_decodekit_drafts_by_draft_keyword(draft):
     model = tiny_model("llama")
-    model.train()  # the caller's mode comes back after the call
+    model.train()  # the caller's mode comes back after the call, and its attention (decodekit switches it while it
+    # decodes: `attention.use_grouped`)
     if draft == "lm":
         draft = decoders.wrap(tiny_model("llama", seed=99), tiny_tokenizer())
     ids = prompt_ids()
     out = model.generate(ids, custom_generate=custom_generate, strategy="speculative", draft=draft,
                          max_new_tokens=NEW)
-    assert model.training
+    assert model.training and model.config._attn_implementation == "sdpa"
     model.eval()
     assert torch.equal(out, model.generate(ids, do_sample=False, max_new_tokens=NEW))
 

@@ -7,10 +7,15 @@ the cache and the rows, the attention itself barely: Qwen2.5-1.5B (12 query head
 800 cached tokens, 2 queries a row, on a 2-core CPU: 1.2 s of a 1.6 s forward. Packed, the attention reads the cache
 as it is. The same scores in the same softmax: only the kernel's blocking differs.
 
-    decoders.load(...) and decoders.wrap(...) switch a model on "sdpa" with grouped heads to it (`use_grouped`).
+    decoders.load(...) and decoders.wrap(...) switch a model on "sdpa" with grouped heads to it (`use_grouped`);
+    with stock(model): ...   # transformers' own "sdpa" meanwhile (its peers run as users get them)
+    with restored(model): ...   # whatever runs, the model's own implementation afterwards (custom_generate)
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -57,3 +62,30 @@ def use_grouped(model) -> bool:
         return False
     model.set_attn_implementation(NAME)
     return True
+
+
+@contextlib.contextmanager
+def stock(*models) -> Iterator[None]:
+    """Within: each of `models` (None skipped) that `use_grouped` switched runs transformers' own "sdpa" (its peers are
+    timed as users get them, and its continuous batching accepts only its own implementations)."""
+    switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == NAME]
+    for model in switched:
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        for model in switched:
+            model.set_attn_implementation(NAME)
+
+
+@contextlib.contextmanager
+def restored(*models) -> Iterator[None]:
+    """After: each of `models` (None skipped) runs the attention implementation it ran before (a caller's model that
+    decodekit wraps for one call: `model.generate(custom_generate=...)`)."""
+    before = [(m, m.config._attn_implementation) for m in models if m is not None]
+    try:
+        yield
+    finally:
+        for model, implementation in before:
+            if model.config._attn_implementation != implementation:
+                model.set_attn_implementation(implementation)

@@ -100,8 +100,8 @@ class Int8Linear(nn.Module):
         else:
             rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
             if self.kernel == "int8_mm":
-                if rows.data_ptr() % 64:  # e.g. a slice of the hidden states; the CPU kernel's aligned loads need a copy
-                    rows = rows.clone()
+                if rows.data_ptr() % 64:  # e.g. a slice of the hidden states: the CPU kernel's aligned loads need
+                    rows = rows.clone()  # a copy
                 y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
             else:
                 y = rows @ (self.weight.to(rows.dtype) * self.scales[:, None]).T
