@@ -18,9 +18,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+
+try:  # (transformers' interfaces for attention functions of one's own; without them models keep their own)
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+except ImportError:
+    AttentionInterface = AttentionMaskInterface = None
 
 NAME = "decodekit_sdpa"
 
@@ -46,8 +50,9 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out.reshape(batch, heads, queries, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(NAME, grouped_sdpa)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # (transformers' own masks for calls it masks: prefill, generate)
+if AttentionInterface is not None:
+    AttentionInterface.register(NAME, grouped_sdpa)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # (transformers' own masks for the calls it masks: prefill)
 
 
 def use_grouped(model) -> bool:
@@ -58,7 +63,8 @@ def use_grouped(model) -> bool:
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if implementation == NAME:
         return True
-    if implementation != "sdpa" or not heads or not kv_heads or heads == kv_heads:
+    if (implementation != "sdpa" or not heads or not kv_heads or heads == kv_heads or AttentionInterface is None
+            or not hasattr(model, "set_attn_implementation")):
         return False
     model.set_attn_implementation(NAME)
     return True
