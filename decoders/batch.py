@@ -340,6 +340,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
             limit = width.next(batch.slots)
             for row in filter(None, rows):
                 row.state.width, row.state.batch_tokens = limit, limit * batch.rows
+                row.state.trying = limit != width.best and width.verified
                 _advance(row, None)
             pending = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
             drafting = {b: call for b, call in pending.items() if call.lm is not None}

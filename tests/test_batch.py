@@ -707,3 +707,23 @@ def test_auto_in_a_batch_makes_no_int8_copy_unless_asked(monkeypatch):
     assert all("draft" not in r.stats.details for r in plain)
     assert all(r.stats.details["draft"] == f"{lm.name}:int8" for r in asked)
     assert [r.tokens for r in plain] == [r.tokens for r in asked] == [alone.tokens, plain[1].tokens]
+
+
+@pytest.mark.parametrize("trying", [True, False])
+def test_auto_rents_no_draft_model_on_a_width_the_batch_only_tries(trying, monkeypatch):
+    """A try at a width the batch's best does not run (`Width.next`'s exploration) prefills no row's draft model:
+    every row would stall on it for a width the batch may not run again. At its best width, auto probes the draft."""
+
+    class Fixed(batch.Width):
+        def next(self, context):
+            self.best, self.verified = (1 if trying else 3), True
+            return 3
+
+    monkeypatch.setattr(batch, "Width", Fixed)
+    lm, draft = tiny_lm("llama"), tiny_lm("llama", seed=1)
+    prompts = [lm.encode(p) for p in PROMPTS[:3]]
+    results = decoders.generate(lm, prompts, strategy="auto", draft=draft, batch_size=3, max_new_tokens=40)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == decoders.generate(lm, prompt, max_new_tokens=40).tokens
+    drafted = sum(r.stats.draft_calls for r in results)
+    assert drafted == 0 if trying else drafted > 0
