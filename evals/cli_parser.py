@@ -140,7 +140,8 @@ def _model_arguments(parser: argparse.ArgumentParser, prompts: bool = True) -> N
     parser.add_argument("--draft", help="draft model for strategies that take one, or self:int8 for the model's own "
                         "int8 copy; speculative, threshold and auto take one of another tokenizer too (translated "
                         "through text), the tree strategies (staged ...) need the --model's vocabulary")
-    parser.add_argument("--draft-quantize", choices=["int8"], help="load the --draft model quantized (int8 linear layers)")
+    parser.add_argument("--draft-quantize", choices=["int8"],
+                        help="load the --draft model quantized (int8 linear layers)")
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--cuda-graphs", choices=["on", "off", "compiled"], default="on",

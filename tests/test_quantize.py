@@ -75,7 +75,7 @@ def test_int8_layer_matches_float_reference_within_the_scale_bound(kind, bias, i
         if kernel == "dequantize":  # each dequantized weight also rounded to the kernel's dtype
             bound = bound + x.abs() @ dequantized.abs().T * torch.finfo(scales.dtype).eps
         if kernel == "int8_activations":  # each input also rounded to 8 bits (7 without VNNI) over the call's range
-            step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / (127 if quantize_module._REDUCE_RANGE else 255)
+            step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / (127 if quantize_module._reduce_range() else 255)
             bound = bound + (dequantized.abs().sum(1) + in_features * scales.float()) * step * 0.51
         assert ((y - reference).abs() <= bound).all(), kernel
 

@@ -75,13 +75,10 @@ def stock(*models) -> Iterator[None]:
     """Within: each of `models` (None skipped) that `use_grouped` switched runs transformers' own "sdpa" (its peers are
     timed as users get them, and its continuous batching accepts only its own implementations)."""
     switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == NAME]
-    for model in switched:
-        model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
+    with restored(*switched):
         for model in switched:
-            model.set_attn_implementation(NAME)
+            model.set_attn_implementation("sdpa")
+        yield
 
 
 @contextlib.contextmanager

@@ -51,15 +51,25 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The first `field` line's value in Linux's /proc/cpuinfo, or None (no such line, or no such file)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith(field)), None)
+    except OSError:
+        return None
+
+
 @functools.cache
 def cpu_model() -> str:
     """This machine's CPU model: Linux's /proc/cpuinfo name, else `platform.processor()` or the architecture."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
-    except OSError:
-        return name
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (Linux's /proc/cpuinfo), none where they cannot be read."""
+    return frozenset((_cpuinfo("flags") or "").split())
 
 
 COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> {scheme: its quantized module}

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from decoders.models.lm import LM, synchronize
+from decoders.models.lm import LM, cpu_flags, synchronize
 
 SCHEMES = ("int8",)
 KERNELS = ("int8_activations", "int8_mm", "dequantize")
@@ -96,7 +96,7 @@ class Int8Linear(nn.Module):
     def quantized(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], with the int8 weights
         if self.kernel == "int8_activations":
             rows = x.reshape(-1, self.in_features).float()
-            y = torch.ops.quantized.linear_dynamic(rows, self.packed, _REDUCE_RANGE)
+            y = torch.ops.quantized.linear_dynamic(rows, self.packed, _reduce_range())
         else:
             rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
             if self.kernel == "int8_mm":
@@ -174,18 +174,10 @@ def _prepack(weight_int8: torch.Tensor, scales: torch.Tensor):
         return torch.ops.quantized.linear_prepack(quantized, None)
 
 
-def _vnni() -> bool:
-    """Whether this CPU multiplies int8 pairs into int32 in one instruction (VNNI): fbgemm's products then cannot
-    saturate, so a call's inputs may use all 8 bits (without it, 7: `reduce_range`)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
-_REDUCE_RANGE = not _vnni()
+def _reduce_range() -> bool:
+    """Whether fbgemm must round a call's inputs to 7 bits, not 8: where the CPU lacks VNNI (int8 pairs multiplied
+    into int32 in one instruction), its int16 pair sums can saturate."""
+    return not cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"}
 
 
 ROWS = (2, 4, 8, 16, 32, 64)  # the call sizes `_float_from` tries, in order
