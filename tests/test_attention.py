@@ -8,7 +8,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import decoders
 from decoders.models.attention import NAME, grouped_sdpa
-from tests.conftest import tiny_model, tiny_tokenizer
+from tests.conftest import DEVICE, tiny_model, tiny_tokenizer
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1), (4, 4)])
@@ -32,11 +32,11 @@ def test_grouped_attention_equals_transformers_sdpa(heads, kv_heads, queries, pe
 @pytest.mark.parametrize("arch,switched", [("llama", True), ("gemma", True), ("gpt2", False)])
 def test_wrapping_switches_grouped_models_and_their_logits_stay(arch, switched):
     model = tiny_model(arch)
-    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     allowed = torch.ones(2, 5, 12, dtype=torch.bool).tril(7)  # 5 queries after 7 cached tokens, causal
     allowed[1, :, :2] = False  # row 1 hides two cached slots (padding, a rejected draft)
-    mask = torch.zeros(2, 1, 5, 12).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min)
-    positions = torch.arange(7, 12).expand(2, 5)
+    mask = torch.zeros(2, 1, 5, 12).masked_fill(~allowed[:, None], torch.finfo(torch.float32).min).to(DEVICE)
+    positions = torch.arange(7, 12).expand(2, 5).to(DEVICE)
 
     def masked_call():
         with torch.inference_mode():
@@ -65,7 +65,7 @@ def test_transformers_peers_run_on_transformers_own_attention():
         def end(self):
             pass
 
-    ids = torch.tensor([lm.encode("hello there")])
+    ids = torch.tensor([lm.encode("hello there")], device=DEVICE)
     peers.quiet_generate(lm.model, input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
                          assistant_model=draft.model, streamer=Watch(), **peers.greedy_arguments(lm))
     assert seen and set(seen) == {("sdpa", "sdpa")}

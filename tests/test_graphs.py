@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+import conftest
 import decoders
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm
 from decoders.drafting import cost
@@ -156,6 +157,31 @@ def test_a_call_whose_capture_fails_runs_eagerly_from_then_on(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # tried once: no second capture, no second warning
         assert slab.replay(static, ids, positions, 3, None, None) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or conftest.DEVICE.type != "cuda", reason="a real CUDA capture")
+def test_a_failed_capture_leaves_random_ops_and_later_captures_working(monkeypatch):
+    """A capture that fails midway (here a host sync inside it) once left the device's random generator in capture
+    mode: every random op after it raised "Offset increment outside graph capture" (transformers' generate_batch)."""
+    _, static = twins("llama")
+    with torch.inference_mode():
+        cache = static.new_cache()
+        static.forward([1, 2, 3], cache)
+    call = graphs.Slab.call
+
+    def syncing(self, *args):  # fine in the warm-up calls, fatal inside a capture
+        torch.cuda.synchronize()
+        return call(self, *args)
+
+    monkeypatch.setattr(graphs.Slab, "call", syncing)
+    with pytest.warns(UserWarning, match="calls of 1 tokens could not be captured"), torch.inference_mode():
+        static.forward([4], cache)
+    monkeypatch.setattr(graphs.Slab, "call", call)
+    torch.rand(4, device="cuda")  # raised before
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.simplefilter("error")
+        static.forward([5, 6], cache)  # bucket 2: captured on the same LM
+    assert any(key[0] == 2 for key in cache.slab.graphs)
 
 
 @pytest.mark.parametrize("strategy", ["speculative", "auto"])

@@ -196,15 +196,20 @@ class Slab:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA work of another thread (transformers' continuous batching runs one) cannot invalidate
+            # this capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 logits = run()
         except Exception:
             # a capture failing midway leaves the allocator recording into the pool, which every later capture of
-            # this LM would refuse, and the capture stream current
+            # this LM would refuse, the capture stream current, and the device's random generator in capture mode,
+            # where any later random op outside a graph raises ("Offset increment outside graph capture")
             with contextlib.suppress(RuntimeError):
                 torch._C._cuda_endAllocateToPool(device.index or torch.cuda.current_device(), pool)
             self.lm._graph_pool = None
             torch.cuda.set_stream(caller)
+            generator = torch.cuda.default_generators[device.index or torch.cuda.current_device()]
+            generator.graphsafe_set_state(generator.clone_state())  # (a copy of its seed and offset, not capturing)
             raise
         finally:
             if collecting:
