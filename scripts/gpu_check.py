@@ -256,9 +256,10 @@ def decodekit_graphs(lm: decoders.LM, prompt: list[int], new: int) -> dict:
     return decodekit_greedy(lm, prompt, new, graphs=True)
 
 
-def decodekit_compiled(lm: decoders.LM, prompt: list[int], new: int) -> dict:
-    """`decodekit_graphs` with each captured call compiled first (`LM.compile_calls`)."""
-    lm.compile_calls = True
+def decodekit_compiled(lm: decoders.LM, prompt: list[int], new: int, mode: bool | str = True) -> dict:
+    """`decodekit_graphs` with each captured call compiled first (`LM.compile_calls`: True, or torch.compile's
+    `mode`)."""
+    lm.compile_calls = mode
     try:
         return decodekit_greedy(lm, prompt, new, graphs=True)
     finally:
@@ -379,6 +380,7 @@ def replay_costs(lm: decoders.LM, prompt: list[int], new: int) -> dict:
         key = next((k for k in graphs if k[0] == 1 and k[1] == lm.compile_calls and graphs[k][0] is not None), None)
         if key is not None:
             result["replay_alone_seconds"] = median_seconds(lm, graphs[key][0].replay)
+        del cache, call, graphs  # (a live cache keeps its slab: the runs below would get an eager one of their own)
     run = attempt(decodekit_greedy, lm, prompt, new, True)
     result["step_seconds"] = 1 / run["decode_tokens_per_second"] if "decode_tokens_per_second" in run else run
     if lm.device.type == "cuda":
@@ -441,7 +443,9 @@ def part_compiled(args) -> dict:
     # call must keep it, or it compiles again
     result: dict = {"model": lm.name}
     reference = attempt(decodekit_graphs, lm, prompt, new).get("ids")
-    runs = {"decodekit": decodekit_compiled,
+    mode = args.compile_mode or True
+    result["compile_mode"] = args.compile_mode or "default"
+    runs = {"decodekit": lambda *a: decodekit_compiled(*a, mode=mode),
             "transformers": lambda *a: hf_greedy(*a, cache_implementation="static")}
     for name, run in runs.items():
         start = time.perf_counter()
@@ -455,7 +459,7 @@ def part_compiled(args) -> dict:
         result["dynamo_stats"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats",)}
         (args.outdir / "compiled.json").write_text(json.dumps({"part": "compiled", "partial": True, "result": result}))
     # where a step goes, compiled against plain graphs (the compiled graphs are captured above)
-    for compiled in (True, False):
+    for compiled in (mode, False):
         lm.compile_calls = compiled
         result["replays_" + ("compiled" if compiled else "graphs")] = attempt(replay_costs, lm, prompt, 16)
     lm.compile_calls = False
@@ -545,6 +549,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer layers, tokens, sizes: a smoke run on a CPU")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds this part may measure for")
     parser.add_argument("--tests", choices=("all", "quick", "none"), default="all")
+    parser.add_argument("--compile-mode", help="compiled: torch.compile's mode for decodekit's calls (default: its "
+                        "default), e.g. max-autotune-no-cudagraphs")
     parser.add_argument("--rc", action="append", default=[], help="summary: PART=EXIT_STATUS")
     parser.add_argument("--role", choices=tuple(MODELS), default="target", help="calibrate: which curve")
     parser.add_argument("--model", help="calibrate: the model it stands for (default: the zoo's of that role)")

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The device check of issue 48: every part of scripts/gpu_check.py in turn, each in its own process under its own time
 # budget (a crash or a hang costs that part alone), then OUTDIR/summary.json. On an H100 it all ends within 8 minutes.
-# Usage: scripts/gpu_check.sh OUTDIR [--device cpu] [--quick] [--tests all|quick|none]
+# Usage: scripts/gpu_check.sh OUTDIR [--device cpu] [--quick] [--tests all|quick|none] [--compile-mode MODE]
 # It writes OUTDIR/{env,curves,greedy,compiled,tests,summary}.json and OUTDIR/gpu_check.log: 7 files.
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: $0 OUTDIR [--device cpu] [--quick] [--tests all|quick|none]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: $0 OUTDIR [--device cpu] [--quick] [--tests all|quick|none] [--compile-mode MODE]" >&2
+                 exit 2; }
 mkdir -p "$1" && OUT=$(cd "$1" && pwd); shift  # (absolute: the script runs from the repository root)
 cd "$(dirname "$0")/.."
 LOG="$OUT/gpu_check.log"
@@ -60,11 +61,14 @@ run_part() {  # PART SECONDS [OPTIONS]: killed after SECONDS; it measures for SE
     RCS+=(--rc "$part=$rc")
     echo "$part: exit $rc at $((SECONDS - START)) s" | tee -a "$LOG"
 }
-# seconds per part, full and --quick; GPU_CHECK_PARTS (e.g. "env greedy tests") runs some of them, in this order
+# seconds per part, full and --quick; GPU_CHECK_PARTS (e.g. "env greedy tests") runs some of them, in this order,
+# PART:SECONDS giving one its own time (e.g. "compiled:400" for a slow compile mode)
 declare -A WALL=([env]=30 [greedy]=60 [profile]=30 [curves]=60 [compiled]=160)  # 340 s; the tests get the rest
 [ $QUICK = 1 ] && WALL=([env]=30 [greedy]=60 [profile]=40 [curves]=40 [compiled]=30)
-for part in ${GPU_CHECK_PARTS:-env greedy profile curves compiled tests}; do
+for item in ${GPU_CHECK_PARTS:-env greedy profile curves compiled tests}; do
+    part=${item%%:*}
     wall=${WALL[$part]:-$TOTAL}  # (the tests take what the parts before them left)
+    [ "$item" != "$part" ] && wall=${item#*:}
     run_part "$part" "$wall" "$@"
 done
 "$PYTHON" scripts/gpu_check.py summary "$OUT" "${RCS[@]}" >>"$LOG" 2>&1

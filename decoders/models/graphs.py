@@ -13,8 +13,8 @@ whole call at once. A graph replays fixed addresses and shapes, so:
   them without capturing again. A cache outgrowing its slab moves to one of twice the capacity.
 
 `LM.compile_calls` also compiles each captured call with `torch.compile` first (tens of seconds of compiling for fewer,
-fused kernels). A call whose capture fails runs eagerly on the same cache, with a warning. Off the GPU the same cache
-runs eagerly (`LM.cuda_graphs = True` on a CPU), which the tests check.
+fused kernels; a string names torch.compile's mode). A call whose capture fails runs eagerly on the same cache, with
+a warning. Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a CPU), which the tests check.
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ class Slab:
         device = self.lm.device
 
         # compiled, the call's many small kernels (norms, rotary, masks) fuse: fewer kernels in the graph to replay
-        call = torch.compile(self.call) if lm.compile_calls else self.call
+        mode = lm.compile_calls if isinstance(lm.compile_calls, str) else None
+        call = torch.compile(self.call, mode=mode) if lm.compile_calls else self.call
 
         def run():
             return call(lm, static["ids"], static["positions"], static["past"], static["tree"], static["wide"])

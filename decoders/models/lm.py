@@ -98,7 +98,9 @@ class LM:
         # model calls of up to 32 tokens replayed as CUDA graphs over a static cache (`decoders.models.graphs`); set it
         # False for transformers' eager calls. True on a CPU runs the static cache eagerly (how the tests check it)
         self.cuda_graphs = self.device.type == "cuda"
-        self.compile_calls = False  # torch.compile the graph-captured calls (CUDA): fused kernels, slow first calls
+        # torch.compile the graph-captured calls (CUDA): fused kernels, slow first calls; a string is torch.compile's
+        # mode (e.g. "max-autotune-no-cudagraphs": kernels tuned to each call's shapes, minutes of compiling)
+        self.compile_calls: bool | str = False
 
     def __repr__(self) -> str:
         return f"LM({self.name!r}, {type(self.model).__name__}, dtype={self.dtype}, device={self.device})"
