@@ -89,7 +89,8 @@ class LM:
         self.config = model.config.get_text_config(decoder=True)
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]  # logits width, may exceed len(tokenizer)
+        head = model.get_output_embeddings()  # (its width without reading an int8 head's weights back)
+        self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]  # may exceed len(tokenizer)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.quantized_from = None  # a weakref to the float LM this is a quantized copy of (`decoders.quantize`)
         self.context_length = next(

@@ -25,6 +25,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -67,15 +68,23 @@ class Int8Linear(nn.Module):
     def from_float(cls, layer: nn.Linear | Conv1D, kernel: str | None = None) -> Int8Linear:
         """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `layer` itself is not changed. `kernel`: one of
         KERNELS, or None for the first this device runs."""
-        weight = layer.weight.detach()
-        weight = weight.T if isinstance(layer, Conv1D) else weight  # [out, in]
+        return cls.rounded(layer, kernel).timed(layer)
+
+    @classmethod
+    def rounded(cls, layer: nn.Linear | Conv1D, kernel: str | None = None) -> Int8Linear:
+        """`from_float` without `timed`: the int8 path for calls of any size."""
+        weight = _float_weight(layer)
         compute = torch.bfloat16 if weight.device.type == "cpu" else weight.dtype
         weight_int8, scales = quantize_rows(weight, compute)
-        int8 = cls(weight_int8, scales, layer.bias, kernel or _kernels(weight_int8, scales)[0])
-        float_from = _float_from(int8, weight)
+        return cls(weight_int8, scales, layer.bias, kernel or _kernels(weight_int8, scales)[0])
+
+    def timed(self, layer: nn.Linear | Conv1D) -> Int8Linear:
+        """This layer, set to multiply by the float `layer`'s weight in calls of the rows where that is faster."""
+        weight = _float_weight(layer)
+        float_from = _float_from(self, weight)
         if float_from is not None:
-            int8.float_from, int8.float_weight = float_from, weight
-        return int8
+            self.float_from, self.float_weight = float_from, weight
+        return self
 
     @property
     def weight(self) -> torch.Tensor:
@@ -142,6 +151,11 @@ def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tens
     stored = torch.where(stored.float() < scales, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
     q = (weight / stored.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), stored  # a transposed (Conv1D) weight would leave q transposed in memory
+
+
+def _float_weight(layer: nn.Linear | Conv1D) -> torch.Tensor:
+    weight = layer.weight.detach()
+    return weight.T if isinstance(layer, Conv1D) else weight  # [out, in]
 
 
 def _kernels(weight_int8: torch.Tensor, scales: torch.Tensor) -> list[str]:
@@ -223,16 +237,21 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
     # a deep copy of the module tree sharing every parameter and buffer (the linear layers' are replaced below)
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     twin = copy.deepcopy(model, memo=shared)
-    replaced: dict[int, Int8Linear] = {}  # one int8 layer per float layer, should a layer sit in two places
-    with torch.no_grad():
-        for parent in list(twin.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, (nn.Linear, Conv1D)):
-                    if id(child) not in replaced:
-                        replaced[id(child)] = Int8Linear.from_float(child)
-                    setattr(parent, name, replaced[id(child)])
-    if not replaced:
+    places = [(parent, name, child) for parent in twin.modules() for name, child in parent.named_children()
+              if isinstance(child, (nn.Linear, Conv1D))]
+    if not places:
         raise ValueError(f"{lm.name!r} has no nn.Linear or Conv1D layer to quantize")
+    layers = list({id(child): child for _, _, child in places}.values())  # (a layer may sit in two places)
+
+    def round_off(layer):
+        with torch.no_grad():
+            return Int8Linear.rounded(layer)
+
+    # rounded in threads (fbgemm prepacks on one core: a 1.5B model's 197 layers, 8 s of it), timed one at a time
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        replaced = {id(layer): int8.timed(layer) for layer, int8 in zip(layers, pool.map(round_off, layers))}
+    for parent, name, child in places:
+        setattr(parent, name, replaced[id(child)])
     return copy_of(lm, twin, scheme)
 
 
