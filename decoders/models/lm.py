@@ -262,11 +262,11 @@ class LM:
 def _probe_tree_mask(lm: LM) -> bool | str:
     """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do (so that
     kernels that change with the number of rows compute both alike), else what went wrong. An int8 copy's layers that
-    round each call's inputs over the call's range run weight-only meanwhile (`quantize.weight_only`): the mask is
+    round each call's inputs over the call's range round each row alone meanwhile (`quantize.row_by_row`): the mask is
     what is probed, and that rounding moves a node's scores by as much as an ignored mask can."""
-    from decoders.models.quantize import weight_only  # (quantize builds on this module)
+    from decoders.models.quantize import row_by_row  # (quantize builds on this module)
 
-    with weight_only(lm.model):
+    with row_by_row(lm.model):
         return _probe_tree_call(lm)
 
 

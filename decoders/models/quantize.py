@@ -55,6 +55,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight_int8.shape
         self.kernel = kernel
         self.packed = None  # fbgemm's prepacked weights ("int8_activations"), which then hold the only int8 copy
+        self.row_by_row = False  # (see `row_by_row`)
         if kernel == "int8_activations":
             self.packed = _prepack(weight_int8, scales)
             weight_int8 = None
@@ -105,7 +106,8 @@ class Int8Linear(nn.Module):
     def quantized(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], with the int8 weights
         if self.kernel == "int8_activations":
             rows = x.reshape(-1, self.in_features).float()
-            y = torch.ops.quantized.linear_dynamic(rows, self.packed, _reduce_range())
+            calls = rows.split(1) if self.row_by_row else [rows]
+            y = torch.cat([torch.ops.quantized.linear_dynamic(r, self.packed, _reduce_range()) for r in calls])
         else:
             rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
             if self.kernel == "int8_mm":
@@ -123,18 +125,18 @@ class Int8Linear(nn.Module):
 
 
 @contextlib.contextmanager
-def weight_only(model: nn.Module) -> Iterator[None]:
-    """Within: `model`'s "int8_activations" layers run "dequantize" (their inputs as they are, the weights unpacked at
-    each call: slow), so that a row's result does not depend on the other rows of its call (their range rounds
-    every input of an "int8_activations" call). For probes that compare calls of different rows."""
+def row_by_row(model: nn.Module) -> Iterator[None]:
+    """Within: `model`'s "int8_activations" layers round each row of a call alone, so that a row's result does not
+    depend on the other rows of its call (their range rounds every input of a call). For probes that compare calls of
+    different rows; a row's result is then that of a call of it alone."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.kernel == "int8_activations"]
     for layer in layers:
-        layer.kernel = "dequantize"
+        layer.row_by_row = True
     try:
         yield
     finally:
         for layer in layers:
-            layer.kernel = "int8_activations"
+            layer.row_by_row = False
 
 
 def quantize_rows(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,7 +229,7 @@ def _seconds(call, device: torch.device) -> float:
 
 
 def quantize(lm: LM, scheme: str = "int8") -> LM:
-    """A new `LM` whose linear layers, the LM head included, run with weight-only int8; `lm` is left untouched. The
+    """A new `LM` whose linear layers, the LM head included, run with int8 weights; `lm` is left untouched. The
     copy shares `lm`'s tokenizer and every parameter that stays float (embeddings, norms, biases)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
