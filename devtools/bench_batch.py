@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-quantize", choices=["int8"], help="quantize the draft model")
     parser.add_argument("--no-reference", action="store_true", help="skip the batch-1 greedy runs the rows are "
                         "compared with (they take as long as the rest at 128 tokens)")
+    parser.add_argument("--no-peers", action="store_true", help="skip transformers' batched peers")
     args = parser.parse_args(argv)
     lm = decoders.load("zoo:qwen2.5-coder-1.5b", dtype="bfloat16")
     draft = decoders.load(args.draft, dtype="bfloat16", quantize=args.draft_quantize) if args.draft else None
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
             calls = sum(r.stats.target_calls for r in results)
             print(f"{strategy} batch {size}: {tokens / seconds:.2f} tok/s, {same}/{len(prompts)} rows as batch-1 "
                   f"greedy, {calls} target calls", flush=True)
+    if args.no_peers:
+        return
     tokenizer, eos = lm.tokenizer, frozenset(lm.eos_token_ids)
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
