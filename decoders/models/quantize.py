@@ -251,7 +251,8 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
 
     # rounded in threads (fbgemm prepacks on one core: a 1.5B model's 197 layers, 8 s of it), timed one at a time
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        replaced = {id(layer): int8.timed(layer) for layer, int8 in zip(layers, pool.map(round_off, layers))}
+        rounded = list(pool.map(round_off, layers))  # (all of them before any timing: the threads would skew it)
+    replaced = {id(layer): int8.timed(layer) for layer, int8 in zip(layers, rounded)}
     for parent, name, child in places:
         setattr(parent, name, replaced[id(child)])
     return copy_of(lm, twin, scheme)
