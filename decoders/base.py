@@ -258,9 +258,7 @@ class DecodeState:
             self.tokens.append(int(token))
             self.sources.append(source)
             added += 1
-            if token in self.lm.eos_token_ids:
-                self.finish_reason = "eos"
-            elif self.grammar is not None and self.grammar.is_complete():
+            if token in self.lm.eos_token_ids or (self.grammar is not None and self.grammar.is_complete()):
                 self.finish_reason = "eos"
             elif self.stop and any(s in self.lm.decode(self.new_tokens) for s in self.stop):
                 self.finish_reason = "stop"

@@ -41,9 +41,3 @@ def check_models(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = N
         lm.check_tree_mask()  # the error names it the target
     if draft is not None and strategy.draft_needs_tree_mask:
         draft.check_tree_mask("draft")
-
-
-def check(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = None, has_grammar: bool = False) -> None:
-    """Both checks, for a run whose models are loaded."""
-    check_request(strategy, draft is not None, has_grammar)
-    check_models(strategy, lm, draft)

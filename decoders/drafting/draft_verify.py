@@ -28,7 +28,7 @@ from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, 
 
 
 class DraftVerify(Decoder):
-    """Base class of the drafting strategies: subclasses set `drafter`, a callable `drafter(state, options) -> Drafter`."""
+    """Base class of the drafting strategies: subclasses set `drafter(state, options) -> Drafter`, a callable."""
 
     drafter: ClassVar[Callable[..., Drafter]]
 
@@ -54,9 +54,9 @@ class DraftVerify(Decoder):
                 draft = replace(draft, window=None)  # a window rides along only where it fits
             window = len(draft.window.tokens) if draft.window is not None else 0
             draft = draft.subset(list(range(min(len(draft.tokens), max(width - fed - window, 0)))))
-        masks = None
+        masks = None  # [k + 1, vocab] under a grammar: the tokens it allows at each scored position
         if grammar is not None:
-            draft, masks = restrict_to_grammar(grammar, draft, type(drafter).__name__, state.lm.eos_token_ids)  # masks: [k + 1, vocab]
+            draft, masks = restrict_to_grammar(grammar, draft, type(drafter).__name__, state.lm.eos_token_ids)
         start = len(state.tokens)  # where the draft begins in the target cache after the call
         logits = yield state.call(draft.tokens) if draft.is_chain else tree_call(state, draft)  # [k + 1 (+ w), vocab]
         path, token, rows = verify(state, draft, masks, logits)

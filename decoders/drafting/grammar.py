@@ -13,12 +13,9 @@ def restrict_to_grammar(grammar, draft: Draft, drafter: str, eos: frozenset[int]
     """Cut a chain at its first token the grammar forbids, drop tree nodes it forbids on their path (with their
     subtrees); returns the draft and the allowed masks [k + 1, vocab] at each position the target scores.
 
-    Dropping is exact only for a node without a distribution of its own: a guess (every node of a draft without
-    `probs`, or a row that is the point mass on its token). The target, under the mask, gives its token no
-    probability, so the guess is rejected for certain and leaves the target's distribution as it was; the nodes below
-    it are never reached. Sampled nodes are drawn under the grammar's mask and never lose a node here: one that does is an error.
-    After an `eos` node the grammar allows nothing, but that row is never emitted (the run ends at the EOS): it is left
-    unmasked rather than handing the verifier an empty distribution to draw the bonus token from.
+    Dropping is exact only for a guess (a node without a distribution of its own, `samplers.verify.guessed`): the
+    masked target rejects it for certain. A sampled node was drawn under the mask, so dropping one raises. The row
+    after an `eos` node is left unmasked (never emitted), not an empty distribution for the verifier to draw from.
     """
     if draft.is_chain:
         valid, masks = grammar.masks_along(draft.tokens)  # [valid + 1, vocab]

@@ -2,10 +2,8 @@
 under a mask packs each key/value head's query heads into one query block.
 
 transformers' `sdpa` copies each key/value head once per query head it serves (`repeat_kv`) whenever a call has more
-than one query and a mask: every verification of a draft, every batched call past a plain step. The copy grows with
-the cache and the rows, the attention itself barely: Qwen2.5-1.5B (12 query heads on 2 key/value heads), 16 rows of
-800 cached tokens, 2 queries a row, on a 2-core CPU: 1.2 s of a 1.6 s forward. Packed, the attention reads the cache
-as it is. The same scores in the same softmax: only the kernel's blocking differs.
+than one query and a mask (every draft verification, every batched call), a copy that grows with the cache and the
+rows (docs/design/batching.md). The same scores in the same softmax: only the kernel's blocking differs.
 
     decoders.load(...) and decoders.wrap(...) switch a model on "sdpa" with grouped heads to it (`use_grouped`);
     with stock(model): ...   # transformers' own "sdpa" meanwhile (its peers run as users get them)

@@ -260,21 +260,15 @@ class LM:
 
 
 def _probe_tree_mask(lm: LM) -> bool | str:
-    """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do (so that
-    kernels that change with the number of rows compute both alike), else what went wrong. An int8 copy's layers that
-    round each call's inputs over the call's range round each row alone meanwhile (`quantize.row_by_row`): the mask is
-    what is probed, and that rounding moves a node's scores by as much as an ignored mask can."""
+    """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do, else what
+    went wrong. An int8 copy rounds each row alone meanwhile (`quantize.row_by_row`): rounding a call's inputs over
+    its range would move a node's scores as much as an ignored mask."""
     from decoders.models.quantize import row_by_row  # (quantize builds on this module)
 
-    with row_by_row(lm.model):
-        return _probe_tree_call(lm)
-
-
-def _probe_tree_call(lm: LM) -> bool | str:
     prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
     a, b, c = (i % lm.vocab_size for i in (13, 17, 19))
     tree = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)  # a | b -> c
-    with torch.inference_mode():
+    with row_by_row(lm.model), torch.inference_mode():
         cache = lm.new_cache()
         try:
             lm.forward(prefix, cache)

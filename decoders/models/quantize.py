@@ -9,9 +9,7 @@ by at most half its row's scale. Embeddings, norms and biases stay float and are
 
 Kernels (`KERNELS`), the first of them the device runs:
 - "int8_activations": fbgemm's dynamic quantized linear (x86 CPUs): each call's inputs rounded to 8 bits over their
-  range, int8 x uint8 products summed in int32, the weights prepacked in fbgemm's layout. On a 2-core EPYC (AVX-512
-  VNNI) a Qwen2.5-0.5B call of 1 / 4 / 16 rows: 56 / 74 / 159 ms with "int8_mm", 39 / 48 / 81 ms with it (each
-  layer timed alone at 1 row, the smallest ones looked faster with "int8_mm": in the model they are not).
+  range, int8 x uint8 products summed in int32, the weights prepacked (evidence: docs/design/evidence.md).
 - "int8_mm": torch's `aten._weight_int8pack_mm` (bfloat16 inputs on a CPU, the weights' int8 read as they are).
 - "dequantize": the weight dequantized inside the matmul (any device).
 Calls of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`.

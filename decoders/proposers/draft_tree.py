@@ -168,7 +168,8 @@ def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: lis
     above = {n: [nodes[a].slot for a in ancestors(nodes, n)] for n in frontier}
     seen = [above[n] + [past + row] for row, n in enumerate(frontier)]
     seen += [above[head] + [past] + list(range(past + k, past + k + i + 1)) for i in range(len(chain))]
-    positions = [base + nodes[n].depth for n in frontier] + [base + nodes[head].depth + 1 + i for i in range(len(chain))]
+    top = base + nodes[head].depth + 1  # the chain's first position
+    positions = [base + nodes[n].depth for n in frontier] + list(range(top, top + len(chain)))
     mask = visibility(seen, prefix=base, width=past + k + len(chain))  # [k + chain, past + k + chain]
     logits = yield from model.forward([nodes[n].token for n in frontier] + chain, positions=positions,
                                       tree_mask=mask, keep=k + len(chain))
@@ -308,8 +309,8 @@ class TreeProposer:
         return Offer(self.name, accept, drafting, tuple(self.size(d) for d in range(1, room + 1)), chain.catch_up)
 
     def draft(self, state: DecodeState, plan: Plan) -> Drafting:
-        context, start, calls, self.step = len(state.cache), self.clock.now(), state.stats.draft_calls, len(state.tokens)
-        catch_up = self.chain.offered.catch_up
+        context, start, calls = len(state.cache), self.clock.now(), state.stats.draft_calls
+        catch_up, self.step = self.chain.offered.catch_up, len(state.tokens)
         planned, budget = self.size(plan.k), self.base.budget
         big, small = (self.cost.target_seconds(1 + n, context) for n in (budget, planned))
         call = self.cost.draft.predict(self.base.width, context)
