@@ -145,15 +145,13 @@ class Stats:
         derived = {k: getattr(self, k) for k in ("acceptance_rate", "mean_accepted", "tokens_per_second")}
         return {**dataclasses.asdict(self), **derived}
 
-    def count_accepted(self, drafted: int, accepted: int, levels: int | None = None) -> None:
+    def count_accepted(self, drafted: int, accepted: int, levels: int) -> None:
         """Record one verification: `drafted` tokens proposed (a tree's node count), `accepted` of them kept (a chain's
-        prefix, a tree's path), `levels` deep (default `drafted`: a chain)."""
-        levels = drafted if levels is None else levels
+        prefix, a tree's path), `levels` deep (a chain's: `drafted`)."""
         self.drafted += drafted
         self.accepted += accepted
         self.draft_lengths.append(drafted)
-        if len(self.accepted_by_position) < levels:
-            self.accepted_by_position.extend([0] * (levels - len(self.accepted_by_position)))
+        self.accepted_by_position.extend([0] * (levels - len(self.accepted_by_position)))  # (none if as deep)
         for depth in range(accepted):
             self.accepted_by_position[depth] += 1
 

@@ -129,8 +129,7 @@ class CallCost:
             return 1.0
         if n <= sizes[0] or n >= sizes[-1]:
             return math.exp(values[0] if n <= sizes[0] else values[-1])
-        j = bisect.bisect_right(sizes, n) - 1
-        r = (n - sizes[j]) / (sizes[j + 1] - sizes[j])
+        j, r = _segment(sizes, n)
         return math.exp(values[j] + r * (values[j + 1] - values[j]))
 
     def to_dict(self) -> dict:

@@ -1,9 +1,4 @@
-"""What a drafter proposes and the protocol every drafter follows.
-
-A `Draft` is a chain or a tree of proposed tokens, with the distributions they were drawn from (None for drafters
-without one: prompt lookup, lookahead, suffix, grammar-forced runs, which the verifier treats as one-hot). A `Window`
-rides along in the same target call without being verified (lookahead's Jacobi window).
-"""
+"""What a drafter proposes (`Draft`, a chain or a tree, with a `Window` riding along) and the `Drafter` protocol."""
 
 from __future__ import annotations
 

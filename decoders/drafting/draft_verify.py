@@ -6,10 +6,7 @@ adds one target token; the target cache is cut back to the accepted tokens; the 
 
 A chain is the fast path: scored causally, no mask, and the accepted path is a prefix (a crop). A tree (`parents`)
 is scored in the same single call with a tree mask (`decoders.drafting.tree`), and the cache keeps the prefix plus the
-accepted path. A draft may also carry a `Window`: tokens scored in that call but never verified (lookahead's Jacobi
-window), whose logits go back to the drafter.
-
-A drafting strategy is a `DraftVerify` subclass that names its drafter class and options.
+accepted path; a `Window` rides along in that call, its logits going back to the drafter.
 """
 
 from __future__ import annotations
@@ -71,9 +68,7 @@ class DraftVerify(Decoder):
         drafter.update(state, draft, len(path))
 
     def finish(self, state: DecodeState) -> None:
-        finish = getattr(state.drafter, "finish", None)  # optional in the Drafter protocol
-        if finish is not None:
-            finish(state)
+        getattr(state.drafter, "finish", lambda state: None)(state)  # optional in the Drafter protocol
 
 
 def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None, logits: torch.Tensor
