@@ -113,8 +113,7 @@ class DecodekitOutput(GenerateDecoderOnlyOutput):
 
 
 class TokenIds:
-    """An ids-only stand-in for a tokenizer, for runs that never need text: no vocabulary to compare (transformers
-    checked the assistant model's), and it decodes to ""."""
+    """An ids-only stand-in for a tokenizer, for runs that never need text: no vocabulary, and it decodes to ""."""
 
     eos_token_id = None
 
@@ -221,8 +220,7 @@ def hub_generate(model, *args, **kwargs) -> torch.Tensor | DecodekitOutput:
 
 
 def _option_names() -> list[str]:
-    """Every option name of every registered strategy that can travel as a `generate` keyword (not a
-    generation-config field, which transformers would keep for itself)."""
+    """Every option of every registered strategy that can be a `generate` keyword (a generation-config field cannot)."""
     defaults = GenerationConfig()
     names = {field.name for name in registry.available()
              for field in dataclasses.fields(registry.get(name).Options)}
@@ -244,8 +242,7 @@ def _generate_call_arguments(model) -> tuple[Any, Any]:
 
 
 def _row_stats(result: Result, new: int) -> dict:
-    """A row's `decodekit_stats` for the `new` tokens the output kept (finish reason "stop" where a stopping
-    criterion cut the run short)."""
+    """A row's `decodekit_stats` for the `new` tokens the output kept (finish reason "stop" if a criterion cut it)."""
     result.stats.new_tokens = new
     whole_run = result.finish_reason is not None and new == len(result.tokens)
     return {**result.stats.as_dict(), "strategy": result.strategy,
@@ -278,8 +275,7 @@ def _models(model, tokenizer, generation_config: GenerationConfig, assistant_mod
 
 
 def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch.Tensor:
-    """Step the run, checking the stopping criteria after every token and streaming what is kept; returns the
-    sequence, prompt included: [1, T]."""
+    """Step the run, checking the stopping criteria after every token and streaming what is kept: returns [1, T]."""
     prompt_len = input_ids.shape[1]
     sequence = torch.empty(1, max_length, dtype=torch.long, device=input_ids.device)  # [1, max_length]
     sequence[:, :prompt_len] = input_ids
@@ -331,8 +327,7 @@ def _emit_batch(lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: 
 
 
 def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
-    """decodekit's sampling settings from the logits warpers (greedy unless do_sample); any other processor is
-    refused, naming the argument that added it."""
+    """decodekit's sampling settings from the logits warpers (greedy unless do_sample); other processors are refused."""
     settings: dict[str, Any] = {"temperature": 1.0 if generation_config.do_sample else 0.0,
                                 "top_k": None, "top_p": None, "min_p": None}
     last = -1
@@ -359,8 +354,7 @@ def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
 
 
 def _left_padding(mask: torch.Tensor) -> torch.Tensor:
-    """The [B, T] bool mask of each row's own tokens from a left-padding `attention_mask`; anything else (right
-    padding, a hole, an empty row) raises."""
+    """The [B, T] bool mask of each row's own tokens from a left-padding `attention_mask`; anything else raises."""
     kept = mask.to(torch.bool).cpu()
     counts = kept.sum(1)
     left = torch.arange(kept.shape[1])[None, :] >= (kept.shape[1] - counts)[:, None]  # zeros first, then ones

@@ -119,8 +119,7 @@ class LM:
         return KVCache()
 
     def static_cache_ok(self) -> bool:
-        """Whether this model runs exactly on a `StaticKVCache`: probed once; a model that cannot is warned of and
-        keeps transformers' cache."""
+        """Whether this model runs exactly on a `StaticKVCache`, probed once (a model that cannot is warned of)."""
         if getattr(self, "_static_ok", None) is None:
             self._static_ok = _probe_static_cache(self)
             if self._static_ok is not True:
@@ -169,8 +168,7 @@ class LM:
 
     @functools.cached_property
     def cache_keyword(self) -> str:
-        """The keyword the model's forward takes its KV cache by: `cache` from transformers 5.24 on, `past_key_values`
-        before."""
+        """The keyword the model's forward takes its KV cache by: `cache` (transformers 5.24+) or `past_key_values`."""
         return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     @functools.cached_property

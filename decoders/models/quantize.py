@@ -95,8 +95,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.float_from is not None and x.numel() >= self.float_from * self.in_features:
             w = self.float_weight
-            rows = x.reshape(-1, self.in_features).to(w.dtype)  # (2D: a strided 3D input, e.g. the last positions'
-            # hidden states of a batch, makes linear copy the weight for every row)
+            rows = x.reshape(-1, self.in_features).to(w.dtype)  # 2D: a strided 3D input makes linear copy w per row
             y = nn.functional.linear(rows, w, None if self.bias is None else self.bias.to(w.dtype))
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return self.quantized(x)
@@ -179,9 +178,8 @@ def _kernels(weight_int8: torch.Tensor, scales: torch.Tensor) -> list[str]:
 
 
 def _prepack(weight_int8: torch.Tensor, scales: torch.Tensor):
-    """fbgemm's prepacked weights of an int8 weight [out, in] with per-output `scales` (built through a quantized
-    tensor, fbgemm's input, which torch 2.13 warns is deprecated: the prepacked weights are not one)."""
-    with warnings.catch_warnings():
+    """fbgemm's prepacked weights of an int8 weight [out, in] with per-output `scales`."""
+    with warnings.catch_warnings():  # (torch 2.13 deprecates the quantized tensor fbgemm is built from)
         warnings.simplefilter("ignore", UserWarning)
         zero = torch.zeros(weight_int8.shape[0], dtype=torch.long)
         quantized = torch._make_per_channel_quantized_tensor(weight_int8, scales.double(), zero, 0)
