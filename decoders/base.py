@@ -30,9 +30,8 @@ SLACK = 64  # positions past the run's last token that a call checking a draft m
 
 @dataclass
 class Call:
-    """One model call a step asks for: `tokens` scored after the cached ones (the cache grows by them). The target's,
-    on the run's cache, or a draft model's (`lm`) on its own cache (`cache`): yielded alike, so that a batch runs
-    each model's calls of all its rows in one forward (`decoders.batch`)."""
+    """One model call a step asks for: `tokens` scored after the cached ones (the cache grows by them), by the target
+    or a draft model (`lm`); yielded alike, so that a batch runs each model's calls of all its rows in one forward."""
 
     tokens: list[int]  # [T]
     positions: list[int] | None = None  # [T] position ids; None: len(cache) + 0..T-1
@@ -94,9 +93,8 @@ class Decoder:
         drive(self.steps(state), state.forward)
 
     def steps(self, state: DecodeState) -> Steps:
-        """`step` as a generator that yields its target calls (`Call`) and is sent their logits, so that one forward
-        can serve the calls of many runs (`decoders.batch`). A strategy that implements only `step` runs one prompt at
-        a time."""
+        """`step` as a generator that yields its target calls (`Call`) and is sent their logits, so that one forward can
+        serve many runs (`decoders.batch`); a strategy that implements only `step` runs one prompt at a time."""
         raise NotImplementedError(f"strategy {self.name!r} implements neither step nor steps")
 
     @classmethod

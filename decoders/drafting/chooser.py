@@ -246,8 +246,7 @@ class Chooser:
     def should_continue(self, accept: Sequence[float], p_next: float, context: int, per_token: float,
                         fixed: float = 0.0) -> bool:
         """Whether drafting one more level (acceptance `p_next`, `per_token` seconds, `fixed` once) after the levels
-        `accept` [k >= 1] raises the rate; E is concave in k and S convex, so stopping at the first that does not is
-        optimal."""
+        `accept` [k >= 1] raises the rate (E concave in k, S convex: stop at the first that does not)."""
         k = len(accept)
         offer = Offer("", (*accept, p_next), tuple(fixed + per_token * i for i in range(1, k + 2)))
         return self.evaluate(offer, k + 1, context).rate > self.evaluate(offer, k, context).rate

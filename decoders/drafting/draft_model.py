@@ -138,10 +138,8 @@ SELF_ACCEPTANCE = 0.98  # the acceptance expected of the target's own quantized 
 
 
 class SharedCacheDraft(DraftModel):
-    """The target's own quantized copy (`decoders.quantize`, "self:int8"), drafting on the target's KV cache.
-
-    Both models have the same layers, so the copy attends to the target's keys and values: no prefill or catch-up of
-    its own. Its drafted positions are cut from the cache before the target verifies."""
+    """The target's own quantized copy ("self:int8"), drafting on the target's KV cache: both models have the same
+    layers, so no prefill or catch-up of its own; its drafted positions are cut before the target verifies."""
 
     def __init__(self, state: DecodeState) -> None:
         super().__init__(state)

@@ -87,8 +87,7 @@ def depth(draft: Draft) -> int:
 
 def first_branch(parents: Sequence[int]) -> list[int]:
     """The nodes from the root down each node's first child (nodes after their parents, siblings in order): a suffix
-    tree's most frequent continuation, or in a draft model's tree the chain it would have drafted (its first choice at
-    every level)."""
+    tree's most frequent continuation, or a draft model tree's first choice at every level."""
     path, above = [], -1
     for node, parent in enumerate(parents):
         if parent == above:

@@ -17,8 +17,7 @@ class KVCache:
     """The keys and values of the tokens a model has seen, for one sequence (batch 1)."""
 
     def __init__(self) -> None:
-        # No config: every layer is a plain full-length DynamicLayer, even for sliding-window models, so any position
-        # can be rolled back; the sliding window itself is applied by the model's attention mask.
+        # No config: full-length layers even for sliding-window models (their mask slides), so any position rolls back
         self.hf = DynamicCache()
 
     def __len__(self) -> int:

@@ -111,9 +111,8 @@ class LM:
         synchronize(self.device)
 
     def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
-        """An empty KV cache for this model: static (graph-captured calls) where `cuda_graphs` is on and the model
-        scores a short input on it as on transformers' own cache, else a `KVCache`. `length`: the positions the run
-        expects to hold, which a static cache reserves (it grows past them too, capturing its calls anew)."""
+        """An empty KV cache: static (graph-captured calls) where `cuda_graphs` is on and `static_cache_ok`, else a
+        `KVCache`. `length`: the positions the run expects, reserved by a static cache (which grows past them too)."""
         if self.cuda_graphs and self.static_cache_ok():
             return StaticKVCache(self, length)
         return KVCache()

@@ -239,8 +239,7 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             ids = tokenizer(_PROBE, return_tensors="pt").input_ids  # [1, T]
             reference = src(ids).logits[0].float()  # [T, vocab]
-            # save_pretrained refuses a GGUF-loaded model; a twin built from the same config minus the quantization
-            # entry is an ordinary model. strict=True: every tensor must land (a missing lm_head would stay random).
+            # save_pretrained refuses a GGUF-loaded model: load its tensors into a twin of its config, unquantized
             config = copy.deepcopy(src.config)
             if hasattr(config, "quantization_config"):
                 delattr(config, "quantization_config")
@@ -255,7 +254,6 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
             (out / "zoo.json").write_text(json.dumps(
                 {"name": model.name, "packages": list(model.packages), "gguf_sha256": model.sha256,
                  "transformers": transformers.__version__}, indent=2) + "\n")
-            # Reload what was written and compare: weights within bf16 rounding, identical tokenizer and eos ids.
             again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
             error = ((again(ids).logits[0].float() - reference).norm() / reference.norm()).item()
             tokenizer2 = AutoTokenizer.from_pretrained(out)

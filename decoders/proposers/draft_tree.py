@@ -203,11 +203,8 @@ def expandable(node: Node, cap: int, state: DecodeState) -> bool:
 
 
 def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, masks: torch.Tensor | None):
-    """[n, vocab] draft distributions from draft logits [n, draft vocab], zero-padded to the target's width.
-
-    Sampling mode: the run's filtered distribution (what children are drawn from). Greedy mode: the plain softmax,
-    whose order is the draft's argmax order and whose products rank the leaves.
-    """
+    """[n, vocab] draft distributions from draft logits [n, draft vocab], zero-padded to the target's width: the run's
+    filtered distribution in sampling mode (children are drawn from it), the plain softmax in greedy mode."""
     logits = logits[:, : model.width].float()
     if masks is not None:
         logits = logits.masked_fill(~masks[:, : model.width].to(logits.device), float("-inf"))

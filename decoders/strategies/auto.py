@@ -97,8 +97,7 @@ class AutoDrafter:
         self.began, self.context, self.fed = self.clock.now(), len(state.cache), len(state.uncached())
         self.cost.batch_tokens = state.batch_tokens
         offers = [offer for p in self.proposers if (offer := p.offer(state, limit)) is not None]
-        if state.trying:  # a batch's try at a width its best does not draft at: no draft model's prompt prefilled
-            # for it (every row would stall on it, for a width the batch may never run again)
+        if state.trying:  # a batch's try at a width: no draft model's prompt prefilled for it (every row would stall)
             offers = [o for o in offers if not o.catch_up or o.proposer in self.chooser.taken]
         # (a call that feeds the prompt is planned as the steps after it: the prompt's cost is the same for any plan)
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
