@@ -1,11 +1,9 @@
 """The data structure under `suffix` decoding: a counted suffix trie over token sequences that drafts token trees.
 
 Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975), as in Snowflake's ArcticInference and vLLM's method="suffix":
-match the longest recent suffix of the context in an index of earlier text, and grow a draft tree from what followed
-it, best first by empirical path probability (the product of count(child) / count(parent) along the path), at most
-`depth_factor` x match length nodes, pruning paths below `min_prob`. Two indexes are consulted: the run's own
-(prompt + output so far, a `SuffixIndex`) and a `SuffixStore` of earlier outputs shared across runs; the tree with the
-higher score (sum of path probabilities, the expected number of accepted tokens) is drafted.
+match the longest recent suffix of the context in the run's own tokens (a `SuffixIndex`) and in earlier outputs (a
+`SuffixStore`), and grow a draft tree from what followed it, best first by empirical path probability (the product of
+count(child) / count(parent) along the path); the higher-scoring tree of the two (`propose`) is drafted.
 
 The index is a trie of every substring of at most `depth` tokens; node w holds count(w) and `cont`, how many of those
 occurrences a token in the trie follows (the rest end a sequence or reach `depth`). A substring seen once gets no node:
