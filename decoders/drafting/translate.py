@@ -21,6 +21,7 @@ import torch
 
 from decoders.base import Call, DecodeState
 from decoders.drafting.draft_model import Chain, DraftModel
+from decoders.drafting.tree import shared_length
 from decoders.models.lm import LM
 
 REENCODE = 3  # draft tokens re-encoded with the text that follows them (their merges may change)
@@ -86,9 +87,7 @@ class TranslatedDraftModel(DraftModel):
     def __init__(self, state: DecodeState) -> None:
         super().__init__(state)
         self.ours, self.theirs = Codec(state.lm.tokenizer), Codec(self.lm.tokenizer)  # the target's, the draft's
-        lead = 0  # the target's own BOS says nothing to the draft, which gets its own
-        while lead < min(len(self.ours.prefix), len(state.tokens) - 1) and state.tokens[lead] == self.ours.prefix[lead]:
-            lead += 1
+        lead = shared_length(self.ours.prefix, state.tokens[:-1])  # the target's own BOS says nothing to the draft
         self.lead, self.done, self.text = lead, lead, ""  # target tokens whose text is settled, and that text
         self.ids = list(self.theirs.prefix)  # [n] the draft's ids for `text`
         self.fed: list[int] = []  # [len(cache)] the draft ids its cache holds
@@ -139,10 +138,7 @@ class TranslatedDraftModel(DraftModel):
 
     def _cached(self) -> int:
         """How many of the ids the draft cache holds (at most all but the last, which is fed to draft from)."""
-        common = 0
-        while common < min(len(self.fed), len(self.ids) - 1) and self.fed[common] == self.ids[common]:
-            common += 1
-        return common
+        return shared_length(self.fed, self.ids[:-1])
 
     def _catch_up(self) -> list[int]:
         """Sync and cut the draft cache to what it shares with the ids; returns the ids to feed (at least one)."""
