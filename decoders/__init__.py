@@ -16,6 +16,7 @@ from decoders.drafting.suffix_index import SuffixStore
 from decoders.driver import generate, stream
 from decoders.models.cache import KVCache
 from decoders.models.lm import LM, load, wrap
+from decoders.proposers.base import Proposer
 from decoders.registry import available, register, unregister
 
 
@@ -29,6 +30,6 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
 from decoders import strategies  # noqa: E402,F401  isort: skip  (the built-in strategies register on import)
 
 __all__ = [
-    "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk", "Draft", "DraftVerify", "SuffixStore",
-    "load", "wrap", "quantize", "available", "register", "unregister", "generate", "stream",
+    "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk", "Draft", "DraftVerify", "Proposer",
+    "SuffixStore", "load", "wrap", "quantize", "available", "register", "unregister", "generate", "stream",
 ]

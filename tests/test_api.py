@@ -143,3 +143,14 @@ def test_strategies_register_through_the_entry_point_group(monkeypatch):
         assert decoders.available() == names and seen == ["decodekit.strategies"]  # loaded once
     finally:
         decoders.unregister("test_plugin_greedy")
+
+
+def test_proposer_is_public_and_the_builtin_proposers_implement_it():
+    from decoders.proposers import draft_chain, draft_tree, lookahead, merged, suffix
+
+    assert "Proposer" in decoders.__all__
+    protocol = {name for name in vars(decoders.Proposer) if name in ("offer", "draft", "learn")}
+    assert protocol == {"offer", "draft", "learn"}
+    for cls in (draft_chain.ChainProposer, draft_tree.TreeProposer, lookahead.LookaheadProposer,
+                merged.MergedProposer, suffix.SuffixProposer):
+        assert all(callable(getattr(cls, name, None)) for name in protocol), cls
