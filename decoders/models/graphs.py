@@ -205,11 +205,12 @@ class Slab:
             # a capture failing midway leaves the allocator recording into the pool, which every later capture of
             # this LM would refuse, the capture stream current, and the device's random generator in capture mode,
             # where any later random op outside a graph raises ("Offset increment outside graph capture")
+            index = device.index if device.index is not None else torch.cuda.current_device()
             with contextlib.suppress(RuntimeError):
-                torch._C._cuda_endAllocateToPool(device.index or torch.cuda.current_device(), pool)
+                torch._C._cuda_endAllocateToPool(index, pool)
             self.lm._graph_pool = None
             torch.cuda.set_stream(caller)
-            generator = torch.cuda.default_generators[device.index or torch.cuda.current_device()]
+            generator = torch.cuda.default_generators[index]
             generator.graphsafe_set_state(generator.clone_state())  # (a copy of its seed and offset, not capturing)
             raise
         finally:

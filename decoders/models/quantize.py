@@ -103,8 +103,8 @@ class Int8Linear(nn.Module):
     def quantized(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], with the int8 weights
         if self.kernel == "int8_activations":
             rows = x.reshape(-1, self.in_features).float()
-            calls = rows.split(1) if self.row_by_row else [rows]
-            y = torch.cat([torch.ops.quantized.linear_dynamic(r, self.packed, _reduce_range()) for r in calls])
+            calls, reduce = rows.split(1) if self.row_by_row else [rows], _reduce_range()
+            y = torch.cat([torch.ops.quantized.linear_dynamic(r, self.packed, reduce) for r in calls])
         else:
             rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
             if self.kernel == "int8_mm":
