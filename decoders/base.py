@@ -175,7 +175,8 @@ class DecodeState:
     drafter: Drafter | None = None  # a drafting strategy's per-run drafter (its draft cache, adaptive settings)
     width: int = 0  # in a batch, the most tokens its next target call may score (`batch.Width`); 0: alone, no limit
     batch_tokens: int = 0  # in a batch, the tokens the shared target call scores in all rows: what the call costs
-    trying: bool = False  # in a batch, the width is a try, not the batch's best: rent no draft model on it
+    stall: float = 1.0  # in a batch, the rows a second of this row's drafting holds up per row drafting beside it
+    trying: bool = False  # in a batch, the width is a guess or a try, not the batch's best: rent no draft model on it
     verified: tuple[int, int, list[int]] | None = None  # a drafting step's target call: (its width limit, tokens
     # scored before the draft, the accepted draft nodes), for the batch's `Width`
 

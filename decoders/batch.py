@@ -241,7 +241,9 @@ class Width:
     the batch picks one width for all: the one of most expected tokens per second, from what each width gained or
     would have (a draft's accepted nodes among its first ones, counted on every verified step) over the seconds a
     step of the batch takes at that width: the target's measured cost of a call scoring rows x width tokens
-    (`calibrate`), corrected by what the batch's steps at that width (or the nearest width run) took."""
+    (`calibrate`), corrected by what the batch's steps at that width (or the nearest width run) took. While prompts
+    wait, a row's tokens gained free its slot for the next one sooner, so the rows' gains count together; in the
+    last wave the batch ends with its slowest row, so a width is worth what it gains the row that gains least."""
 
     def __init__(self, lm: LM, rows: int, cost: CallCost | None = None) -> None:
         """`cost`: the target's call cost (default: `calibrate`d on first use, once a step is verified)."""
@@ -250,21 +252,29 @@ class Width:
         self.steps = dict.fromkeys(WIDTHS, prior.prior_strength)  # decayed steps counted
         self.gained = {w: prior.prior_strength * sum(prior.prior_mean ** i for i in range(w)) for w in WIDTHS}
         # (decayed tokens a row's step gained at each width)
+        self.prior = dict(self.steps), dict(self.gained)
+        self.rows_seen: dict[int, tuple[dict[int, float], dict[int, float]]] = {}  # row -> its own steps, gained
         self.timed = dict.fromkeys(WIDTHS, 0.0)  # decayed batch steps timed at each width
         self.ratio = dict.fromkeys(WIDTHS, 0.0)  # their decayed sum of seconds taken / the cost predicted
         self.calls, self.verified = 0, False
         self.best, self.gap, self.due, self.explored = 0, EXPLORE, EXPLORE, 0  # the best width, since when explored
 
-    def observe(self, width: int, fed: int, path: list[int]) -> None:
-        """A row's verified step whose call scored `fed` tokens, then a draft of at most `width` - `fed` nodes, of
+    def observe(self, width: int, fed: int, path: list[int], row: int = 0) -> None:
+        """Row `row`'s verified step whose call scored `fed` tokens, then a draft of at most `width` - `fed` nodes, of
         which `path` were accepted (0: no limit)."""
         self.verified = True
+        own = self.rows_seen.setdefault(row, (dict(self.prior[0]), dict(self.prior[1])))
         for w in WIDTHS:
             if width and w > width:
                 break
             kept = next((i for i, node in enumerate(path) if node >= w - fed), len(path))  # nodes within width w
-            self.gained[w] = DECAY * self.gained[w] + 1 + kept
-            self.steps[w] = DECAY * self.steps[w] + 1
+            for steps, gained in ((self.steps, self.gained), own):
+                gained[w] = DECAY * gained[w] + 1 + kept
+                steps[w] = DECAY * steps[w] + 1
+
+    def forget(self, row: int) -> None:
+        """Row `row`'s run ended: its gains say nothing of the next prompt's."""
+        self.rows_seen.pop(row, None)
 
     def took(self, width: int, seconds: float, context: int) -> None:
         """A step of the batch whose target call was `width` tokens wide took `seconds`: the call, the draft calls
@@ -282,13 +292,15 @@ class Width:
         correction = self.ratio[near] / self.timed[near] if near else 1.0
         return correction * self.cost.predict(self.rows * width, context)
 
-    def next(self, context: int) -> int:
-        """The width of the batch's next target call, its rows holding up to `context` slots."""
+    def next(self, context: int, last_wave: Sequence[int] = ()) -> int:
+        """The width of the batch's next target call, its rows holding up to `context` slots; `last_wave`: with no
+        prompt waiting, the rows still running."""
         if not self.verified:
             return WIDTHS[3]  # until a step is verified (4 drafted tokens, what a call of a few rows affords)
         if self.cost is None:
             self.cost = calibrate(self.lm).target  # (measured once per machine and model, then cached)
-        best = max(WIDTHS, key=lambda w: self.gained[w] / self.steps[w] / self.seconds(w, context))
+        seen = [self.rows_seen[b] for b in last_wave if b in self.rows_seen] or [(self.steps, self.gained)]
+        best = max(WIDTHS, key=lambda w: min(gained[w] / steps[w] for steps, gained in seen) / self.seconds(w, context))
         if best != self.best:  # a new best: the others are tried soon again
             self.best, self.gap, self.due = best, EXPLORE, self.calls + EXPLORE
         self.calls += 1
@@ -330,6 +342,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
     width = Width(lm, batch.rows)
     timed = not any(state.seeded for state, _ in runs)  # (seeded: widths from the calibration alone, so runs repeat)
     since = time.perf_counter()  # the last target call's end, less the prompts admitted and chunks yielded since
+    drafters, drafted = set(), set()  # the rows that called a draft model before the last target call, and since
     with torch.inference_mode():
         while queue or any(rows):
             admitting = time.perf_counter()
@@ -337,14 +350,21 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 if rows[b] is None and queue:
                     rows[b] = admit(batch, b, *queue.popleft())
             since += time.perf_counter() - admitting
-            limit = width.next(batch.slots)
-            for row in filter(None, rows):
+            limit = width.next(batch.slots, () if queue else [b for b, row in enumerate(rows) if row is not None])
+            for b, row in enumerate(rows):
+                if row is None:
+                    continue
                 row.state.width, row.state.batch_tokens = limit, limit * batch.rows
-                row.state.trying = limit != width.best and width.verified
+                # a second of drafting holds up every row, shared with the rows drafting beside it
+                row.state.stall = batch.rows / len(drafters | {b})
+                row.state.trying = limit != width.best or not width.verified
                 _advance(row, None)
             pending = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
             drafting = {b: call for b, call in pending.items() if call.lm is not None}
             served = drafting or pending  # target calls wait for the rows still drafting, to verify all in one call
+            drafted |= drafting.keys()
+            if served and not drafting:  # the round's target call
+                drafters, drafted = drafted, set()
             answers: dict[int, torch.Tensor] = {}
             for cache in (batch, *batch.drafts):  # one forward per model: the target's, each draft model's
                 calls = {b: call for b, call in served.items()
@@ -364,7 +384,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 if row is not None and row.steps is None:  # its step is done
                     state = row.state
                     if state.verified is not None:
-                        width.observe(*state.verified)
+                        width.observe(*state.verified, row=b)
                         state.verified = None
                     added = state.tokens[row.before:]
                     if not added and not state.finished and row.error is None:
@@ -385,6 +405,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                         if row.error is None:
                             row.decoder.finish(state)
                         batch.clear(b)
+                        width.forget(b)
                         rows[b] = None
                     paused = time.perf_counter()  # (the caller's time with the chunk is not the batch's)
                     yield row.index, chunk, result(state, row.decoder, row.error) if state.finished else None

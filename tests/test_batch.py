@@ -26,7 +26,9 @@ from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_tokenizer
 from decoders import batch
 from decoders.base import Decoder, Result
 from decoders.batch import BatchCache
-from decoders.drafting.cost import CallCost
+from decoders.drafting import chooser
+from decoders.drafting.cost import CallCost, CostModel
+from decoders.strategies import auto
 from samplers import SamplingConfig
 from stats import chi_square_fits
 
@@ -637,7 +639,7 @@ def test_a_batch_limits_every_rows_call_to_its_width(monkeypatch):
     lm = tiny_lm("llama")
     prompts = [PROMPTS[0] * 3, PROMPTS[1] * 3, PROMPTS[2] * 3]
     want = [decoders.generate(lm, p, max_new_tokens=24).tokens for p in prompts]
-    monkeypatch.setattr(batch.Width, "next", lambda self, context: 3)
+    monkeypatch.setattr(batch.Width, "next", lambda self, context, last_wave=(): 3)
     widest = []
     forward = batch.BatchCache.forward
 
@@ -692,6 +694,20 @@ def test_width_follows_what_the_batchs_steps_took_over_the_predicted_cost():
     assert width.next(context=10) == 2
 
 
+def test_in_the_last_wave_a_width_is_worth_what_it_gains_the_slowest_row():
+    """While prompts wait, the rows' gains count together: one row accepting every draft makes 17 the best width.
+    With none waiting the batch ends with its slowest row, and a row that gains nothing from drafts holds it at 1
+    (a wider call would only slow it), until its run ends and is forgotten."""
+    width = batch.Width(tiny_lm("llama"), rows=2, cost=CallCost((1, 1001), (1.0, 11.0)))  # 0.01 s a token
+    for _ in range(100):  # (the prior's hope of drafts fades)
+        width.observe(0, 1, list(range(16)), row=0)
+        width.observe(0, 1, [], row=1)
+    assert width.next(context=10) == 17
+    assert width.next(context=10, last_wave=[0, 1]) == 1
+    width.forget(1)
+    assert width.next(context=10, last_wave=[0]) == 17
+
+
 def test_auto_in_a_batch_makes_no_int8_copy_unless_asked(monkeypatch):
     """Where the target's int8 copy pays (here: said to), a run alone drafts with it; a batch's rows do not, unless
     asked (`self_int8=True`), and give the same tokens either way."""
@@ -709,21 +725,57 @@ def test_auto_in_a_batch_makes_no_int8_copy_unless_asked(monkeypatch):
     assert [r.tokens for r in plain] == [r.tokens for r in asked] == [alone.tokens, plain[1].tokens]
 
 
-@pytest.mark.parametrize("trying", [True, False])
-def test_auto_rents_no_draft_model_on_a_width_the_batch_only_tries(trying, monkeypatch):
-    """A try at a width the batch's best does not run (`Width.next`'s exploration) prefills no row's draft model:
-    every row would stall on it for a width the batch may not run again. At its best width, auto probes the draft."""
+def priced(draft_seconds: float, prompt: float = 1.0):
+    """Auto's chooser factory: the target's calls cost 1 s whatever they score, the draft's `draft_seconds`, up to
+    `prompt` times that for 64 tokens (its catching up on a prompt); held there (the tiny models' calls take ms)."""
 
-    class Fixed(batch.Width):
-        def next(self, context):
-            self.best, self.verified = (1 if trying else 3), True
-            return 3
+    def make(cost: CostModel) -> chooser.Chooser:
+        cost.target = CallCost((1, 64), (1.0, 1.0))
+        cost.draft = CallCost((1, 64), (draft_seconds, prompt * draft_seconds))
+        cost.observe = lambda *args, **kwargs: None
+        return chooser.Chooser(cost)
 
+    return make
+
+
+class Fixed(batch.Width):
+    """Every target call 3 tokens wide; `best`: the batch's best width, `verified`: whether a step was."""
+
+    best_width, was_verified = 3, True
+
+    def next(self, context, last_wave=()):
+        self.best, self.verified = self.best_width, self.was_verified
+        return 3
+
+
+@pytest.mark.parametrize("width", ["tried", "unverified", "best"])
+def test_auto_rents_no_draft_model_on_a_width_the_batch_only_tries(width, monkeypatch):
+    """A try at a width the batch's best does not run (`Width.next`'s exploration), or the first width before any
+    step is verified, prefills no row's draft model: every row would stall on it for a width the batch may not run
+    again. At its best width, auto probes the draft (one that costs little beside the target's calls)."""
+    monkeypatch.setattr(Fixed, "best_width", 1 if width == "tried" else 3)
+    monkeypatch.setattr(Fixed, "was_verified", width != "unverified")
     monkeypatch.setattr(batch, "Width", Fixed)
     lm, draft = tiny_lm("llama"), tiny_lm("llama", seed=1)
     prompts = [lm.encode(p) for p in PROMPTS[:3]]
-    results = decoders.generate(lm, prompts, strategy="auto", draft=draft, batch_size=3, max_new_tokens=40)
+    results = decoders.generate(lm, prompts, strategy=auto.Auto(chooser=priced(0.01, 8)), draft=draft, batch_size=3,
+                                max_new_tokens=40)
     for prompt, result in zip(prompts, results):
         assert result.tokens == decoders.generate(lm, prompt, max_new_tokens=40).tokens
     drafted = sum(r.stats.draft_calls for r in results)
-    assert drafted == 0 if trying else drafted > 0
+    assert drafted > 0 if width == "best" else drafted == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_auto_weighs_a_rows_drafting_by_the_rows_it_holds_up(rows, monkeypatch):
+    """A draft call costing half a target call pays alone (a chain of k costs (k / 2 + 1) / (k + 1) of a step per
+    token, every guess right); in a batch of three where no other row drafts, each second of it holds up three rows,
+    and a chain would cost more than plain steps: auto never rents it there (`DecodeState.stall`)."""
+    monkeypatch.setattr(batch, "Width", Fixed)
+    lm, draft = tiny_lm("llama"), tiny_lm("llama", seed=1)
+    prompts = [lm.encode(p) for p in PROMPTS[:rows]]
+    options = dict(strategy=auto.Auto(chooser=priced(0.5)), draft=draft, max_new_tokens=40)
+    results = (decoders.generate(lm, prompts, batch_size=rows, **options) if rows > 1
+               else [decoders.generate(lm, prompts[0], **options)])
+    drafted = sum(r.stats.draft_calls for r in results)
+    assert drafted > 0 if rows == 1 else drafted == 0

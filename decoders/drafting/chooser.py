@@ -187,7 +187,7 @@ class Chooser:
         if offer is None or k == 0:
             return Plan(None, 0, 1.0, self.cost.target_seconds(1, context))
         nodes = offer.nodes[k - 1] if offer.nodes else k
-        drafting = offer.drafting[k - 1] if offer.drafting else 0.0
+        drafting = self.cost.stall * offer.drafting[k - 1] if offer.drafting else 0.0
         return Plan(offer.proposer, k, expected_tokens(offer.accept[:k]),
                     drafting + self.cost.target_seconds(1 + nodes, context))
 
@@ -201,14 +201,14 @@ class Chooser:
 
     def choose(self, offers: Sequence[Offer], context: int, remaining: int | None = None) -> Plan:
         """The plan of highest corrected rate among `offers` and a plain step, unless a drafter that costs drafting
-        seconds is due a probe of `probe_tokens` levels: declined `probe_after` steps in a row and `could_pay`, or never
+        seconds and `could_pay` is due a probe of `probe_tokens` levels: declined `probe_after` steps in a row, or never
         taken once the run has spent its catching up (ski rental: a short answer to a long prompt never pays it)."""
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
         due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (
             self.spent >= o.catch_up if o.proposer not in self.taken else
-            self.declined.get(o.proposer, 0) >= self.options.probe_after and self.could_pay(o, context, plan.rate,
-                                                                                           remaining))]
+            self.declined.get(o.proposer, 0) >= self.options.probe_after) and self.could_pay(o, context, plan.rate,
+                                                                                             remaining)]
         if due:
             probe = max(due, key=lambda o: (o.proposer not in self.taken, self.declined.get(o.proposer, 0)))
             plan = replace(self.evaluate(probe, min(self.options.probe_tokens, len(probe.accept)), context),
@@ -222,9 +222,9 @@ class Chooser:
     def could_pay(self, offer: Offer, context: int, rate: float, remaining: int | None = None) -> bool:
         """Whether drafting the `remaining` tokens of the run (None: without end) with some prefix of `offer`, every
         level accepted, would beat `rate` tokens per second, its catching up paid once."""
-        perfect = replace(offer, accept=(1.0,) * len(offer.accept))
-        once = offer.catch_up / remaining if remaining else 0.0
-        return any(once + (self.evaluate(perfect, k, context).seconds - offer.catch_up) / (k + 1) < 1 / rate
+        perfect, once = replace(offer, accept=(1.0,) * len(offer.accept)), self.cost.stall * offer.catch_up
+        return any(once / (remaining or math.inf) + (self.evaluate(perfect, k, context).seconds - once) / (k + 1)
+                   < 1 / rate
                    for k in range(1, len(offer.accept) + 1))
 
     def spend(self, seconds: float) -> None:

@@ -399,6 +399,7 @@ class CostModel:
     draft: CallCost | None = None  # None: no draft model
     observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
     batch_tokens: int = 0  # in a batch, the tokens its shared target call scores in all rows (`DecodeState`)
+    stall: float = 1.0  # in a batch, what a second of a row's drafting costs the batch in rows' seconds (`DecodeState`)
 
     def __post_init__(self):
         if self.draft is not None:

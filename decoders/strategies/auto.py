@@ -95,7 +95,7 @@ class AutoDrafter:
 
     def propose(self, state: DecodeState, limit: int) -> Drafting:
         self.began, self.context, self.fed = self.clock.now(), len(state.cache), len(state.uncached())
-        self.cost.batch_tokens = state.batch_tokens
+        self.cost.batch_tokens, self.cost.stall = state.batch_tokens, state.stall
         offers = [offer for p in self.proposers if (offer := p.offer(state, limit)) is not None]
         if state.trying:  # a batch's try at a width: no draft model's prompt prefilled for it (every row would stall)
             offers = [o for o in offers if not o.catch_up or o.proposer in self.chooser.taken]
