@@ -15,6 +15,7 @@ both modes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -78,6 +79,7 @@ def prefix_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]
     return tree.tokens, tree.parents
 
 
+@functools.cache  # (one per window shape, made every step otherwise; read only, never written)
 def window_mask(levels: int, width: int) -> torch.Tensor:
     """[levels * width, levels * width] bool: token (l, j) sees (0, j') for j' <= j and (l', j) for 1 <= l' <= l."""
     rows = []
