@@ -739,7 +739,8 @@ def priced(draft_seconds: float, prompt: float = 1.0):
 
 
 class Fixed(batch.Width):
-    """Every target call 3 tokens wide; `best`: the batch's best width, `verified`: whether a step was."""
+    """Every target call 3 tokens wide; `best_width`: the width it calls the batch's best, `was_verified`: whether
+    it says a step was verified."""
 
     best_width, was_verified = 3, True
 
