@@ -1,8 +1,6 @@
 """What every strategy shares: the `Decoder` base class, the per-run `DecodeState`, and the `Result` it produces.
 
-A strategy is stateless apart from its frozen options. Everything that changes during a run - tokens, caches, the
-random generator, counters, a drafting strategy's drafter - lives in the `DecodeState` the driver passes to
-`Decoder.step`. Each step appends one or more tokens with `state.accept`, which applies every stopping rule.
+A strategy is stateless apart from its frozen options: everything a run changes lives in its `DecodeState`.
 """
 
 from __future__ import annotations

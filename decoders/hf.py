@@ -1,34 +1,17 @@
 """decodekit inside `model.generate`: `custom_generate` runs a registered strategy as transformers' decoding loop.
 
-    from decoders.hf import custom_generate
-    out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft,
-                         max_new_tokens=128, streamer=TextStreamer(tok))
+    out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft)
 
-transformers prepares the call as for any decoding method and `custom_generate` runs `strategy` on the prepared
-pieces. What carries over:
-
-- length and EOS: `max_new_tokens` / `max_length` and `eos_token_id`, as the generation config resolves them.
-- sampling: `do_sample=False` is greedy; else transformers' temperature / top-k / top-p / min-p warpers set
-  decodekit's sampling, seeded by `seed=` or else by torch's global RNG (`torch.manual_seed` repeats a run).
-- `stopping_criteria` (and max_time): checked after every token (scores=None); the output ends where one fires.
-- `streamer`: the prompt first (transformers puts it), then one `put` of shape [1, n] per accepted step, then `end()`.
-- `assistant_model` (or `draft=`): the draft model. `strategy=` (default "greedy"), `grammar=`, `seed=` and the
-  strategy's options (`k=4`) are keywords of the call.
-- `return_dict_in_generate=True`: a `DecodekitOutput` with `sequences` and `decodekit_stats` (`Stats.as_dict()` plus
-  "strategy", "finish_reason" and "sources", one per new token).
-
-Returns what `generate` returns: prompt plus new tokens, [1, T] on the prompt's device. A left-padded batch [B, T]
-(with its `attention_mask`) decodes every row at once (`decoders.batch`) and returns [B, T + the longest row's new
-tokens], each row padded after its end with `pad_token_id` (else the first EOS id); stopping criteria end one row,
-`decodekit_stats` is one dict per row, `seed=s` seeds row i with s + i; a row that raises makes the call raise.
-
-Refused with an error naming the argument: right padding, a streamer with several prompts, beams and other decoding
-modes, any logits processor besides those four warpers, output_scores / logits / attentions / hidden_states,
-num_return_sequences > 1, a prefilled cache, model inputs other than input_ids and attention_mask.
+Honoured: max_new_tokens / max_length and eos_token_id as the generation config resolves them; do_sample and the
+temperature / top-k / top-p / min-p warpers (seeded by `seed=`, else by torch's global RNG); stopping_criteria, checked
+after every token; a streamer (one `put` [1, n] per accepted step); `assistant_model=` (or `draft=`) as the draft;
+`return_dict_in_generate` (a `DecodekitOutput`). A left-padded batch [B, T] decodes every row at once
+(`decoders.batch`), each row padded after its end (`seed=s` seeds row i with s + i). Anything else - beams, other
+processors, extra outputs, a prefilled cache, other model inputs - is refused by name.
 
 transformers 5.x drops `tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`:
-the latter two are read back from the running call, and the model gets an ids-only tokenizer. `grammar=` and
-`stop_strings=` need the real tokenizer: use the exported folder (`hub_generate`, `decodekit export-hub`).
+the latter two are read back from the running call; `grammar=` and `stop_strings=` need the real tokenizer, so the
+exported folder (`hub_generate`, `decodekit export-hub`).
 """
 
 from __future__ import annotations
@@ -173,8 +156,7 @@ class CustomGenerate:
                              "callable: export a folder (decodekit export-hub DIR) and call model.generate(..., "
                              "custom_generate='DIR', trust_remote_code=True, tokenizer=tok, grammar=...), or use "
                              "decoders.generate")
-        was_training = model.training  # LM puts the model in evaluation mode and may switch its attention
-        # (`attention.use_grouped`): the caller's mode and attention come back afterwards
+        was_training = model.training  # LM sets evaluation mode and may switch the attention: both come back
         with restored(model, assistant_model):
             try:
                 lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)

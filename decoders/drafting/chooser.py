@@ -1,15 +1,12 @@
 """What to draft this step, and how much: the plan of most expected new tokens per second.
 
-A proposer offers an `Offer`: up to k drafted levels (a chain's tokens, a tree's levels) with p_i = P(level i
-accepted | the levels above accepted), and what drafting them costs. Verifying its first i levels after L cached
-tokens gains and costs
+A proposer's `Offer` holds up to k levels with p_i = P(level i accepted | the levels above accepted) (from its
+`Acceptance`) and what drafting them costs. Its first i levels after L cached tokens gain and cost
 
     E(i) = 1 + sum_{j<=i} prod_{l<=j} p_l      tokens (the target's own next token included)
     S(i) = drafting(i) + t(1 + nodes(i), L)    seconds (t: the target's measured call cost)
 
-and the plan is the offer and i of highest E / S; i = 0 is a plain step, which wins ties. Each proposer's p_i come
-from its `Acceptance`: Beta estimates per depth, or, for a drafter that knows its own probability c of a token, a
-calibration curve P(accepted | c) = a * c ** gamma weighed over a grid of (a, gamma) by the tokens verified.
+and the plan is the offer and i of highest E / S; i = 0 is a plain step, which wins ties.
 """
 
 from __future__ import annotations

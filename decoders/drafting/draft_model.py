@@ -1,9 +1,7 @@
 """`DraftModel`: a draft LM with its own KV cache, following the run's accepted tokens.
 
-The draft never decides what is emitted (the target verifies every token), so whatever the draft cannot do is simply
-not drafted: past its own context length it stops proposing, and a token id its embedding lacks (a target with a
-padded vocabulary) is fed to it as a stand-in id. A draft of another tokenizer drafts through text instead
-(`decoders.drafting.translate`); `draft_model(state)` picks the one the run's models need.
+The draft never decides what is emitted, so what it cannot do is not drafted: past its own context it stops proposing,
+and an id its embedding lacks is fed as a stand-in. `draft_model(state)` picks the class the run's models need.
 """
 
 from __future__ import annotations

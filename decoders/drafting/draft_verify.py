@@ -1,12 +1,8 @@
 """The one draft-then-verify loop that every drafting strategy shares, for chains and trees.
 
-A step: the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft in one call; a
-verifier (`samplers.verify`, which defines drafted / accepted / rejected / bonus / recovered) keeps a path of it and
-adds one target token; the target cache is cut back to the accepted tokens; the drafter learns how far it got.
-
-A chain is the fast path: scored causally, no mask, and the accepted path is a prefix (a crop). A tree (`parents`)
-is scored in the same single call with a tree mask (`decoders.drafting.tree`), and the cache keeps the prefix plus the
-accepted path; a `Window` rides along in that call, its logits going back to the drafter.
+A step: the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft in one call (a tree
+under a tree mask, `decoders.drafting.tree`, any `Window` riding along); a verifier (`samplers.verify`) keeps a path
+and adds one target token; the cache keeps the accepted path; the drafter learns how far it got.
 """
 
 from __future__ import annotations

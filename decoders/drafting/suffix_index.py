@@ -1,19 +1,12 @@
 """The data structure under `suffix` decoding: a counted suffix trie over token sequences that drafts token trees.
 
-Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975), as in Snowflake's ArcticInference and vLLM's method="suffix":
-match the longest recent suffix of the context in the run's own tokens (a `SuffixIndex`) and in earlier outputs (a
-`SuffixStore`), and grow a draft tree from what followed it, best first by empirical path probability (the product of
-count(child) / count(parent) along the path); the higher-scoring tree of the two (`propose`) is drafted.
+Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975), as in ArcticInference and vLLM's method="suffix": match the
+longest suffix of the context in the run's own tokens (a `SuffixIndex`) and in earlier outputs (a `SuffixStore`), and
+grow a draft tree from what followed it, best first by empirical path probability (the product of count(child) /
+count(parent) along the path).
 
-The index is a trie of every substring of at most `depth` tokens; node w holds count(w) and `cont`, how many of those
-occurrences a token in the trie follows (the rest end a sequence or reach `depth`). A substring seen once gets no node:
-its parent holds a *leaf*, an int packing the position of that occurrence's token, and what follows is read from the
-sequence itself, so text seen once costs one dict entry per token. A second occurrence turns the leaf into a node;
-removing a sequence turns a node left with one occurrence back into a leaf (when that occurrence's sequence is alive:
-always under the store's first-in first-out eviction, since a node remembers its newest occurrence).
-
-Costs: appending a token O(1 + r), r <= depth the longest earlier-seen suffix ending there; removing a sequence
-O(its length x r); matching O(max_match log max_match); a draft of n nodes O(n log n) plus a sort per expanded node.
+A substring seen once gets no node: its parent holds a *leaf*, an int packing the position of that occurrence's
+token, and what follows is read from the sequence itself, so text seen once costs one dict entry per token.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """`TranslatedDraftModel`: a draft model of another tokenizer, drafting for the target through text.
 
-The two vocabularies meet in text (Timor et al. 2025, arXiv 2502.05202; transformers' universal assisted decoding):
-
-- The draft follows the run's text: the accepted target tokens are decoded (special tokens as text) and re-encoded
-  with the draft's tokenizer from a few draft tokens back (the last may merge with what follows); its KV cache keeps
-  the longest prefix it shares with those ids.
-- Greedy mode, string-level exact match: the drafted text, encoded with the target's tokenizer after the last
-  accepted tokens, is the draft in target ids (its last token possibly cut short: checking it costs one position).
-- Sampling mode, token-level intersection: the draft samples only tokens whose text is also one target token, so its
-  distribution is one over target tokens and rejection sampling stays exact.
-
-Either way the target verifies every token: the draft only changes how many are accepted, never what is emitted.
+After Timor et al. 2025 (arXiv 2502.05202) and transformers' universal assisted decoding: the draft follows the run's
+text, re-encoded with its tokenizer from a few tokens back (their merges may change). Greedy mode: the drafted text,
+encoded with the target's tokenizer after the last accepted tokens, is the draft (string-level exact match). Sampling
+mode: the draft samples only tokens whose text is one target token, a distribution over target tokens (token-level
+intersection). The target verifies every token either way: the draft never decides what is emitted.
 """
 
 from __future__ import annotations

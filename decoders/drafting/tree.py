@@ -1,8 +1,5 @@
-"""Token trees: ancestry masks and levels, scoring a tree (plus a window) in one target call, and rolling a cache back
-to the accepted path. Shared by the draft-then-verify loop (the target's cache) and `staged` (the draft model's cache).
-
-A tree is flattened in topological order after the uncached tail: each node sees the accepted tokens, its ancestors
-and itself, at position len(tokens) + its depth.
+"""Token trees: ancestry masks and levels, scoring a tree (and a window) in one target call, and rolling a cache back
+to the accepted path. A node sees the accepted tokens, its ancestors and itself, at position len(tokens) + its depth.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Grouped-query attention without copying keys: transformers' SDPA attention, except that a call of several queries
-under a mask packs each key/value head's query heads into one query block.
-
-transformers' `sdpa` copies each key/value head once per query head it serves (`repeat_kv`) whenever a call has more
-than one query and a mask (every draft verification, every batched call), a copy that grows with the cache and the
-rows (docs/design/batching.md). The same scores in the same softmax: only the kernel's blocking differs.
-
-    decoders.load(...) and decoders.wrap(...) switch a model on "sdpa" with grouped heads to it (`use_grouped`);
-    with stock(model): ...   # transformers' own "sdpa" meanwhile (its peers run as users get them)
-    with restored(model): ...   # whatever runs, the model's own implementation afterwards (custom_generate)
+under a mask packs each key/value head's query heads into one query block, where transformers' `repeat_kv` copies
+each key/value head per query head (a copy that grows with the cache and the rows: docs/design/batching.md).
+`use_grouped` switches a model to it; `stock` and `restored` bring transformers' own back.
 """
 
 from __future__ import annotations

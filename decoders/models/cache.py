@@ -1,9 +1,5 @@
-"""A KV cache with rollback, on top of transformers' `DynamicCache`.
-
-Speculative strategies append positions they may not keep. Rolling back is slicing each layer's key/value tensors
-along the sequence axis: `crop(n)` keeps a prefix (a rejected chain), `keep(indices)` keeps any ordered subset (the
-accepted root-to-leaf path of a token tree scored in one call).
-"""
+"""A KV cache with rollback on transformers' `DynamicCache`: `crop(n)` keeps a prefix (a rejected chain),
+`keep(indices)` any ordered subset (the accepted path of a token tree)."""
 
 from __future__ import annotations
 

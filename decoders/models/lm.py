@@ -1,9 +1,4 @@
-"""`LM`: one Hugging Face causal LM and its tokenizer, with the single forward call every strategy uses.
-
-`forward` scores new tokens against a `KVCache` and returns their logits. Optional position ids and a tree mask let
-one call score a whole token tree: node i attends to the cached prefix and to the nodes `tree_mask[i]` marks (its
-ancestors and itself).
-"""
+"""`LM`: one Hugging Face causal LM and its tokenizer, with the single forward call every strategy uses."""
 
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original.
 
     draft = decoders.quantize(lm, "int8")   # a new LM; `lm` and its weights are untouched
-    decoders.generate(lm, prompt, strategy="speculative", draft=draft)   # or draft="self:int8"
 
-Every linear layer (`nn.Linear`, and GPT-2's `Conv1D`, whose weight is [in, out]), the LM head included (a tied one
-gets its own copy), becomes an `Int8Linear`: int8 weights with one symmetric scale per output channel, each weight off
-by at most half its row's scale. Embeddings, norms and biases stay float and are shared with the original, not copied.
-
-Kernels (`KERNELS`), the first of them the device runs:
-- "int8_activations": fbgemm's dynamic quantized linear (x86 CPUs): each call's inputs rounded to 8 bits over their
-  range, int8 x uint8 products summed in int32, the weights prepacked (evidence: docs/design/evidence.md).
-- "int8_mm": torch's `aten._weight_int8pack_mm` (bfloat16 inputs on a CPU, the weights' int8 read as they are).
-- "dequantize": the weight dequantized inside the matmul (any device).
-Calls of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`.
+Every linear layer (`nn.Linear`, GPT-2's `Conv1D`), the LM head included, becomes an `Int8Linear`: int8 weights, one
+symmetric scale per output channel. Embeddings, norms and biases stay float and are shared with the original. Kernels
+(`KERNELS`, the first the device runs): fbgemm's dynamic quantized linear ("int8_activations", x86 CPUs), torch's
+`aten._weight_int8pack_mm` ("int8_mm"), the weight dequantized inside the matmul ("dequantize"). Calls of at least
+`float_from` rows run on the layer's shared float weight, where that was timed faster.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy runs it.
-
-Each step a proposer `offer`s what it could draft (an `Offer`: acceptance per level and drafting cost), `draft`s the
-plan chosen, and `learn`s from the verified `Step`, whoever drafted it. A fixed strategy is a proposer with a fixed
-plan rule (`Fixed`).
-"""
+"""The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy (`Fixed`) runs it."""
 
 from __future__ import annotations
 

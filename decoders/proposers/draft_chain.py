@@ -1,8 +1,5 @@
-"""The draft model's chain: one token a draft call (`speculative` with a fixed length, `auto` while it pays).
-
-Leviathan et al. 2023 / Chen et al. 2023. Exact in greedy and in sampling mode: each token carries the draft
-distribution it was drawn from, and the verifier (`samplers.verify`) rejection-samples against the target's.
-"""
+"""The draft model's chain, one token a draft call (`speculative`, and `auto` while it pays): Leviathan et al. 2023 /
+Chen et al. 2023, each token carrying the distribution it was drawn from for `samplers.verify`'s rejection sampling."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
-"""The draft model's token trees: grown best-first, a draft-free lower stage drafting for the draft model.
+"""The draft model's token trees (`staged`, and `auto`'s `tree` plans), after Spector & Re 2023, "Accelerating LLM
+Inference with Staged Speculative Decoding".
 
-Used by `staged` and `auto` (its `tree` plans). Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative
-Decoding". Two changes to `speculative`:
-
-1. **A tree, not a chain**, grown best-first by cumulative draft probability: each draft call expands the `width` most
-   probable leaves at once (a tree mask over the draft's own cache), each expanded node gets up to `branching`
-   children, until `budget` nodes or `max_depth`. The target checks the whole tree in one call.
-2. **A lower stage under the draft model.** In every draft call a draft-free proposer (`lower="suffix"` or "lookup")
-   proposes a chain under the most probable leaf, which the draft verifies in the same call as the target verifies
-   drafts. Copied text thus grows the main branch by several levels per draft call.
-
-Children are the draft's top tokens in greedy mode; in sampling mode they are drawn without replacement from the
-draft's distribution and never dropped once drawn, as the multi-candidate rejection sampling in `samplers.verify` needs.
+A tree grows best-first by cumulative draft probability: each draft call expands the `width` most probable leaves (a
+tree mask over the draft's own cache), each expanded node gets up to `branching` children. In the same draft call a
+draft-free lower stage (the suffix index, or prompt lookup) proposes a chain under the most probable leaf, which the
+draft verifies as a target verifies drafts: copied text grows several levels per draft call. In sampling mode
+children are drawn without replacement and never dropped once drawn, as `samplers.verify`'s trees need.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Prompt lookup's proposer: the tokens that followed the most recent earlier match of the context's last n tokens.
-
-Used by `prompt_lookup` (its whole drafter), `staged` (one of its lower stages) and `auto` (its `lookup` guesses).
-"""
+"""Prompt lookup's proposer (`prompt_lookup`, a `staged` lower stage): what followed the most recent earlier match of
+the context's last n tokens."""
 
 from __future__ import annotations
 

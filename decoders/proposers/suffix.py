@@ -1,8 +1,5 @@
-"""The suffix index's trees: what followed the longest matching suffix of the context (`suffix`, and `auto`).
-
-The index (`decoders.drafting.suffix_index`) holds the run's tokens and, with a `SuffixStore`, earlier outputs. The
-trees' acceptance is estimated per level on calibration curves of the index's probabilities, one per length of the
-matched suffix (`match_curve`), which the counts of what followed the match are blind to.
+"""The suffix index's trees (`suffix`, and `auto`): what followed the longest matching suffix of the context. Their
+acceptance is judged on calibration curves of the index's probabilities, one per matched length (`match_curve`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second.
 
-Each step every proposer (`decoders.proposers`) offers what it could draft, the `Chooser` picks the plan of highest
-expected tokens per second (or a plain step), and the verified `Step` goes to every proposer's `learn`. Proposers: the
-suffix index (always), lookahead's n-grams and both merged, and with a draft model its chains and trees. The cost
-model (`decoders.drafting.cost`) is calibrated once, cached on disk and corrected by the calls the run times.
-
-Exact in greedy and in sampling mode; a seeded sampling run plans by no clock, so the seed repeats the sample.
+Every proposer (`decoders.proposers`) offers what it could draft, the `Chooser` picks the plan of highest expected
+tokens per second (or a plain step), and every proposer learns from the verified `Step`. Exact in both modes; a
+seeded sampling run plans by no clock, so the seed repeats the sample.
 """
 
 from __future__ import annotations

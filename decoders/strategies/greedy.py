@@ -1,7 +1,5 @@
-"""`greedy`: KV-cached decoding, one target call per token - the reference every other strategy must reproduce.
-
-With temperature > 0 it is plain ancestral sampling from the filtered target distribution.
-"""
+"""`greedy`: KV-cached decoding, one target call per token - the reference every other strategy must reproduce (with
+temperature > 0, ancestral sampling from the filtered target distribution)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """`guided`: grammar-constrained decoding that skips the model wherever the grammar alone decides the next tokens.
 
-Each step first accepts the tokens the grammar forces (`Matcher.forced()`, source "grammar") without calling the
-model; the step's one target call then scores them with the uncached tail, as a prefill, and the next token is chosen
-under the grammar's mask. Lossless: a forced token has probability 1 under the masked distribution, and
-`DecodeState.choose` returns it without drawing from the random stream.
+Forced tokens (source "grammar") are accepted without a model call and scored in the next call's uncached tail.
+Lossless: a forced token has probability 1 under the masked distribution, and no draw is taken for it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""`lookahead`: lookahead decoding - no draft model; the target guesses n-grams and checks them in the same call.
-
-Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". The Jacobi window, the
-n-gram pool and the measured defaults: `decoders.proposers.lookahead`.
-"""
+"""`lookahead`: lookahead decoding (Fu et al. 2024) - no draft model; the target guesses n-grams and checks them in
+the same call (`decoders.proposers.lookahead`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`prompt_lookup`: draft by copying from the context - no draft model.
-
-Saxena 2023, "Prompt lookup decoding": the up to k tokens that followed the most recent earlier occurrence of the
-context's last n tokens (n from `max_ngram` down to `min_ngram`); without a match a step is a plain step.
-"""
+"""`prompt_lookup`: prompt lookup decoding (Saxena 2023) - no draft model; the draft is what followed the most recent
+earlier occurrence of the context's last n tokens (`decoders.proposers.lookup`)."""
 
 from __future__ import annotations
 

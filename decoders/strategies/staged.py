@@ -1,8 +1,5 @@
-"""`staged`: staged speculative decoding - the draft model grows a token tree, and a draft-free stage drafts for it.
-
-Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding". The tree, its lower stage and the
-measured defaults: `decoders.proposers.draft_tree`.
-"""
+"""`staged`: staged speculative decoding (Spector & Re 2023) - the draft model grows a token tree, and a draft-free
+stage drafts for it (`decoders.proposers.draft_tree`)."""
 
 from __future__ import annotations
 
