@@ -348,8 +348,7 @@ def _left_padding(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> torch.Tensor:
-    """Refuse, naming the argument, what decodekit cannot honor (see the module); returns which tokens of
-    `input_ids` are the prompts' own ([B, T] bool: all, or all but a left padding)."""
+    """Refuse, naming the argument, what decodekit cannot honor; returns the prompts' own tokens ([B, T] bool)."""
     for field, allowed in _UNSUPPORTED_FIELDS.items():  # first: beams and return sequences also widen the batch
         value = getattr(generation_config, field, None)
         if value not in allowed:

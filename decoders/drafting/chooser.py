@@ -89,8 +89,7 @@ def given_above(reach: Sequence[float]) -> tuple[float, ...]:
 
 
 def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
-    """Acceptance per level of a tree that holds each of `paths` (acceptance per level of one path): P(first d levels
-    accepted) is at least each path's, taken as the largest (the paths part ways, so no level-wise maximum)."""
+    """Acceptance per level of a tree holding each of `paths`: P(first d levels accepted) as the likeliest path's."""
     reach = [max((math.prod(path[:d]) for path in paths if len(path) >= d), default=0.0) for d in range(1, levels + 1)]
     return given_above(reach)
 
@@ -146,15 +145,13 @@ class Acceptance:
 
     def chain(self, k: int, confidences: Sequence[float] | None = None, curves: Sequence[str] | None = None
               ) -> tuple[float, ...]:
-        """[k] estimates of levels 1..k (`confidences` [k]: the drafter's probability of each; `curves` [k]: the
-        curve each is judged on)."""
+        """[k] estimates of levels 1..k, from the drafter's `confidences` [k] judged on `curves` [k] where given."""
         return tuple(self.level(d + 1, None if confidences is None else confidences[d],
                                 "" if curves is None else curves[d]) for d in range(k))
 
     def learn(self, drafted: int, accepted: int, confidences: Sequence[float] | None = None,
               curves: Sequence[str] | None = None) -> None:
-        """A verification accepted `accepted` of `drafted` levels: levels 1..accepted were accepted, the next one
-        rejected, later ones tell nothing."""
+        """Levels 1..`accepted` of `drafted` were accepted, the next one rejected; later ones tell nothing."""
         decay = self.options.decay
         for depth in range(1, min(accepted + 1, drafted) + 1):
             took = depth <= accepted

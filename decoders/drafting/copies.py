@@ -42,8 +42,7 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
 
 
 def pays(model: LM, role: str, context: int, bar: float) -> bool:
-    """Whether `model`'s int8 copy is `cheaper` (made here, if need be). A model `decoders.quantize` cannot copy (no
-    linear layer it knows, weights already quantized by another library, ...) drafts as it is, with a warning."""
+    """Whether `model`'s int8 copy (made here) is `cheaper`; a model it cannot copy drafts as it is, warned of."""
     try:
         copy = model.self_draft("int8")
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:

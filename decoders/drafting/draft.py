@@ -87,23 +87,20 @@ Drafting = Generator[Call, torch.Tensor, Draft]  # drafting with a draft model: 
 
 
 def drafting(proposed: Draft | Drafting) -> Drafting:
-    """A proposal as a generator of draft-model calls: a draft model's as it is, a draft-free drafter's `Draft` at
-    once. A draft model's calls are yielded, not run, so that a batch runs all its rows' in one forward."""
+    """A proposal as a generator of draft-model calls (yielded, not run: a batch runs its rows' in one forward)."""
     if isinstance(proposed, Draft):
         return proposed
     return (yield from proposed)
 
 
 class Drafter(Protocol):
-    """Proposes drafts for one run. Built per run from the run's state and the strategy's options
-    (`Drafter(state, options)`) and kept in `state.drafter`, so it may hold per-run state."""
+    """Proposes drafts for one run: built as `Drafter(state, options)` and kept in `state.drafter`."""
 
     def propose(self, state: DecodeState, limit: int) -> Draft | Drafting:
         """Up to `limit` tokens that continue `state.tokens` (may be empty); a tree at most `limit` deep. A drafter
         with a draft model returns them from a generator that yields the draft model's calls (`Drafting`)."""
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        """Called after verification with how many drafted tokens were accepted (for a tree: the path's length;
-        `draft.follow(the accepted tokens)` gives its nodes)."""
+        """After verification: how many drafted tokens were accepted (a tree's path: `draft.follow(the tokens)`)."""
 
     # Optional: `finish(state)`, called once after the run's last step (e.g. to remember its output).

@@ -72,8 +72,7 @@ class DraftModel:
         return room
 
     def forward(self, tokens: list[int], **kwargs) -> Generator[Call, torch.Tensor, torch.Tensor]:
-        """One draft call on `tokens` (counted in the run's stats), yielded for the run's driver to run (`Call`'s
-        other arguments: `positions`, `tree_mask`, `keep`); returns its logits."""
+        """One draft call on `tokens` (counted in the run's stats), yielded as a `Call`; returns its logits."""
         self.state.stats.draft_calls += 1
         readable = [t if t < self.embeds else 0 for t in tokens]  # a stand-in for ids the draft cannot embed
         return (yield Call(readable, lm=self.lm, cache=self.cache, **kwargs))

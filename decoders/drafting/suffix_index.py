@@ -207,8 +207,7 @@ class SuffixIndex:
         return found, low
 
     def _ranked(self, at: _Node | int | None) -> list[tuple[int, int, _Node | int]]:
-        """[(count, token, child)] of what follows `at`, most frequent first, then the one last seen in the latest
-        sequence (the latest added), latest position first."""
+        """[(count, token, child)] of what follows `at`: most frequent first, then the one seen latest."""
         if at is None:
             return []
         if type(at) is int:
@@ -258,8 +257,7 @@ class SuffixIndex:
 
     def _offer(self, heap: list, order, at: _Node | int, p: float, parent: int, level: int, room: int,
                min_prob: float, vocab: float) -> None:
-        """Push up to `room` continuations of `at` (reached with path probability p) that keep p >= min_prob and
-        are below `vocab`."""
+        """Push up to `room` continuations of `at` (path probability p) whose p stays >= min_prob, below `vocab`."""
         total = 1 if type(at) is int else at.cont
         for count, token, child in self._ranked(at)[:room]:
             q = p * count / total

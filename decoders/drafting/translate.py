@@ -158,8 +158,7 @@ class TranslatedDraftModel(DraftModel):
         self._catch_up()
 
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
-        """Up to `limit` target tokens while `keep_going(p)` holds (p: the chain's draft probability up to each
-        token): (target ids, distributions [target vocab] or None, cumulative probs)."""
+        """`DraftModel.draft_chain` in target ids (distributions over the target's vocabulary, or None)."""
         feed = self._catch_up()
         if limit <= 0 or not self.room(limit) or not feed or self.done < len(self.state.tokens):
             return [], [], []  # (the last: the target is inside a character, which it ends first)

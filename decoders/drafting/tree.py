@@ -83,8 +83,7 @@ def depth(draft: Draft) -> int:
 
 
 def first_branch(parents: Sequence[int]) -> list[int]:
-    """The nodes from the root down each node's first child (nodes after their parents, siblings in order): a suffix
-    tree's most frequent continuation, or a draft model tree's first choice at every level."""
+    """The nodes from the root down each node's first child: a suffix tree's likeliest path, a draft tree's chain."""
     path, above = [], -1
     for node, parent in enumerate(parents):
         if parent == above:

@@ -75,8 +75,7 @@ def stock(*models) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restored(*models) -> Iterator[None]:
-    """After: each of `models` (None skipped) runs the attention implementation it ran before (a caller's model that
-    decodekit wraps for one call: `model.generate(custom_generate=...)`)."""
+    """After: each of `models` (None skipped) runs the attention implementation it ran before."""
     before = [(m, m.config._attn_implementation) for m in models if m is not None]
     try:
         yield

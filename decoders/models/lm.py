@@ -67,8 +67,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset((_cpuinfo("flags") or "").split())
 
 
-COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> {scheme: its quantized module}
-# (`LM.self_draft`), for as long as the module lives
+COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> {scheme: quantized module}
 
 
 class LM:
@@ -91,11 +90,9 @@ class LM:
         self.context_length = next(
             (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
         )
-        # model calls of up to 32 tokens replayed as CUDA graphs over a static cache (`decoders.models.graphs`); set it
-        # False for transformers' eager calls. True on a CPU runs the static cache eagerly (how the tests check it)
+        # calls as CUDA graphs on a static cache (`models.graphs`; eager on a CPU); False: transformers' own calls
         self.cuda_graphs = self.device.type == "cuda"
-        # torch.compile the graph-captured calls (CUDA): fused kernels, slow first calls; a string is torch.compile's
-        # mode (e.g. "max-autotune-no-cudagraphs": kernels tuned to each call's shapes, minutes of compiling)
+        # torch.compile the graph-captured calls (CUDA); a string is torch.compile's mode
         self.compile_calls: bool | str = False
 
     def __repr__(self) -> str:
@@ -134,8 +131,7 @@ class LM:
         tokens: Sequence[int] | torch.Tensor,  # [T] new token ids, after the len(cache) cached ones
         cache: KVCache,
         positions: Sequence[int] | torch.Tensor | None = None,  # [T] position ids; default len(cache) + 0..T-1
-        tree_mask: torch.Tensor | None = None,  # [T, T] bool, True where node i may attend to node j; default causal
-        # (or [T, len(cache) + T]: also hides cached positions, for a tree grown over several calls)
+        tree_mask: torch.Tensor | None = None,  # [T, T] (or [T, len(cache) + T]) bool: i sees j; default causal
         keep: int = 0,  # compute logits for the last `keep` positions only (0 = all): skips the prompt's lm_head
     ) -> torch.Tensor:
         """Score `tokens` against `cache` (which grows by T) and return their logits: [T or keep, vocab]."""
@@ -217,9 +213,8 @@ class LM:
         return self.attention_masks(allowed[None], key_positions[None], positions[None])
 
     def attention_masks(self, allowed: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor):
-        """Additive 4D masks [B, 1, Q, K] from `allowed` [B, Q, K] (query i may see key j), sliding-window layers also
-        hiding keys more than `sliding_window` positions behind their query (`keys` [B, K] and `queries` [B, Q]: the
-        positions); a model mixing full and sliding layers gets one mask per layer type."""
+        """Additive 4D masks [B, 1, Q, K] from `allowed` [B, Q, K], sliding-window layers' also hiding keys (positions
+        `keys` [B, K]) `sliding_window` or more behind their query (`queries` [B, Q]); one per layer type if mixed."""
         allowed = allowed.to(self.device)
         masks = {"full_attention": allowed}
         window = getattr(self.config, "sliding_window", None)
@@ -253,8 +248,7 @@ class LM:
 
 def _probe_tree_mask(lm: LM) -> bool | str:
     """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do, else what
-    went wrong. An int8 copy rounds each row alone meanwhile (`quantize.row_by_row`): rounding a call's inputs over
-    its range would move a node's scores as much as an ignored mask."""
+    went wrong. An int8 copy rounds each row alone meanwhile (`quantize.row_by_row`), as its rows would skew it."""
     from decoders.models.quantize import row_by_row  # (quantize builds on this module)
 
     prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]

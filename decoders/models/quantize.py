@@ -59,8 +59,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, layer: nn.Linear | Conv1D, kernel: str | None = None) -> Int8Linear:
-        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `layer` itself is not changed. `kernel`: one of
-        KERNELS, or None for the first this device runs."""
+        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `kernel`: one of KERNELS, None: the first to run."""
         return cls.rounded(layer, kernel).timed(layer)
 
     @classmethod
@@ -117,9 +116,8 @@ class Int8Linear(nn.Module):
 
 @contextlib.contextmanager
 def row_by_row(model: nn.Module) -> Iterator[None]:
-    """Within: `model`'s "int8_activations" layers round each row of a call alone, so that a row's result does not
-    depend on the other rows of its call (their range rounds every input of a call). For probes that compare calls of
-    different rows; a row's result is then that of a call of it alone."""
+    """Within: `model`'s "int8_activations" layers round each row of a call alone (else the call's range rounds every
+    row), so that probes may compare calls of different rows."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.kernel == "int8_activations"]
     for layer in layers:
         layer.row_by_row = True
@@ -152,9 +150,8 @@ def _float_weight(layer: nn.Linear | Conv1D) -> torch.Tensor:
 
 
 def _kernels(weight_int8: torch.Tensor, scales: torch.Tensor) -> list[str]:
-    """The KERNELS this layer's device runs: on a CPU, "int8_activations" where torch has fbgemm and "int8_mm" where
-    `in` is a multiple of 16 (other widths crash); elsewhere "int8_mm" where a probe on a zero input does not raise;
-    always "dequantize"."""
+    """The KERNELS this layer's device runs: on a CPU "int8_activations" with fbgemm and "int8_mm" where `in` is a
+    multiple of 16 (other widths crash), elsewhere "int8_mm" where a probe does not raise; always "dequantize"."""
     kernels = []
     if weight_int8.device.type == "cpu":
         if "fbgemm" in torch.backends.quantized.supported_engines:
@@ -191,8 +188,7 @@ _crossovers: dict[tuple, int | None] = {}  # (device, dtype, out, in, kernel) ->
 
 
 def _float_from(layer: Int8Linear, weight: torch.Tensor) -> int | None:
-    """The fewest rows at which `weight` (float) multiplies faster than `layer`'s int8 path on this device, or None.
-    Timed on zero inputs, best of three per size, once per layer shape and device."""
+    """The fewest `ROWS` at which `weight` multiplies faster than `layer`'s int8 path, or None; once per shape."""
     key = (weight.device, weight.dtype, *weight.shape, layer.kernel)
     if key not in _crossovers:
         _crossovers[key] = None

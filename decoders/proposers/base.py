@@ -50,8 +50,7 @@ class Proposer(Protocol):
         """What it could draft after `state.tokens`, at most `limit` levels; None: nothing this step."""
 
     def draft(self, state: DecodeState, plan: Plan) -> Draft | Drafting:
-        """The draft of `plan` (this proposer's, from the last `offer`); a draft model's proposer yields its calls
-        (`decoders.drafting.draft.Drafting`)."""
+        """The draft of `plan` (from this proposer's last `offer`); a draft model's proposer yields its calls."""
 
     def learn(self, state: DecodeState, step: Step) -> None:
         """After verification: `state.tokens` holds the step's tokens."""
@@ -60,8 +59,7 @@ class Proposer(Protocol):
 
 
 class Fixed:
-    """A `Drafter` (`decoders.drafting.draft`) from a proposer and a fixed plan rule: each step drafts `levels(offer)`
-    levels of what the proposer offers (default: all of them)."""
+    """A `Drafter` from a proposer: each step drafts `levels(offer)` levels of what it offers (default: all)."""
 
     def __init__(self, proposer: Proposer, levels: Callable[[Offer], int] = lambda offer: len(offer.accept)) -> None:
         self.proposer, self.levels = proposer, levels

@@ -79,9 +79,7 @@ Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of a
 
 def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower
               ) -> Generator[Call, torch.Tensor, list[Node]]:
-    """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order).
-    The draft cache ends up holding the accepted tokens plus the nodes with a `slot` (and rejected chain tokens, which
-    no mask ever shows again)."""
+    """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order)."""
     cap = min(o.max_depth, limit, o.budget)
     nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
     frontier: list[int] = []  # empty: the first call, which expands the root
@@ -107,9 +105,8 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
 
 def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
                cap: int, lower: Lower) -> Steps:
-    """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus the lower stage's chain under
-    the first leaf. The draft checks that chain against its own distributions as a target checks a draft (argmax, or
-    rejection sampling); the agreed part plus the draft's next token join the tree under that leaf."""
+    """One draft call on the frontier leaves (none: the root) plus the lower stage's chain under the first; the part
+    of the chain the draft agrees with (`samplers.verify`) and the draft's next token join the tree under that leaf."""
     leaves = frontier or [0]
     head = leaves[0]  # the most probable leaf
     chain = lower_stage(state, o, nodes, head, cap, lower)
@@ -254,10 +251,8 @@ SURE = 0.99  # the highest tree thresholds: `staged`'s must stay below 1
 
 
 def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float]:
-    """(min_prob, expand_prob) for a tree grown in a step expected to give `rate` tokens a second, where a node adds
-    `node` seconds to the target call and a draft call costs `call`: a node pays where its path's probability
-    reaches rate x node, a draft call where the likeliest leaf's reaches rate x (call + node); never below `staged`'s
-    own, never at 1."""
+    """(min_prob, expand_prob) of a step expected to give `rate` tokens a second: a node (`node` seconds more in the
+    target call) pays from a path probability of rate x node, a draft call (`call`) from rate x (call + node)."""
     base = StagedOptions()
     return min(SURE, max(base.min_prob, rate * node)), min(SURE, max(base.expand_prob, rate * (call + node)))
 
@@ -271,8 +266,6 @@ class TreeProposer:
 
     def __init__(self, state: DecodeState, chain: ChainProposer, suffix: SuffixProposer, cost: CostModel,
                  clock: Clock) -> None:
-        """`chain`, `suffix`: the run's `ChainProposer` (whose estimates the trees' first branches teach) and
-        `SuffixProposer`; `cost`, `clock`: the run's."""
         self.chain, self.suffix, self.cost, self.clock = chain, suffix, cost, clock
         width = frontier_width(cost.draft)
         self.drafter = TreeDrafter(state, replace(StagedOptions(), width=width), model=chain.model,

@@ -144,8 +144,7 @@ class Auto(DraftVerify):
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
                  chooser: Callable[[CostModel], Chooser] = Chooser, **options) -> None:
-        """`clock`: what auto times its steps and calls by; `chooser`: makes a run's `Chooser` from its cost model;
-        `options`: `AutoOptions`."""
+        """`clock`: what auto times by; `chooser`: a run's `Chooser` from its cost model; `options`: `AutoOptions`."""
         if not (callable(clock) and callable(chooser)):
             raise TypeError("auto's clock is a function of no arguments giving seconds, its chooser a Chooser factory")
         super().__init__(**options)
