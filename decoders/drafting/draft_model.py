@@ -40,9 +40,7 @@ class DraftModel:
     translates = False  # drafts in the target's ids from a draft of another vocabulary
 
     def __init__(self, state: DecodeState) -> None:
-        draft: LM | None = state.draft
-        if draft is None:  # checked before the run by decoders.capabilities; kept for drafters built by hand
-            raise ValueError("this strategy needs a draft model: pass draft=<LM or model name>")
+        draft: LM = state.draft  # (a missing one is refused before the run: `capabilities.check_request`)
         if not self.translates and draft.vocab_key != state.lm.vocab_key:
             raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of {state.lm.name!r}: build "
                              "the drafter's model with decoders.drafting.draft_model.draft_model(state), which "

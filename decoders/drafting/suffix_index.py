@@ -186,11 +186,9 @@ class SuffixIndex:
         return at
 
     def _continues(self, at: _Node | int | None) -> bool:
-        if at is None:
-            return False
         if type(at) is int:
             return (at & INDEX) + 1 < len(self._tokens[at >> SHIFT])
-        return at.cont > 0
+        return at is not None and at.cont > 0
 
     def match(self, context: Sequence[int], max_match: int | None = None) -> tuple[_Node | int | None, int]:
         """(place in the trie, m): the longest suffix of `context`, of at most `max_match` and `depth - 1` tokens,

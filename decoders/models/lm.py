@@ -302,17 +302,6 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset()
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
-    """A torch dtype from a name ("bfloat16", "float32", ...); None or "auto" keeps the checkpoint's own dtype."""
-    if dtype is None or dtype == "auto":
-        return "auto"
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
-
-
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to run on: CUDA when available and none was asked for, else what was asked."""
     if device is None or device == "auto":
@@ -332,7 +321,10 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     from decoders.models import zoo
 
     name = str(name_or_path)
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    torch_dtype = "auto" if dtype is None or dtype == "auto" else _DTYPES.get(dtype, dtype)  # "auto": the checkpoint's
+    if not (torch_dtype == "auto" or isinstance(torch_dtype, torch.dtype)):
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}")
+    torch_device = resolve_device(device)
     kwargs: dict = {}
     if name.startswith("zoo:"):
         source = str(zoo.path(name[len("zoo:"):]))

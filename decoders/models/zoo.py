@@ -218,13 +218,6 @@ def _verify(file: pathlib.Path, sha256: str, progress: bool = False) -> None:
                        "download is corrupted or a package changed; pull again, and report it if it persists.")
 
 
-@contextlib.contextmanager
-def _quiet(progress: bool):
-    # transformers' GGUF loader draws its own tqdm bar with no switch to turn it off; hide stderr when asked to.
-    with open(os.devnull, "w") as sink, contextlib.nullcontext() if progress else contextlib.redirect_stderr(sink):
-        yield
-
-
 def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: bool) -> pathlib.Path:
     """Dequantize `gguf` with transformers and save it as a bfloat16 safetensors folder `out`, checked by a reload."""
     import torch
@@ -232,8 +225,9 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     _say(progress, f"{model.name}: converting GGUF to bfloat16 safetensors (transformers {transformers.__version__})")
-    try:
-        with _quiet(progress), torch.no_grad():
+    try:  # (transformers' GGUF loader draws a tqdm bar it cannot be told to hide: stderr goes, unless `progress`)
+        with (open(os.devnull, "w") as sink, torch.no_grad(),
+              contextlib.nullcontext() if progress else contextlib.redirect_stderr(sink)):
             src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)  # dequantized, float32
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             ids = tokenizer(_PROBE, return_tensors="pt").input_ids  # [1, T]
