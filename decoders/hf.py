@@ -156,28 +156,23 @@ class CustomGenerate:
                              "callable: export a folder (decodekit export-hub DIR) and call model.generate(..., "
                              "custom_generate='DIR', trust_remote_code=True, tokenizer=tok, grammar=...), or use "
                              "decoders.generate")
-        was_training = model.training  # LM sets evaluation mode and may switch the attention: both come back
-        with restored(model, assistant_model):
+        with restored(model, assistant_model):  # LM sets eval mode and may switch the attention
+            lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)
             try:
-                lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)
-                try:
-                    check_request(strategy if isinstance(strategy, Decoder) else registry.get(strategy),
-                                  has_draft=draft is not None, has_grammar=grammar is not None)
-                except ValueError as error:
-                    raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
-                prompts = [row[keep.to(row.device)].tolist() for row, keep in zip(input_ids, kept)]
-                arguments = dict(strategy=strategy, max_new_tokens=generation_config.max_length - input_ids.shape[1],
-                                 draft=draft, seed=seed, grammar=grammar, **sampling, **options)
-                if len(prompts) == 1:
-                    run = prepare(lm, prompts[0], **arguments)
-                    sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
-                    results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
-                else:
-                    pad = _pad_id(generation_config)
-                    sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria,
-                                                               **arguments)
-            finally:
-                model.train(was_training)
+                check_request(strategy if isinstance(strategy, Decoder) else registry.get(strategy),
+                              has_draft=draft is not None, has_grammar=grammar is not None)
+            except ValueError as error:
+                raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
+            prompts = [row[keep.to(row.device)].tolist() for row, keep in zip(input_ids, kept)]
+            arguments = dict(strategy=strategy, max_new_tokens=generation_config.max_length - input_ids.shape[1],
+                             draft=draft, seed=seed, grammar=grammar, **sampling, **options)
+            if len(prompts) == 1:
+                run = prepare(lm, prompts[0], **arguments)
+                sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
+                results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
+            else:
+                pad = _pad_id(generation_config)
+                sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria, **arguments)
         if not generation_config.return_dict_in_generate:
             return sequences
         stats = [_row_stats(result, new) for result, new in zip(results, kept_new)]

@@ -75,11 +75,13 @@ def stock(*models) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restored(*models) -> Iterator[None]:
-    """After: each of `models` (None skipped) runs the attention implementation it ran before."""
-    before = [(m, m.config._attn_implementation) for m in models if m is not None]
+    """After: each of `models` (None skipped) is in the mode (training or not) and runs the attention it was before."""
+    before = [(m, m.training, m.config._attn_implementation) for m in models if m is not None]
     try:
         yield
     finally:
-        for model, implementation in before:
+        for model, training, implementation in before:
+            if model.training != training:
+                model.train(training)
             if model.config._attn_implementation != implementation:
                 model.set_attn_implementation(implementation)
