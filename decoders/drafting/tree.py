@@ -41,15 +41,6 @@ def depths(parents: Sequence[int]) -> list[int]:
     return found
 
 
-def visibility(rows: Sequence[Sequence[int]], prefix: int, width: int) -> torch.Tensor:
-    """[len(rows), width] bool: row i sees the first `prefix` positions and the positions listed in rows[i]."""
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    mask[:, :prefix] = True
-    for row, seen in enumerate(rows):
-        mask[row, list(seen)] = True
-    return mask
-
-
 def tree_call(state: DecodeState, draft: Draft) -> Call:
     """The target call on tail + tree + window with the combined mask; its logits [k + 1 + w, vocab] score row 0 after
     the last accepted token, row 1 + i after node i, then the window's tokens."""

@@ -23,7 +23,7 @@ from decoders.drafting import Draft, Drafting, DraftModel
 from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
 from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import depth, first_branch, keep_path, shared_length, visibility
+from decoders.drafting.tree import depth, first_branch, keep_path, shared_length
 from decoders.options import check_whole, probability
 from decoders.proposers.base import Clock, Step
 from decoders.proposers.draft_chain import ChainProposer
@@ -160,7 +160,10 @@ def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: lis
     seen += [above[head] + [past] + list(range(past + k, past + k + i + 1)) for i in range(len(chain))]
     top = base + nodes[head].depth + 1  # the chain's first position
     positions = [base + nodes[n].depth for n in frontier] + list(range(top, top + len(chain)))
-    mask = visibility(seen, prefix=base, width=past + k + len(chain))  # [k + chain, past + k + chain]
+    mask = torch.zeros(len(seen), past + k + len(chain), dtype=torch.bool)  # [k + chain, past + k + chain]
+    mask[:, :base] = True  # the accepted tokens
+    for row, slots in enumerate(seen):
+        mask[row, slots] = True
     logits = yield from model.forward([nodes[n].token for n in frontier] + chain, positions=positions,
                                       tree_mask=mask, keep=k + len(chain))
     return logits, list(range(past, past + k + len(chain)))
