@@ -82,10 +82,8 @@ _UNSUPPORTED_FIELDS = {
     **dict.fromkeys(("token_healing", "output_scores", "output_logits", "output_attentions", "output_hidden_states"),
                     (None, False)),
 }
-# The model inputs transformers' generate passes a KV cache by: `cache` from 5.24 on, `past_key_values` before.
-_CACHE_INPUTS = ("cache", "past_key_values")
-# Our own keyword arguments (besides the strategies' options).
-_OWN_ARGUMENTS = ("strategy", "draft", "seed", "grammar", "tokenizer")
+_CACHE_INPUTS = ("cache", "past_key_values")  # generate's KV cache input: `cache` from transformers 5.24 on
+_OWN_ARGUMENTS = ("strategy", "draft", "seed", "grammar", "tokenizer")  # besides the strategies' options
 
 
 @dataclass

@@ -31,13 +31,11 @@ class Draft:
     they were drawn, holding distinct tokens)."""
 
     tokens: list[int]  # [k]
-    probs: torch.Tensor | None = None  # [k, vocab] the draft distributions they were sampled from; None = one-hot
-    # (in a tree, row i is the distribution node i and its siblings were drawn from, without replacement)
+    probs: torch.Tensor | None = None  # [k, vocab] what each (and in a tree its siblings) was drawn from; None: one-hot
     parents: list[int] | None = None  # [k] index of each node's parent in `tokens`, -1 for the root's children
     source: str = "draft"  # what `result.sources` calls an accepted draft token
     window: Window | None = None  # scored alongside, not verified
-    origins: list[str] | None = None  # [k] each node's source where they differ (a tree merged from several
-    # drafters' drafts, `tree.merge`); None: every node's is `source`
+    origins: list[str] | None = None  # [k] each node's source, in a tree of several drafters' (`tree.merge`)
 
     @property
     def links(self) -> list[int]:

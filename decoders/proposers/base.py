@@ -43,8 +43,7 @@ class Proposer(Protocol):
     """A source of guesses for one run, built from the run's state."""
 
     name: str  # what `result.sources`, `auto`'s report and its estimates call it
-    corrected: bool  # its drafts run past their plans (a chain on while the next token pays, a tree grown by its own
-    # rule), so the chooser corrects its plans by what its steps gave
+    corrected: bool  # its drafts run past their plans, so the chooser corrects its plans by what its steps gave
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
         """What it could draft after `state.tokens`, at most `limit` levels; None: nothing this step."""

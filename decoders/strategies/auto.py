@@ -35,10 +35,8 @@ class AutoOptions:
     max_draft: int = 16  # the most draft-model tokens per target call
     max_tree: int = 24  # the most suffix-tree nodes per target call (suffix's own bound)
     draft_trees: bool = True  # offer the draft model's trees where both models take tree masks
-    draft_int8: bool | None = None  # draft with the draft model's int8 copy: None where its calls measure cheaper
-    # (`copies.int8_copy`) and not in a batch, True always, False never; a draft already quantized is used as it is
-    self_int8: bool | None = None  # without a draft model, draft with the target's own int8 copy: None where its
-    # calls measure cheap enough, it fits in memory and not in a batch, True always, False never
+    draft_int8: bool | None = None  # draft with the draft's int8 copy; None: where it pays (`copies`), not batched
+    self_int8: bool | None = None  # without a draft, draft with the target's int8 copy; None: where it pays and fits
 
     def __post_init__(self):
         check_whole(self, max_draft=1, max_tree=1)
