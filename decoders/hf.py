@@ -2,16 +2,12 @@
 
     out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft)
 
-Honoured: max_new_tokens / max_length and eos_token_id as the generation config resolves them; do_sample and the
-temperature / top-k / top-p / min-p warpers (seeded by `seed=`, else by torch's global RNG); stopping_criteria, checked
-after every token; a streamer (one `put` [1, n] per accepted step); `assistant_model=` (or `draft=`) as the draft;
-`return_dict_in_generate` (a `DecodekitOutput`). A left-padded batch [B, T] decodes every row at once
-(`decoders.batch`), each row padded after its end (`seed=s` seeds row i with s + i). Anything else - beams, other
-processors, extra outputs, a prefilled cache, other model inputs - is refused by name.
-
-transformers 5.x drops `tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`:
-the latter two are read back from the running call; `grammar=` and `stop_strings=` need the real tokenizer, so the
-exported folder (`hub_generate`, `decodekit export-hub`).
+Honoured: the generation config's length, EOS ids and do_sample with the temperature / top-k / top-p / min-p warpers
+(seeded by `seed=`, else by torch's global RNG), stopping_criteria (after every token), a streamer (one `put` per
+step), `assistant_model=` (or `draft=`), `return_dict_in_generate` (a `DecodekitOutput`) and a left-padded batch
+(`decoders.batch`; `seed=s` seeds row i with s + i). Anything else is refused by name. transformers 5.x drops
+`tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`: the latter two are read
+back from the running call; `grammar=` and `stop_strings=` need the exported folder (`hub_generate`).
 """
 
 from __future__ import annotations

