@@ -1,7 +1,5 @@
-"""`DraftModel`: a draft LM with its own KV cache, following the run's accepted tokens.
-
-The draft never decides what is emitted, so what it cannot do is not drafted: past its own context it stops proposing,
-and an id its embedding lacks is fed as a stand-in. `draft_model(state)` picks the class the run's models need.
+"""The draft models a chain drafter follows the run with (`draft_model(state)` picks one). A draft never decides what is
+emitted, so what it cannot do is not drafted: past its own context it stops, an id it cannot embed becomes a stand-in.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ Chain = Generator[Call, torch.Tensor, tuple[list[int], list, list[float]]]  # a 
 
 
 def draft_model(state: DecodeState) -> DraftModel:
-    """The run's chain-drafting model: a `DraftModel` when the draft shares the target's vocabulary (a
-    `SharedCacheDraft` when it is the target's own quantized copy), else a `TranslatedDraftModel`, which drafts in
-    the target's ids through text."""
+    """The run's chain-drafting model: a `DraftModel`, a `SharedCacheDraft` for the target's own quantized copy, or
+    for a draft of another vocabulary a `TranslatedDraftModel` (it drafts through text)."""
     if state.draft is not None and state.draft.vocab_key != state.lm.vocab_key:
         from decoders.drafting.translate import TranslatedDraftModel
 
@@ -77,9 +74,8 @@ class DraftModel:
 
     def next_token(self, feed: list[int], allowed: torch.Tensor | None = None
                    ) -> Generator[Call, torch.Tensor, tuple[int, torch.Tensor | None, float, int]]:
-        """One draft call on `feed`: the draft's next token (greedy: its argmax; sampling: a draw from the run's
-        filtered distribution, under the grammar's mask `allowed` if any), that distribution [vocab] (None in greedy
-        mode), the token's probability, and the likeliest other token (what a tree would hold beside it)."""
+        """One draft call on `feed`: (the next token under `allowed` - the argmax, or a draw from the run's filtered
+        distribution -, that distribution [vocab] or None if greedy, its probability, the likeliest other token)."""
         state = self.state
         logits = (yield from self.forward(feed, keep=1))[0, : self.width]  # [width]
         if allowed is not None:

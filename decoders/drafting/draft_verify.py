@@ -69,9 +69,8 @@ class DraftVerify(Decoder):
 
 def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None, logits: torch.Tensor
            ) -> tuple[list[int], int, torch.Tensor]:
-    """Verify `draft` by the target's `logits` [k + 1 (+ window), vocab], restricted by `masks` [k + 1, vocab]
-    if any; returns (accepted node indices, next token, the logits [len(path) + 1, vocab] each of those tokens was
-    verified or chosen with). A window's rows go back to it."""
+    """Verify `draft` by the target's `logits` [k + 1 (+ window), vocab] under `masks` [k + 1, vocab]: (accepted
+    nodes, next token, the logits [len(path) + 1, vocab] each was chosen with); a window's rows go back to it."""
     k = len(draft.tokens)
     if draft.window is not None:
         draft.window.logits = logits[k + 1:]  # [w, vocab]

@@ -267,9 +267,8 @@ KINDS = ("output", "prompt")
 
 
 class SuffixStore:
-    """Earlier outputs (and, if added, prompts) shared across `generate` calls: a `SuffixIndex` of at most
-    `max_tokens` tokens, evicting whole sequences first in, first out; thread-safe (one lock). `depth` 48 = max_match
-    + max_tree of the default `SuffixOptions`."""
+    """Earlier outputs (and, if added, prompts) shared across `generate` calls: a thread-safe `SuffixIndex` of at most
+    `max_tokens` tokens, evicting whole sequences first in, first out (`depth` 48: max_match + max_tree)."""
 
     def __init__(self, max_tokens: int = 100_000, depth: int = 48) -> None:
         self.max_tokens = max_tokens  # evict the oldest sequences beyond this many tokens

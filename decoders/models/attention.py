@@ -48,8 +48,7 @@ if AttentionInterface is not None:
 
 
 def use_grouped(model) -> bool:
-    """Switch `model` to `grouped_sdpa` where it runs transformers' "sdpa" with fewer key/value heads than query heads;
-    True if it did (or already ran it)."""
+    """Switch `model` to `grouped_sdpa` where it runs "sdpa" with grouped key/value heads; True if it runs it now."""
     config = model.config.get_text_config(decoder=True)
     implementation = getattr(model.config, "_attn_implementation", None)
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)

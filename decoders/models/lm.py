@@ -234,8 +234,7 @@ class LM:
         return additive["full_attention"]
 
     def check_tree_mask(self, role: str = "target") -> None:
-        """Raise a clear error naming the model's `role` ("target" or "draft") unless a tree-masked call scores every
-        node exactly as its own path would (probed once per LM: some model classes ignore or reject 4D masks)."""
+        """Raise naming the model's `role` unless a tree-masked call scores each node as its path would (probed)."""
         if getattr(self, "_tree_mask_ok", None) is None:
             self._tree_mask_ok = _probe_tree_mask(self)
         if self._tree_mask_ok is not True:
@@ -357,8 +356,7 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
 
 
 def _hub_may_have(name: str) -> bool:
-    """Whether hub id `name` can be loaded: it is in the local hub cache, or the hub is reachable (answered at once
-    when HF_HUB_OFFLINE is set, instead of after transformers' retries)."""
+    """Whether hub id `name` is in the local hub cache or the hub is reachable (at once False under HF_HUB_OFFLINE)."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):

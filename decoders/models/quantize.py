@@ -213,8 +213,7 @@ def _seconds(call, device: torch.device) -> float:
 
 
 def quantize(lm: LM, scheme: str = "int8") -> LM:
-    """A new `LM` whose linear layers, the LM head included, run with int8 weights; `lm` is left untouched. The
-    copy shares `lm`'s tokenizer and every parameter that stays float (embeddings, norms, biases)."""
+    """A new `LM` whose linear layers (the head too) run with int8 weights, sharing the rest of `lm` (untouched)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
     if (done := is_quantized(lm)) is not None:

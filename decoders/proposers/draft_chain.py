@@ -12,9 +12,8 @@ from decoders.proposers.base import Clock, Step
 
 
 class ChainProposer:
-    """A draft model's chains. With a `chooser` a chain runs past its plan while the next token is predicted to pay
-    (`Chooser.should_continue`, judged by the draft's probability of the tokens so far); without one it is exactly
-    the plan's length."""
+    """A draft model's chains: the plan's length, or with a `chooser` on past it while the next token is predicted to
+    pay (`Chooser.should_continue`)."""
 
     name = "draft"
     corrected = True

@@ -23,8 +23,7 @@ from decoders.proposers.suffix import SuffixProposer
 
 @dataclass(frozen=True)
 class LookaheadOptions:
-    """Options of `lookahead`: a small window and few guesses (at most 19 tokens a call), as a CPU's call of 16
-    tokens costs more than one token's (docs/design/evidence.md)."""
+    """Options of `lookahead`: at most 19 tokens a call, as a CPU's call of 16 costs more than one's (evidence.md)."""
 
     window: int = 2  # W: Jacobi window columns (0 = no window: candidates come from the prompt and the text only)
     ngram: int = 4  # N: n-gram size; the window has N - 1 levels, candidates are N - 1 tokens
