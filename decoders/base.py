@@ -117,7 +117,6 @@ class Stats:
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / drafted (0 when nothing was drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
@@ -186,7 +185,6 @@ class DecodeState:
 
     @property
     def remaining(self) -> int:
-        """How many more tokens the run may add."""
         return self.max_new_tokens - (len(self.tokens) - self.prompt_len)
 
     def uncached(self) -> list[int]:
@@ -206,7 +204,6 @@ class DecodeState:
         return self.lm.forward(call.tokens, self.cache, call.positions, call.tree_mask, call.keep)
 
     def score(self, extra: Sequence[int] = ()) -> torch.Tensor:
-        """`forward(call(extra))`."""
         return self.forward(self.call(extra))
 
     def choose(self, logits: torch.Tensor) -> int:

@@ -63,8 +63,7 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
 
 
 class Decoding:
-    """One checked, ready run: `chunks()` steps it to the end, yielding each step's tokens; `result()` reads it.
-    `state` holds its live counters (for tools that time every step, e.g. the evaluator)."""
+    """One checked, ready run: `chunks()` steps it, `result()` reads it, `state` holds its live counters."""
 
     def __init__(self, state: DecodeState, decoder: Decoder) -> None:
         self.state, self.decoder = state, decoder
@@ -225,8 +224,7 @@ def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, 
 
 
 def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
-    """The draft model: an `LM` as given, "self:int8" for the target's own int8 copy (made once per target and
-    kept on it), or a name for `decoders.load` in the target's dtype and device."""
+    """The draft: an `LM`, "self:int8" (the target's own int8 copy, kept on it), or a name to load like the target."""
     if draft is None or isinstance(draft, LM):
         return draft
     if not isinstance(draft, str):
@@ -237,8 +235,7 @@ def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
 
 
 def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
-    """The prompt as a list of token ids: text, or one sequence of ids (list, tuple, numpy array, [T] or [1, T]
-    tensor). A tensor of several rows is refused: pass a list of prompts instead."""
+    """The prompt as token ids: text, or one sequence of ids (a list, an array, a [T] or [1, T] tensor; not a batch)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty; give some text or token ids to continue")

@@ -11,7 +11,9 @@ and the plan is the offer and i of highest E / S; i = 0 is a plain step, which w
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -76,11 +78,7 @@ class Plan:
 
 def expected_tokens(accept: Sequence[float]) -> float:
     """E = 1 + sum_i prod_{j<=i} p_j."""
-    total, running = 1.0, 1.0
-    for p in accept:
-        running *= p
-        total += running
-    return total
+    return sum(itertools.accumulate(accept, operator.mul), 1.0)
 
 
 def given_above(reach: Sequence[float]) -> tuple[float, ...]:
@@ -95,9 +93,8 @@ def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
 
 
 def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ...]:
-    """Acceptance per level of a tree merged from drafts, from each one's main path (tokens) and acceptance per level:
-    paths agreeing on their first d tokens are one guess, as likely as the likeliest; paths that part ways are
-    independent guesses, the first d levels accepted unless all are wrong, never more often than the first d - 1."""
+    """Acceptance per level of a tree merged from drafts' main paths (tokens, acceptance per level): paths agreeing on
+    d tokens are one guess, as likely as the likeliest; d levels pass unless every guess fails, at most as d - 1 do."""
     reach = []
     for d in range(1, max((min(len(t), len(a)) for t, a in paths), default=0) + 1):
         guesses: dict[tuple[int, ...], float] = {}

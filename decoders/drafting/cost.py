@@ -242,9 +242,8 @@ def _resize(cache, length: int) -> None:
 
 
 def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
-    """Time calls of `lm` scoring `sizes` tokens (at SHORT context up to the first `proportional` skips, the smallest
-    and largest at LONG), keeping every position's logits: (samples, noise). Rounds repeat, ROUNDS and more until
-    `budget` seconds, each point keeping its fastest time; noise: the median over points of median / fastest - 1."""
+    """(samples, noise) of `lm`'s calls of `sizes` tokens (all logits kept) at SHORT until `proportional`, the least and
+    most at LONG, each point's fastest of ROUNDS+ rounds in `budget` s; noise: median over points of median/min - 1."""
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
     begin = time.perf_counter()
@@ -277,9 +276,8 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
 
 
 def proportional(timed: list[tuple[int, float]], n: int) -> bool:
-    """Whether a call of `n` tokens need not be measured, given `timed` ((size, seconds), sizes increasing from 1):
-    three sizes timed, each call compute-bound (LINEAR of a one-token call per token) and the last segment extrapolated
-    to `n` past BUDGET."""
+    """Whether a call of `n` tokens need not be measured after `timed` ((size, seconds), sizes from 1): three timed, all
+    compute-bound (LINEAR of a one-token call per token), the last segment extrapolated to `n` past BUDGET."""
     if len(timed) < 3:
         return False
     one = timed[0][1]
@@ -426,7 +424,6 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        """The model `to_dict` wrote."""
         draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
         return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})))
 

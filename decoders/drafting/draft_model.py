@@ -92,7 +92,6 @@ class DraftModel:
         return token, row, float(probs[token]), second if first == token else first
 
     def uncached(self) -> list[int]:
-        """The run's tokens this draft model has not seen yet."""
         return self.state.tokens[len(self.cache):]
 
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:

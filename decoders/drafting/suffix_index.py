@@ -308,7 +308,6 @@ class SuffixStore:
             self._added += 1
 
     def clear(self) -> None:
-        """Forget everything."""
         with self._lock:
             self._index = SuffixIndex(self._index.depth)
             self._kinds.clear()

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 
 def shared_length(a: Sequence, b: Sequence) -> int:
-    """How many leading items `a` and `b` share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -59,8 +58,7 @@ def tree_call(state: DecodeState, draft: Draft) -> Call:
 
 
 def keep_path(cache: KVCache, start: int, slots: Sequence[int]) -> None:
-    """Keep the cache's first `start` positions plus `slots` (the accepted path's cache indices, increasing): a crop
-    when the path is the run right after `start` (a chain, or a tree's first branch), else a gather."""
+    """Keep the cache's first `start` positions and `slots` (increasing): a crop where they follow on, else a gather."""
     slots = list(slots)
     if slots == list(range(start, start + len(slots))):
         cache.crop(min(len(cache), start + len(slots)))
@@ -104,8 +102,7 @@ def merge(drafts: Sequence[Draft], source: str = "draft") -> Draft:
 
 
 def common(part: Draft, whole: Draft) -> list[int]:
-    """The nodes of `part` whose paths from the root `whole` holds too (what is left of a merged tree's part after the
-    tree was cut to the levels verified, by a grammar, after an EOS)."""
+    """The nodes of `part` whose paths from the root `whole` holds too (what is left of a merged tree's part, cut)."""
     children = {(parent, token): node for node, (parent, token) in enumerate(zip(whole.links, whole.tokens))}
     place, kept = {-1: -1}, []
     for node, parent in enumerate(part.links):
@@ -123,5 +120,4 @@ def per_level(parents: Sequence[int]) -> tuple[int, ...]:
 
 
 def levels_above(draft: Draft, levels: int) -> Draft:
-    """The draft's first `levels` levels."""
     return draft.subset([n for n, d in enumerate(depths(draft.links)) if d < levels])

@@ -69,7 +69,6 @@ _PROBE = "The capital of France is Paris. def add(a, b):\n    return a + b  # ü
 
 
 def names() -> list[str]:
-    """The zoo's model names, sorted."""
     return sorted(ZOO)
 
 
@@ -249,7 +248,6 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
         raise ZooError(f"could not convert zoo model {model.name!r} with transformers {transformers.__version__}: "
                        f"{type(exc).__name__}: {exc}. Try another transformers/gguf version, or report it.") from exc
     problems = []
-    # bf16 rounding stays well under the bar; a random lm_head or a misplaced tensor gives ~100%. NaN fails too.
     if not error <= 0.05:
         problems.append(f"logits differ from the GGUF model by {error:.1%} (relative L2)")
     if tokenizer2.get_vocab() != tokenizer.get_vocab() or tokenizer2(_PROBE).input_ids != ids[0].tolist():

@@ -97,7 +97,10 @@ class AutoDrafter:
         # (a call that feeds the prompt is planned as the steps after it: the prompt's cost is the same for any plan)
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
         self.start = len(state.tokens)
-        self.record(state, plan)
+        details, name = state.stats.details, plan.proposer or "none"  # what auto chose, for reports
+        details["steps"][name] = details["steps"].get(name, 0) + 1
+        details["predicted_tokens"] += plan.expected_tokens
+        details["predicted_seconds"] += plan.seconds
         draft = (yield from drafting(self.by_name[plan.proposer].draft(state, plan))) if plan.proposer else Draft([])
         for proposer in self.proposers:  # what rides along unverified (lookahead's window)
             if (ride := getattr(proposer, "ride", None)) is not None:
@@ -122,14 +125,6 @@ class AutoDrafter:
                 self.chooser.learn_rate(self.plan, len(step.tokens), step.seconds)
         for proposer in self.proposers:
             proposer.learn(state, step)
-
-    def record(self, state: DecodeState, plan: Plan) -> None:
-        """What auto chose, for reports: steps per proposer, and the predicted tokens and seconds."""
-        details = state.stats.details
-        name = plan.proposer or "none"
-        details["steps"][name] = details["steps"].get(name, 0) + 1
-        details["predicted_tokens"] += plan.expected_tokens
-        details["predicted_seconds"] += plan.seconds
 
 
 @register("auto")
