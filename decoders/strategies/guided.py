@@ -1,9 +1,3 @@
-"""`guided`: grammar-constrained decoding that skips the model wherever the grammar alone decides the next tokens.
-
-Forced tokens (source "grammar") are accepted without a model call and scored in the next call's uncached tail.
-Lossless: a forced token has probability 1 under the masked distribution, and no draw is taken for it.
-"""
-
 from __future__ import annotations
 
 from decoders.base import DecodeState, Decoder, Steps
@@ -12,7 +6,8 @@ from decoders.registry import register
 
 @register("guided")
 class Guided(Decoder):
-    """Greedy or sampled decoding under a grammar, with forced tokens fast-forwarded instead of decoded."""
+    """Greedy or sampled decoding under a grammar, with forced tokens fast-forwarded instead of decoded.
+    A forced token (source "grammar") takes no model call, is scored in the next, and has probability 1: lossless."""
 
     needs_grammar = True
 

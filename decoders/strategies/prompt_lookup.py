@@ -1,6 +1,3 @@
-"""`prompt_lookup`: prompt lookup decoding (Saxena 2023) - no draft model; the draft is what followed the most recent
-earlier occurrence of the context's last n tokens (`decoders.proposers.lookup`)."""
-
 from __future__ import annotations
 
 from decoders.drafting import DraftVerify
@@ -10,7 +7,8 @@ from decoders.registry import register
 
 @register("prompt_lookup")
 class PromptLookup(DraftVerify):
-    """Speculative decoding with n-gram matches from the context as the draft."""
+    """Speculative decoding with n-gram matches from the context as the draft.
+    Saxena 2023, "Prompt lookup decoding": what followed the latest earlier match of the last n tokens (`lookup`)."""
 
     Options = PromptLookupOptions
     drafter = LookupDrafter

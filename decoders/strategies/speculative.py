@@ -1,8 +1,5 @@
-"""`speculative`: a small draft model proposes k tokens, the target checks them all in one call.
-
-Leviathan et al. 2023 / Chen et al. 2023; exact in both modes (`samplers.verify`). Unless given, k is the one this
-device's measured call costs favour (`default_k`).
-"""
+"""`speculative`: a draft model proposes k tokens, the target checks them in one call (Leviathan et al. 2023 / Chen et
+al. 2023; exact in both modes, `samplers.verify`)."""
 
 from __future__ import annotations
 

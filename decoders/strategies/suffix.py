@@ -1,7 +1,5 @@
-"""`suffix`: suffix decoding (Oliaro et al. 2024, "SuffixDecoding"), no draft model: a tree of what followed the
-longest matching suffix of the context in the prompt, the output so far and, with `store=`, earlier outputs
-(`decoders.drafting.suffix_index`). One-hot drafts: exact in greedy and in sampling mode.
-"""
+"""`suffix`: suffix decoding (Oliaro et al. 2024, "SuffixDecoding"; the index: `decoders.drafting.suffix_index`).
+One-hot drafts: exact in greedy and in sampling mode."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""`threshold`: speculative decoding whose draft length follows the draft model's confidence.
-
-From "How to make LLMs go fast" (vgel.me): draft while the draft's cumulative probability stays at or above a
-threshold that moves after each verification (`adapt_threshold`), within [min_threshold, max_threshold].
-"""
+"""`threshold`: speculative decoding whose draft length follows the draft's confidence ("How to make LLMs go fast",
+vgel.me): it drafts while its cumulative probability stays at or above a threshold that moves (`adapt_threshold`)."""
 
 from __future__ import annotations
 
