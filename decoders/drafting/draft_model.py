@@ -1,7 +1,3 @@
-"""The draft models a chain drafter follows the run with (`draft_model(state)` picks one). A draft never decides what is
-emitted, so what it cannot do is not drafted: past its own context it stops, an id it cannot embed becomes a stand-in.
-"""
-
 from __future__ import annotations
 
 import warnings
@@ -32,7 +28,8 @@ def draft_model(state: DecodeState) -> DraftModel:
 
 
 class DraftModel:
-    """A draft LM with its own KV cache, following the run's accepted tokens one draft token at a time."""
+    """A draft LM with its own KV cache, following the run's accepted tokens. It never decides what is emitted, so what
+    it cannot do is not drafted: past its context it stops, an id it cannot embed is fed as a stand-in."""
 
     translates = False  # drafts in the target's ids from a draft of another vocabulary
 

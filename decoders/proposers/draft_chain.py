@@ -1,6 +1,3 @@
-"""The draft model's chain, one token a draft call (`speculative`, and `auto` while it pays): Leviathan et al. 2023 /
-Chen et al. 2023, each token carrying the distribution it was drawn from for `samplers.verify`'s rejection sampling."""
-
 from __future__ import annotations
 
 from decoders.base import DecodeState

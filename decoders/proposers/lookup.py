@@ -1,6 +1,3 @@
-"""Prompt lookup's proposer (`prompt_lookup`, a `staged` lower stage): what followed the most recent earlier match of
-the context's last n tokens."""
-
 from __future__ import annotations
 
 from dataclasses import dataclass

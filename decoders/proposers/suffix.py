@@ -1,7 +1,3 @@
-"""The suffix index's trees (`suffix`, and `auto`): what followed the longest matching suffix of the context. Their
-acceptance is judged on calibration curves of the index's probabilities, one per matched length (`match_curve`).
-"""
-
 from __future__ import annotations
 
 from decoders.base import DecodeState
@@ -25,7 +21,8 @@ def summarize(tree: SuffixDraft) -> list[float]:
 
 
 class SuffixProposer:
-    """The run's suffix index, grown with every accepted token, and the trees it drafts."""
+    """The run's suffix index, grown with every accepted token, and the trees it drafts, whose acceptance is judged on
+    calibration curves of the index's probabilities, one per matched length (`match_curve`)."""
 
     name = "suffix"
     corrected = False
