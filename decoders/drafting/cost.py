@@ -100,19 +100,15 @@ class CallCost:
         self.scale = math.exp(self._level())
         if self.source is not None and len(self.history) >= STALE_CALLS:
             off = math.exp(statistics.median(ratio for _, ratio in self.history))
-            if off * STALE < 1:
-                self._mark_stale(off)
-
-    def _mark_stale(self, off: float) -> None:
-        """Remove the cache file (this run's calls take `off` times its curve) for the next run to measure; warn."""
-        path, self.source = self.source, None
-        try:
-            path.unlink(missing_ok=True)
-            outcome = "removed: the next run measures it again"
-        except OSError as error:
-            outcome = f"could not be removed ({error})"
-        warnings.warn(f"calibration {path} is stale: this run's calls take {off:.2g}x its curve; {outcome}",
-                      stacklevel=3)
+            if off * STALE < 1:  # measured on a busy machine: the next run measures it again
+                path, self.source = self.source, None
+                try:
+                    path.unlink(missing_ok=True)
+                    outcome = "removed: the next run measures it again"
+                except OSError as error:
+                    outcome = f"could not be removed ({error})"
+                warnings.warn(f"calibration {path} is stale: this run's calls take {off:.2g}x its curve; {outcome}",
+                              stacklevel=2)
 
     def _level(self) -> float:
         return statistics.median(ratio - math.log(self.offset(n)) for n, ratio in self.history)

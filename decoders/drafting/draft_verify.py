@@ -1,10 +1,3 @@
-"""The one draft-then-verify loop that every drafting strategy shares, for chains and trees.
-
-A step: the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft in one call (a tree
-under a tree mask, `decoders.drafting.tree`, any `Window` riding along); a verifier (`samplers.verify`) keeps a path
-and adds one target token; the cache keeps the accepted path; the drafter learns how far it got.
-"""
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,7 +14,9 @@ from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, 
 
 
 class DraftVerify(Decoder):
-    """Base class of the drafting strategies: subclasses set `drafter(state, options) -> Drafter`, a callable."""
+    """Base class of the drafting strategies: subclasses set `drafter(state, options) -> Drafter`, a callable. A step:
+    the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft (a tree under a tree mask,
+    any `Window` along) in one call; a verifier keeps a path and adds one token; the drafter learns how far it got."""
 
     drafter: ClassVar[Callable[..., Drafter]]
 

@@ -1,10 +1,3 @@
-"""`TranslatedDraftModel`: a draft model of another tokenizer, drafting for the target through text (Timor et al.
-2025, arXiv 2502.05202; transformers' universal assisted decoding). The draft follows the run's text, re-encoded from
-a few tokens back. Greedy mode: the drafted text, encoded with the target's tokenizer after the last accepted tokens,
-is the draft. Sampling mode: the draft samples only tokens whose text is one target token, so its distribution is
-over target tokens. The target verifies every token either way: the draft never decides what is emitted.
-"""
-
 from __future__ import annotations
 
 from collections.abc import Generator
@@ -72,7 +65,10 @@ def shared_tokens(lm: LM, draft: LM) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TranslatedDraftModel(DraftModel):
-    """A draft LM of another tokenizer, with its own KV cache following the run's text; drafts in target ids."""
+    """A draft LM of another tokenizer, with its own KV cache following the run's text; drafts in target ids (Timor et
+    al. 2025, arXiv 2502.05202; transformers' universal assisted decoding). Greedy mode: the drafted text, encoded with
+    the target's tokenizer after the last accepted tokens, is the draft. Sampling mode: the draft samples only tokens
+    whose text is one target token, so its distribution is one over target tokens. The target verifies every token."""
 
     translates = True
 
@@ -85,7 +81,12 @@ class TranslatedDraftModel(DraftModel):
         self.fed: list[int] = []  # [len(cache)] the draft ids its cache holds
         self.width = min(self.lm.vocab_size, len(self.lm.tokenizer), self.embeds)  # draft ids it may propose
         self.eos = self._eos_twin()
-        self.shared = None if state.sampling.greedy else self._shared()
+        self.shared = None  # sampling: (draft ids [s], target ids [s], draft id of each target id [vocab] or -1)
+        if not state.sampling.greedy:
+            theirs, ours = shared_tokens(state.lm, self.lm)
+            back = torch.full((state.lm.vocab_size,), -1, dtype=torch.long)
+            back[ours] = theirs
+            self.shared = theirs.to(self.lm.device), ours.to(state.lm.device), back
 
     def _eos_twin(self) -> int | None:
         """The target's EOS that a draft EOS stands for: the one spelled alike, else the target tokenizer's own."""
@@ -96,13 +97,6 @@ class TranslatedDraftModel(DraftModel):
                 return twin
         own = self.state.lm.tokenizer.eos_token_id
         return own if own in eos else None
-
-    def _shared(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(draft ids [s], target ids [s], draft id of each target id [vocab], -1 where none) on the right devices."""
-        theirs, ours = shared_tokens(self.state.lm, self.lm)
-        back = torch.full((self.state.lm.vocab_size,), -1, dtype=torch.long)
-        back[ours] = theirs
-        return theirs.to(self.lm.device), ours.to(self.state.lm.device), back
 
     def sync(self) -> None:
         """Bring `text` and the draft's `ids` up to the run's accepted tokens."""
