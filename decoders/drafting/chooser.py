@@ -1,7 +1,6 @@
-"""What to draft this step, and how much: the plan of most expected new tokens per second.
-
-A proposer's `Offer` holds up to k levels with p_i = P(level i accepted | the levels above accepted) (from its
-`Acceptance`) and what drafting them costs. Its first i levels after L cached tokens gain and cost
+"""What to draft this step, and how much: the plan of most expected new tokens per second. A proposer's `Offer` holds
+up to k levels with p_i = P(level i accepted | the levels above) (from its `Acceptance`) and what drafting them costs.
+Its first i levels after L cached tokens gain and cost
 
     E(i) = 1 + sum_{j<=i} prod_{l<=j} p_l      tokens (the target's own next token included)
     S(i) = drafting(i) + t(1 + nodes(i), L)    seconds (t: the target's measured call cost)
@@ -106,8 +105,7 @@ def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ..
 
 
 class Acceptance:
-    """One proposer's acceptance estimates: Beta posteriors per depth with forgetting, and calibration curves of the
-    drafter's own probabilities, one per named curve (a proposer may judge kinds of its drafts apart)."""
+    """A proposer's acceptance estimates: Beta posteriors per depth, with forgetting; curves of its probabilities."""
 
     def __init__(self, options: ChooserOptions | None = None, prior: float | None = None) -> None:
         self.options = options or ChooserOptions()
@@ -191,9 +189,8 @@ class Chooser:
         return plan.rate * self.correction(plan.proposer)
 
     def choose(self, offers: Sequence[Offer], context: int, remaining: int | None = None) -> Plan:
-        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter that costs drafting
-        seconds is due a probe of `probe_tokens` levels: declined `probe_after` steps in a row and `could_pay`, or never
-        taken once the run has spent its catching up (ski rental: a short answer to a long prompt never pays it)."""
+        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter with drafting seconds is
+        due a probe: declined `probe_after` steps in a row and `could_pay`, or never taken and its catch-up spent."""
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
         due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (

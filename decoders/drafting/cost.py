@@ -1,10 +1,5 @@
-"""A cost model of this device: how many seconds a target or draft call takes, measured once and refined online.
-
-A call scoring n new tokens after L cached ones costs t(n, L) = scale * offset(n) * (f(n) + (per_position +
-per_position_per_token * (n - 1)) * L) seconds, f piecewise linear through measured sizes. `calibrate` measures it at
-start-up and caches the fit per model, dtype, device, CPU, threads and torch version; `CallCost.observe` corrects it by
-the run's calls. The evidence for each mechanism is in docs/design/auto.md.
-"""
+"""A cost model of this device: how many seconds a target or draft call takes, measured once and refined online
+(`calibrate`, cached per model, dtype, device, CPU, threads and torch version; evidence in docs/design/auto.md)."""
 
 from __future__ import annotations
 
@@ -57,7 +52,9 @@ class RunningMean:
 
 @dataclass
 class CallCost:
-    """Seconds of one forward call of one model in one role, the fit corrected by the run's calls (see the module)."""
+    """Seconds of one forward call of one model in one role: scoring n new tokens after L cached ones costs
+    scale * offset(n) * (f(n) + (per_position + per_position_per_token * (n - 1)) * L), f piecewise linear through the
+    measured sizes, `observe` correcting it by the run's calls."""
 
     sizes: tuple[int, ...]  # n at the knots of f, increasing, from 1
     seconds: tuple[float, ...]  # f at the knots: seconds at L = 0, nondecreasing

@@ -1,9 +1,8 @@
-"""The data structure under `suffix` decoding: a counted suffix trie over token sequences that drafts token trees.
-
-SuffixDecoding (Oliaro et al. 2024, arXiv 2411.04975; ArcticInference, vLLM's method="suffix"): the longest suffix of
-the context is matched in the run's own tokens (`SuffixIndex`) and in earlier outputs (`SuffixStore`), and a tree
-grows from what followed it, best first by empirical path probability (the product of count(child) / count(parent)).
-A substring seen once is a *leaf* of its parent (an int packing its token's position), read from the sequence itself.
+"""The data structure under `suffix` decoding (Oliaro et al. 2024, "SuffixDecoding", arXiv 2411.04975; ArcticInference,
+vLLM's method="suffix"): the longest suffix of the context is matched in a counted suffix trie of the run's own tokens
+(`SuffixIndex`) and of earlier outputs (`SuffixStore`), and a draft tree grows from what followed it, best first by
+empirical path probability (the product of count(child) / count(parent)). A substring seen once is a *leaf* of its
+parent (an int packing its token's position), read from the sequence itself.
 """
 
 from __future__ import annotations

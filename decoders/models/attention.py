@@ -63,8 +63,7 @@ def use_grouped(model) -> bool:
 
 @contextlib.contextmanager
 def stock(*models) -> Iterator[None]:
-    """Within: each of `models` (None skipped) that `use_grouped` switched runs transformers' own "sdpa" (its peers are
-    timed as users get them, and its continuous batching accepts only its own implementations)."""
+    """Within: each of `models` that `use_grouped` switched runs transformers' own "sdpa" (peers as users get them)."""
     switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == NAME]
     with restored(*switched):
         for model in switched:

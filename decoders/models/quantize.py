@@ -1,11 +1,7 @@
-"""Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original.
-
-Every linear layer (`nn.Linear`, GPT-2's `Conv1D`), the LM head included, becomes an `Int8Linear`: int8 weights, one
-symmetric scale per output channel; embeddings, norms and biases stay float and shared. Kernels (`KERNELS`, the first
-the device runs): fbgemm's dynamic quantized linear ("int8_activations", x86 CPUs), `aten._weight_int8pack_mm`
-("int8_mm"), the weight dequantized in the matmul ("dequantize"). Calls of at least `float_from` rows run on the
-layer's shared float weight, where that was timed faster.
-"""
+"""Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original. Kernels
+(`KERNELS`, the first the device runs): fbgemm's dynamic quantized linear ("int8_activations", x86 CPUs),
+`aten._weight_int8pack_mm` ("int8_mm"), the weight dequantized in the matmul ("dequantize"); calls of at least
+`float_from` rows run on the layer's shared float weight, where that was timed faster."""
 
 from __future__ import annotations
 

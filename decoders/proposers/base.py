@@ -16,8 +16,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Clock:
-    """What a run times its calls by. `timed` False: it plans by no clock (a seeded sampling run, whose sample the
-    seed repeats only where what is drafted hangs on no timing), and `elapsed` gives the planned seconds."""
+    """What a run times calls by; `timed` False (a seeded sampling run): no clock, `elapsed` gives planned seconds."""
 
     now: Callable[[], float] = time.perf_counter
     timed: bool = True

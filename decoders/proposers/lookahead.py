@@ -1,8 +1,7 @@
-"""Lookahead's proposer (`lookahead`, and `auto`'s guesses): Fu et al. 2024, "Break the Sequential Dependency of LLM
-Inference Using Lookahead Decoding". Each target call scores, after the uncached tail, up to `guesses` pool n-grams
-continuing the last token (a tree, verified as any draft) and a Jacobi window of `window` columns and up to N - 1
-levels (`window_mask`), whose predictions give its next level; a column's full trajectory becomes a pool n-gram. The
-pool starts with the prompt's n-grams and learns the accepted text's. One-hot drafts: exact in both modes.
+"""Lookahead's proposer (`lookahead`, `auto`'s guesses; Fu et al. 2024): each target call scores, after the uncached
+tail, up to `guesses` pool n-grams continuing the last token (a tree, verified as any draft) and a Jacobi window of
+`window` columns and up to N - 1 levels (`window_mask`) whose predictions give its next level; a full column becomes
+a pool n-gram. The pool starts with the prompt's n-grams and learns the accepted text's. One-hot drafts: exact.
 """
 
 from __future__ import annotations

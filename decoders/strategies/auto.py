@@ -1,8 +1,6 @@
-"""`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second.
-
-Every proposer (`decoders.proposers`) offers what it could draft, the `Chooser` picks the plan of highest expected
-tokens per second (or a plain step), and every proposer learns from the verified `Step`. Exact in both modes; a
-seeded sampling run plans by no clock, so the seed repeats the sample.
+"""`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second: every proposer
+offers what it could draft, the `Chooser` picks the plan (or a plain step), and every proposer learns from the verified
+`Step`. Exact in both modes; a seeded sampling run plans by no clock, so the seed repeats the sample.
 """
 
 from __future__ import annotations
