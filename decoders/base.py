@@ -112,7 +112,7 @@ class Stats:
     seconds: float = 0.0
     ttft_seconds: float = 0.0  # until the first new token
     details: dict[str, Any] = field(default_factory=dict)  # a strategy's own record (auto: what it chose)
-    # greedy mode, per new token: best logit minus its (under the grammar), None if forced; for the lossless check
+    # greedy mode, per new token: the best logit minus the token's (grammar-masked), None if forced (lossless check)
     argmax_gaps: list[float | None] = field(default_factory=list)
 
     @property
