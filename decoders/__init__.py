@@ -4,10 +4,8 @@
     result = decoders.generate(lm, "The capital of France is", strategy="greedy", max_new_tokens=32)
     results = decoders.generate(lm, ["def add(a, b):", "Once upon a time"], strategy="suffix")  # batched
 
-Layout: strategies/ holds one file per strategy (the place to add one); proposers/ one file per source of guesses,
-shared by those strategies and `auto`; drafting/ the draft-then-verify machinery they share; models/ the model
-wrapper, cache, zoo and quantization; base.py, driver.py, registry.py and capabilities.py the run itself; batch.py
-many runs sharing each target call.
+strategies/ holds one file per strategy, proposers/ one per source of guesses, drafting/ the draft-then-verify
+machinery, models/ the model wrapper, cache, zoo and quantization; batch.py runs many prompts in shared calls.
 """
 
 from decoders.base import Chunk, DecodeState, Decoder, Result, Stats

@@ -1,16 +1,13 @@
 """What every strategy shares: the `Decoder` base class, the per-run `DecodeState`, and the `Result` it produces.
 
-A strategy is stateless apart from its frozen options. Everything that changes during a run - tokens, caches, the
-random generator, counters, a drafting strategy's drafter - lives in the `DecodeState` the driver passes to
-`Decoder.step`. Each step appends one or more tokens with `state.accept`, which applies every stopping rule.
+A strategy is stateless apart from its frozen options: everything a run changes lives in its `DecodeState`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -30,25 +27,21 @@ SLACK = 64  # positions past the run's last token that a call checking a draft m
 
 @dataclass
 class Call:
-    """One model call a step asks for: `tokens` scored after the cached ones (the cache grows by them), by the target
-    or a draft model (`lm`); yielded alike, so that a batch runs each model's calls of all its rows in one forward."""
+    """One model call a step yields, the target's or a draft's (`lm`): a batch runs each model's in one forward."""
 
     tokens: list[int]  # [T]
     positions: list[int] | None = None  # [T] position ids; None: len(cache) + 0..T-1
-    tree_mask: torch.Tensor | None = None  # [T, T] bool, True where token i sees token j; None: causal
-    # (or [T, len(cache) + T]: also which cached positions each sees, for a draft's tree grown over several calls)
+    tree_mask: torch.Tensor | None = None  # [T, T] (or [T, len(cache) + T]) bool: token i sees j; None: causal
     keep: int = 0  # logits of the last `keep` positions only (0: all)
     lm: LM | None = None  # a draft model's call: that model; None: the run's target
-    cache: KVCache | StaticKVCache | RowCache | None = None  # a draft model's call: the draft's cache (in a batch,
-    # its row of the batch's cache for that draft model)
+    cache: KVCache | StaticKVCache | RowCache | None = None  # a draft model's call: the draft's cache (or batch row)
 
 
 Steps = Generator[Call, torch.Tensor, None]  # a step: yields each model call, is sent its logits [keep or T, vocab]
 
 
 def drive(steps: Generator[Call, torch.Tensor, Any], forward: Callable[[Call], torch.Tensor]) -> Any:
-    """Run a step (or any generator of calls, e.g. a draft chain) to its end, each call it yields answered by
-    `forward`; returns what it returns."""
+    """Run a generator of calls (a step, a draft chain) to its end, answering each by `forward`; returns its value."""
     try:
         call = next(steps)
         while True:
@@ -93,8 +86,7 @@ class Decoder:
         drive(self.steps(state), state.forward)
 
     def steps(self, state: DecodeState) -> Steps:
-        """`step` as a generator that yields its target calls (`Call`) and is sent their logits, so that one forward can
-        serve many runs (`decoders.batch`); a strategy that implements only `step` runs one prompt at a time."""
+        """`step` as a generator that yields its `Call`s and is sent their logits (a batch's rows share a forward)."""
         raise NotImplementedError(f"strategy {self.name!r} implements neither step nor steps")
 
     @classmethod
@@ -120,13 +112,11 @@ class Stats:
     seconds: float = 0.0
     ttft_seconds: float = 0.0  # until the first new token
     details: dict[str, Any] = field(default_factory=dict)  # a strategy's own record (auto: what it chose)
-    # Greedy mode, one per new token: the best logit minus the token's, in the target call that chose it (under the
-    # grammar); 0 for the argmax, None for a token no call chose (grammar-forced). Evidence for the lossless check.
+    # greedy mode, per new token: the best logit minus the token's (grammar-masked), None if forced (lossless check)
     argmax_gaps: list[float | None] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
-        """accepted / drafted (0 when nothing was drafted)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
@@ -144,8 +134,7 @@ class Stats:
         return {**dataclasses.asdict(self), **derived}
 
     def count_accepted(self, drafted: int, accepted: int, levels: int) -> None:
-        """Record one verification: `drafted` tokens proposed (a tree's node count), `accepted` of them kept (a chain's
-        prefix, a tree's path), `levels` deep (a chain's: `drafted`)."""
+        """One verification: `drafted` tokens proposed, `accepted` kept (a prefix, a tree's path), `levels` deep."""
         self.drafted += drafted
         self.accepted += accepted
         self.draft_lengths.append(drafted)
@@ -177,8 +166,7 @@ class DecodeState:
     batch_tokens: int = 0  # in a batch, the tokens the shared target call scores in all rows: what the call costs
     stall: float = 1.0  # in a batch, the rows a second of this row's drafting holds up per row drafting beside it
     trying: bool = False  # in a batch, the width is a guess or a try, not the batch's best: rent no draft model on it
-    verified: tuple[int, int, list[int]] | None = None  # a drafting step's target call: (its width limit, tokens
-    # scored before the draft, the accepted draft nodes), for the batch's `Width`
+    verified: tuple[int, int, list[int]] | None = None  # a drafting step's (width, tokens before its draft, path)
 
     def __post_init__(self) -> None:
         self.cache = self.lm.new_cache(self.expected_length)
@@ -198,7 +186,6 @@ class DecodeState:
 
     @property
     def remaining(self) -> int:
-        """How many more tokens the run may add."""
         return self.max_new_tokens - (len(self.tokens) - self.prompt_len)
 
     def uncached(self) -> list[int]:
@@ -206,8 +193,7 @@ class DecodeState:
         return self.tokens[len(self.cache):]
 
     def call(self, extra: Sequence[int] = ()) -> Call:
-        """The target call on the uncached tokens plus `extra`, whose logits [len(extra) + 1, vocab] score, row i, the
-        position after the last accepted token and extra[:i]."""
+        """The target call on the uncached tokens plus `extra`; its logits row i scores what follows extra[:i]."""
         return Call(self.uncached() + list(extra), keep=len(extra) + 1)
 
     def forward(self, call: Call) -> torch.Tensor:
@@ -219,13 +205,11 @@ class DecodeState:
         return self.lm.forward(call.tokens, self.cache, call.positions, call.tree_mask, call.keep)
 
     def score(self, extra: Sequence[int] = ()) -> torch.Tensor:
-        """`forward(call(extra))`."""
         return self.forward(self.call(extra))
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from one position's target logits [vocab], by the run's sampling settings and grammar (its
-        mask first, then temperature, top-k ...). A token the grammar forces is returned without sampling, so the
-        random stream is the same whether or not a strategy skipped the model call for it."""
+        """The next token from one position's target logits [vocab] under the grammar's mask and the sampling settings.
+        A forced token takes no draw: the random stream is the same whether or not a strategy skipped its call."""
         if self.grammar is not None:
             forced = self.grammar.forced()
             if forced:
@@ -235,10 +219,8 @@ class DecodeState:
 
     def accept(self, tokens: Sequence[int], sources: Sequence[str], rows: torch.Tensor | None = None) -> int:
         """Append new tokens until EOS, a stop string or max_new_tokens ends the run; returns how many were added.
-        `rows` [len(tokens), vocab]: the target logits each token was chosen from (None: forced by the grammar). With
-        a grammar, each token advances the matcher before it joins the output (a forbidden token raises
-        `grammars.GrammarError`), and the run ends as "eos" when the model emits EOS (allowed only where the grammar
-        can finish) or once the grammar is complete, without a target call for that EOS (then not in the output)."""
+        `rows` [len(tokens), vocab]: the target logits each was chosen from (None: grammar-forced). Each token advances
+        the grammar (a forbidden one raises `grammars.GrammarError`); a complete grammar ends the run as "eos"."""
         added = 0
         for token, source in zip(tokens, sources, strict=True):
             if self.finished:

@@ -1,8 +1,5 @@
-"""What a strategy needs (the `needs_*` / `takes_draft` attributes of `decoders.Decoder`), checked once, up front.
-
-`check_request` needs no model (called before loading one); `check_models` probes the loaded models (a shared
-vocabulary where needed, tree masks), each probe cached on the `LM`.
-"""
+"""What a strategy needs (`Decoder.needs_*`, `takes_draft`), checked once, up front: `check_request` before any model
+is loaded, `check_models` on the loaded models (each probe cached on the `LM`)."""
 
 from __future__ import annotations
 

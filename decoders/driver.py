@@ -36,23 +36,18 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
 
     Args:
         lm: the target model (`decoders.load` or `decoders.wrap`).
-        prompt: text (tokenized with the model's tokenizer) or one sequence of token ids; or a list of those, decoded
-            together (continuous batching, `decoders.batch`): a list of `Result`s in the same order. Each row is
-            exactly its own run's (greedy: the same tokens as decoding it alone). A row whose own step raises ends
-            with finish_reason "error" and the error in `result.error`; the other rows go on.
-        batch_size: with a list of prompts, the most rows in flight at once (default BATCH_SIZE); a row that ends is
-            refilled with the next prompt at once.
+        prompt: text or one sequence of token ids; or a list of those, decoded together (`decoders.batch`) into a list
+            of `Result`s in order, each row exactly its own run's. A row whose own step raises ends with finish_reason
+            "error" and the error in `result.error`; the other rows go on.
+        batch_size: with a list of prompts, the most rows in flight at once (default BATCH_SIZE).
         strategy: a registered name (`decoders.available()`) or a `Decoder` instance. Default "greedy".
         max_new_tokens: the most tokens to add (> 0). Default 128.
-        draft: the draft model for strategies that take one: an `LM`, a name for `decoders.load`, or "self:int8"
-            (the target's own int8 copy).
+        draft: the draft model: an `LM`, a name for `decoders.load`, or "self:int8" (the target's own int8 copy).
         temperature, top_k, top_p, min_p: sampling settings; temperature 0 (the default) is greedy.
-        seed: seeds the sampling generator. With a list of prompts: an int s seeds row i with s + i, or a list gives
-            one seed (or None) per prompt.
+        seed: seeds the sampling generator; with a list of prompts an int s seeds row i with s + i, a list each row.
         grammar: a `grammars` constraint; with a list of prompts, one for all or a list of one per prompt (or None).
-        stop: stop strings; generation ends at the token that completes one. EOS always stops. With a list of
-            prompts, a string or a list of strings applies to every row; a list of one entry per prompt, each None or
-            a list of strings, gives each its own.
+        stop: stop strings (EOS always stops); with a list of prompts, a string or a list of strings applies to every
+            row, a list of one entry per prompt (None or a list of strings) gives each its own.
         **options: the strategy's options (e.g. k=5).
     """
     if is_batch(prompt):
@@ -68,15 +63,13 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
 
 
 class Decoding:
-    """One checked, ready run: `chunks()` steps it to the end, yielding each step's tokens; `result()` reads it.
-    `state` holds its live counters (for tools that time every step, e.g. the evaluator)."""
+    """One checked, ready run: `chunks()` steps it, `result()` reads it, `state` holds its live counters."""
 
     def __init__(self, state: DecodeState, decoder: Decoder) -> None:
         self.state, self.decoder = state, decoder
 
     def chunks(self, with_text: bool = True) -> Iterator[Chunk]:
-        """Step the strategy until the run finishes, timing it and yielding what each step adds (its text too when
-        `with_text`; `generate` decodes once at the end instead)."""
+        """Step the strategy to the end, timing it and yielding what each step adds (its text if `with_text`)."""
         state, decoder = self.state, self.decoder
         state.lm.synchronize()
         start = time.perf_counter()
@@ -231,8 +224,7 @@ def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, 
 
 
 def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
-    """The draft model: an `LM` as given, "self:int8" for the target's own int8 copy (made once per target and
-    kept on it), or a name for `decoders.load` in the target's dtype and device."""
+    """The draft: an `LM`, "self:int8" (the target's own int8 copy, kept on it), or a name to load like the target."""
     if draft is None or isinstance(draft, LM):
         return draft
     if not isinstance(draft, str):
@@ -243,8 +235,7 @@ def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
 
 
 def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
-    """The prompt as a list of token ids: text, or one sequence of ids (list, tuple, numpy array, [T] or [1, T]
-    tensor). A tensor of several rows is refused: pass a list of prompts instead."""
+    """The prompt as token ids: text, or one sequence of ids (a list, an array, a [T] or [1, T] tensor; not a batch)."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty; give some text or token ids to continue")

@@ -1,34 +1,13 @@
 """decodekit inside `model.generate`: `custom_generate` runs a registered strategy as transformers' decoding loop.
 
-    from decoders.hf import custom_generate
-    out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft,
-                         max_new_tokens=128, streamer=TextStreamer(tok))
+    out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft)
 
-transformers prepares the call as for any decoding method and `custom_generate` runs `strategy` on the prepared
-pieces. What carries over:
-
-- length and EOS: `max_new_tokens` / `max_length` and `eos_token_id`, as the generation config resolves them.
-- sampling: `do_sample=False` is greedy; else transformers' temperature / top-k / top-p / min-p warpers set
-  decodekit's sampling, seeded by `seed=` or else by torch's global RNG (`torch.manual_seed` repeats a run).
-- `stopping_criteria` (and max_time): checked after every token (scores=None); the output ends where one fires.
-- `streamer`: the prompt first (transformers puts it), then one `put` of shape [1, n] per accepted step, then `end()`.
-- `assistant_model` (or `draft=`): the draft model. `strategy=` (default "greedy"), `grammar=`, `seed=` and the
-  strategy's options (`k=4`) are keywords of the call.
-- `return_dict_in_generate=True`: a `DecodekitOutput` with `sequences` and `decodekit_stats` (`Stats.as_dict()` plus
-  "strategy", "finish_reason" and "sources", one per new token).
-
-Returns what `generate` returns: prompt plus new tokens, [1, T] on the prompt's device. A left-padded batch [B, T]
-(with its `attention_mask`) decodes every row at once (`decoders.batch`) and returns [B, T + the longest row's new
-tokens], each row padded after its end with `pad_token_id` (else the first EOS id); stopping criteria end one row,
-`decodekit_stats` is one dict per row, `seed=s` seeds row i with s + i; a row that raises makes the call raise.
-
-Refused with an error naming the argument: right padding, a streamer with several prompts, beams and other decoding
-modes, any logits processor besides those four warpers, output_scores / logits / attentions / hidden_states,
-num_return_sequences > 1, a prefilled cache, model inputs other than input_ids and attention_mask.
-
-transformers 5.x drops `tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`:
-the latter two are read back from the running call, and the model gets an ids-only tokenizer. `grammar=` and
-`stop_strings=` need the real tokenizer: use the exported folder (`hub_generate`, `decodekit export-hub`).
+Honoured: the generation config's length, EOS ids and do_sample with the temperature / top-k / top-p / min-p warpers
+(seeded by `seed=`, else by torch's global RNG), stopping_criteria (after every token), a streamer (one `put` per
+step), `assistant_model=` (or `draft=`), `return_dict_in_generate` (a `DecodekitOutput`) and a left-padded batch
+(`decoders.batch`; `seed=s` seeds row i with s + i). Anything else is refused by name. transformers 5.x drops
+`tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`: the latter two are read
+back from the running call; `grammar=` and `stop_strings=` need the exported folder (`hub_generate`).
 """
 
 from __future__ import annotations
@@ -99,10 +78,8 @@ _UNSUPPORTED_FIELDS = {
     **dict.fromkeys(("token_healing", "output_scores", "output_logits", "output_attentions", "output_hidden_states"),
                     (None, False)),
 }
-# The model inputs transformers' generate passes a KV cache by: `cache` from 5.24 on, `past_key_values` before.
-_CACHE_INPUTS = ("cache", "past_key_values")
-# Our own keyword arguments (besides the strategies' options).
-_OWN_ARGUMENTS = ("strategy", "draft", "seed", "grammar", "tokenizer")
+_CACHE_INPUTS = ("cache", "past_key_values")  # generate's KV cache input: `cache` from transformers 5.24 on
+_OWN_ARGUMENTS = ("strategy", "draft", "seed", "grammar", "tokenizer")  # besides the strategies' options
 
 
 @dataclass
@@ -173,29 +150,23 @@ class CustomGenerate:
                              "callable: export a folder (decodekit export-hub DIR) and call model.generate(..., "
                              "custom_generate='DIR', trust_remote_code=True, tokenizer=tok, grammar=...), or use "
                              "decoders.generate")
-        was_training = model.training  # LM puts the model in evaluation mode and may switch its attention
-        # (`attention.use_grouped`): the caller's mode and attention come back afterwards
-        with restored(model, assistant_model):
+        with restored(model, assistant_model):  # LM sets eval mode and may switch the attention
+            lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)
             try:
-                lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)
-                try:
-                    check_request(strategy if isinstance(strategy, Decoder) else registry.get(strategy),
-                                  has_draft=draft is not None, has_grammar=grammar is not None)
-                except ValueError as error:
-                    raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
-                prompts = [row[keep.to(row.device)].tolist() for row, keep in zip(input_ids, kept)]
-                arguments = dict(strategy=strategy, max_new_tokens=generation_config.max_length - input_ids.shape[1],
-                                 draft=draft, seed=seed, grammar=grammar, **sampling, **options)
-                if len(prompts) == 1:
-                    run = prepare(lm, prompts[0], **arguments)
-                    sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
-                    results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
-                else:
-                    pad = _pad_id(generation_config)
-                    sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria,
-                                                               **arguments)
-            finally:
-                model.train(was_training)
+                check_request(strategy if isinstance(strategy, Decoder) else registry.get(strategy),
+                              has_draft=draft is not None, has_grammar=grammar is not None)
+            except ValueError as error:
+                raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
+            prompts = [row[keep.to(row.device)].tolist() for row, keep in zip(input_ids, kept)]
+            arguments = dict(strategy=strategy, max_new_tokens=generation_config.max_length - input_ids.shape[1],
+                             draft=draft, seed=seed, grammar=grammar, **sampling, **options)
+            if len(prompts) == 1:
+                run = prepare(lm, prompts[0], **arguments)
+                sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
+                results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
+            else:
+                pad = _pad_id(generation_config)
+                sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria, **arguments)
         if not generation_config.return_dict_in_generate:
             return sequences
         stats = [_row_stats(result, new) for result, new in zip(results, kept_new)]
@@ -366,8 +337,7 @@ def _left_padding(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> torch.Tensor:
-    """Refuse, naming the argument, what decodekit cannot honor (see the module); returns which tokens of
-    `input_ids` are the prompts' own ([B, T] bool: all, or all but a left padding)."""
+    """Refuse, naming the argument, what decodekit cannot honor; returns the prompts' own tokens ([B, T] bool)."""
     for field, allowed in _UNSUPPORTED_FIELDS.items():  # first: beams and return sequences also widen the batch
         value = getattr(generation_config, field, None)
         if value not in allowed:

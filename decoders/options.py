@@ -8,8 +8,7 @@ import numbers
 
 
 def whole(name: str, value, least: int = 1, below: int | None = None) -> int:
-    """`value` as an int if it is a whole number >= `least` (and < `below`, when given; numpy's integers count, bools
-    are not numbers here), else a ValueError naming `name`."""
+    """`value` as an int if a whole number >= `least` (and < `below`; numpy ints count, bools not), else ValueError."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least
             or (below is not None and value >= below)):
         bound = f">= {least}" if below is None else f"in [{least}, {below})"

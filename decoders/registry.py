@@ -1,8 +1,5 @@
-"""The strategy registry: `@register(name)`, `available()`, `get(name)`.
-
-Third-party strategies register with the decorator in their own module, or through the `decodekit.strategies`
-entry-point group (loaded lazily, the first time the registry is read).
-"""
+"""The strategy registry: `@register(name)`, `available()`, `get(name)`; plugins may also register through the
+`decodekit.strategies` entry-point group, loaded the first time the registry is read."""
 
 from __future__ import annotations
 

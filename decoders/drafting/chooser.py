@@ -1,20 +1,18 @@
-"""What to draft this step, and how much: the plan of most expected new tokens per second.
-
-A proposer offers an `Offer`: up to k drafted levels (a chain's tokens, a tree's levels) with p_i = P(level i
-accepted | the levels above accepted), and what drafting them costs. Verifying its first i levels after L cached
-tokens gains and costs
+"""What to draft this step, and how much: the plan of most expected new tokens per second. A proposer's `Offer` holds
+up to k levels with p_i = P(level i accepted | the levels above) (from its `Acceptance`) and what drafting them costs.
+Its first i levels after L cached tokens gain and cost
 
     E(i) = 1 + sum_{j<=i} prod_{l<=j} p_l      tokens (the target's own next token included)
     S(i) = drafting(i) + t(1 + nodes(i), L)    seconds (t: the target's measured call cost)
 
-and the plan is the offer and i of highest E / S; i = 0 is a plain step, which wins ties. Each proposer's p_i come
-from its `Acceptance`: Beta estimates per depth, or, for a drafter that knows its own probability c of a token, a
-calibration curve P(accepted | c) = a * c ** gamma weighed over a grid of (a, gamma) by the tokens verified.
+and the plan is the offer and i of highest E / S; i = 0 is a plain step, which wins ties.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -79,11 +77,7 @@ class Plan:
 
 def expected_tokens(accept: Sequence[float]) -> float:
     """E = 1 + sum_i prod_{j<=i} p_j."""
-    total, running = 1.0, 1.0
-    for p in accept:
-        running *= p
-        total += running
-    return total
+    return sum(itertools.accumulate(accept, operator.mul), 1.0)
 
 
 def given_above(reach: Sequence[float]) -> tuple[float, ...]:
@@ -92,16 +86,14 @@ def given_above(reach: Sequence[float]) -> tuple[float, ...]:
 
 
 def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
-    """Acceptance per level of a tree that holds each of `paths` (acceptance per level of one path): P(first d levels
-    accepted) is at least each path's, taken as the largest (the paths part ways, so no level-wise maximum)."""
+    """Acceptance per level of a tree holding each of `paths`: P(first d levels accepted) as the likeliest path's."""
     reach = [max((math.prod(path[:d]) for path in paths if len(path) >= d), default=0.0) for d in range(1, levels + 1)]
     return given_above(reach)
 
 
 def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ...]:
-    """Acceptance per level of a tree merged from drafts, from each one's main path (tokens) and acceptance per level:
-    paths agreeing on their first d tokens are one guess, as likely as the likeliest; paths that part ways are
-    independent guesses, the first d levels accepted unless all are wrong, never more often than the first d - 1."""
+    """Acceptance per level of a tree merged from drafts' main paths (tokens, acceptance per level): paths agreeing on
+    d tokens are one guess, as likely as the likeliest; d levels pass unless every guess fails, at most as d - 1 do."""
     reach = []
     for d in range(1, max((min(len(t), len(a)) for t, a in paths), default=0) + 1):
         guesses: dict[tuple[int, ...], float] = {}
@@ -113,8 +105,7 @@ def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ..
 
 
 class Acceptance:
-    """One proposer's acceptance estimates: Beta posteriors per depth with forgetting, and calibration curves of the
-    drafter's own probabilities, one per named curve (a proposer may judge kinds of its drafts apart)."""
+    """A proposer's acceptance estimates: Beta posteriors per depth, with forgetting; curves of its probabilities."""
 
     def __init__(self, options: ChooserOptions | None = None, prior: float | None = None) -> None:
         self.options = options or ChooserOptions()
@@ -149,15 +140,13 @@ class Acceptance:
 
     def chain(self, k: int, confidences: Sequence[float] | None = None, curves: Sequence[str] | None = None
               ) -> tuple[float, ...]:
-        """[k] estimates of levels 1..k (`confidences` [k]: the drafter's probability of each; `curves` [k]: the
-        curve each is judged on)."""
+        """[k] estimates of levels 1..k, from the drafter's `confidences` [k] judged on `curves` [k] where given."""
         return tuple(self.level(d + 1, None if confidences is None else confidences[d],
                                 "" if curves is None else curves[d]) for d in range(k))
 
     def learn(self, drafted: int, accepted: int, confidences: Sequence[float] | None = None,
               curves: Sequence[str] | None = None) -> None:
-        """A verification accepted `accepted` of `drafted` levels: levels 1..accepted were accepted, the next one
-        rejected, later ones tell nothing."""
+        """Levels 1..`accepted` of `drafted` were accepted, the next one rejected; later ones tell nothing."""
         decay = self.options.decay
         for depth in range(1, min(accepted + 1, drafted) + 1):
             took = depth <= accepted
@@ -200,9 +189,8 @@ class Chooser:
         return plan.rate * self.correction(plan.proposer)
 
     def choose(self, offers: Sequence[Offer], context: int, remaining: int | None = None) -> Plan:
-        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter that costs drafting
-        seconds and `could_pay` is due a probe of `probe_tokens` levels: declined `probe_after` steps in a row, or never
-        taken once the run has spent its catching up (ski rental: a short answer to a long prompt never pays it)."""
+        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter with drafting seconds that
+        `could_pay` is due a probe: declined `probe_after` steps in a row, or never taken and its catch-up spent."""
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
         due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (

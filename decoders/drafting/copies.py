@@ -1,6 +1,4 @@
-"""What `auto` drafts with: the draft model or its own int8 copy, without one the target's own int8 copy or nothing,
-each as a measured one-token call finds it pays (an int8 copy pays only where reading weights bounds a call).
-"""
+"""What `auto` drafts with: a model or its int8 copy, as a measured one-token call finds it pays."""
 
 from __future__ import annotations
 
@@ -18,18 +16,16 @@ INT8_PAYS = "_decodekit_int8_pays"  # the torch module's role -> whether its int
 
 def drafting_model(lm: LM, draft: LM | None, context: int, draft_int8: bool | None = None,
                    self_int8: bool | None = None) -> LM | None:
-    """What auto drafts with for the target `lm` after `context` tokens: the draft model (`draft`) or its int8 copy
-    (`draft_int8`), or without one the target's own int8 copy (`self_int8`) or nothing, as `int8_copy` finds they
-    pay where the flag is None (`AutoOptions`)."""
+    """What auto drafts with for `lm` after `context` tokens: `draft` or its int8 copy, or without one the target's
+    own int8 copy or nothing, as the flags say (`AutoOptions`) or, where None, as `int8_copy` finds they pay."""
     if draft is not None:
         return int8_copy(draft, draft_int8, context, "draft", CHEAPER) or draft
     return int8_copy(lm, self_int8, context, "target", SELF)
 
 
 def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float) -> LM | None:
-    """`model`'s own int8 copy (`LM.self_draft`), or None: the copy where `int8` is True, or, when None, where its
-    one-token call after `context` tokens measures at most `bar` of `model`'s in `role` and it takes at most MEMORY of
-    the device's free memory. Decided once per model and role; a copy found too dear is let go again."""
+    """`model`'s own int8 copy, or None: the copy where `int8` is True or, when None, where its one-token call costs at
+    most `bar` of `model`'s in `role` and it takes at most MEMORY of the free memory (decided once per model, role)."""
     if int8 is False or model.quantized_from is not None:
         return None
     verdicts = vars(model.model).setdefault(INT8_PAYS, {})
@@ -42,8 +38,7 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
 
 
 def pays(model: LM, role: str, context: int, bar: float) -> bool:
-    """Whether `model`'s int8 copy is `cheaper` (made here, if need be). A model `decoders.quantize` cannot copy (no
-    linear layer it knows, weights already quantized by another library, ...) drafts as it is, with a warning."""
+    """Whether `model`'s int8 copy (made here) is `cheaper`; a model it cannot copy drafts as it is, warned of."""
     try:
         copy = model.self_draft("int8")
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:

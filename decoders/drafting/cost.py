@@ -1,10 +1,5 @@
-"""A cost model of this device: how many seconds a target or draft call takes, measured once and refined online.
-
-A call scoring n new tokens after L cached ones costs t(n, L) = scale * offset(n) * (f(n) + (per_position +
-per_position_per_token * (n - 1)) * L) seconds, f piecewise linear through measured sizes. `calibrate` measures it at
-start-up and caches the fit per model, dtype, device, CPU, threads and torch version; `CallCost.observe` corrects it by
-the run's calls. The evidence for each mechanism is in docs/design/auto.md.
-"""
+"""A cost model of this device: how many seconds a target or draft call takes, measured once and refined online
+(`calibrate`, cached per model, dtype, device, CPU, threads and torch version; evidence in docs/design/auto.md)."""
 
 from __future__ import annotations
 
@@ -37,8 +32,7 @@ LINEAR = 0.8  # share of a one-token call each further token costs at least wher
 WEIGHT = 0.1  # how far one value moves a `RunningMean`: about the last 1 / WEIGHT count
 WINDOW = 9  # the last calls whose median ratio to the fit is the level (`CallCost.scale`); the first is believed
 EVIDENCE = 9  # the last calls per knot whose weighted median is its correction (`CallCost.offset`)
-STALE, STALE_CALLS = 2.0, 8  # a cached curve is stale where the median of a run's last calls (at least STALE_CALLS)
-# takes less than 1 / STALE of its fit: it was measured on a busy machine
+STALE, STALE_CALLS = 2.0, 8  # stale: a run's last calls (>= STALE_CALLS) take under 1 / STALE of the cached fit
 Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
 UNSAVED: dict[Path, dict] = {}  # cache file -> curve (`CallCost.to_dict`) that could not be written: measured once
 
@@ -58,7 +52,9 @@ class RunningMean:
 
 @dataclass
 class CallCost:
-    """Seconds of one forward call of one model in one role, the fit corrected by the run's calls (see the module)."""
+    """Seconds of one forward call of one model in one role: scoring n new tokens after L cached ones costs
+    scale * offset(n) * (f(n) + (per_position + per_position_per_token * (n - 1)) * L), f piecewise linear through the
+    measured sizes, `observe` correcting it by the run's calls."""
 
     sizes: tuple[int, ...]  # n at the knots of f, increasing, from 1
     seconds: tuple[float, ...]  # f at the knots: seconds at L = 0, nondecreasing
@@ -66,18 +62,16 @@ class CallCost:
     per_position_per_token: float = 0.0  # more per position for each further token scored, >= 0
     scale: float = 1.0  # the level: median over the last WINDOW calls of observed / fitted / offset
     samples: tuple[Sample, ...] = ()  # the measurements fitted, for reports
-    history: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW), compare=False)  # (n, log
-    # observed / fitted) of this run's last calls; not saved
-    evidence: dict[int, deque[tuple[float, float]]] = field(default_factory=dict, compare=False)  # knot index ->
-    # (weight, log ratio beyond the level) of its last EVIDENCE calls
-    corrections: tuple[tuple[int, ...], tuple[float, ...]] = field(default=((), ()), compare=False)  # (sizes of
-    # knots with evidence, their log corrections)
-    follows: CallCost | None = field(default=None, compare=False, repr=False)  # scaled as this one until a call of
-    # its own is observed
+    # (n, log observed / fitted) of this run's last calls
+    history: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW), compare=False)
+    # knot index -> (weight, log ratio beyond the level) of its last EVIDENCE calls
+    evidence: dict[int, deque[tuple[float, float]]] = field(default_factory=dict, compare=False)
+    # (sizes of the knots with evidence, their log corrections)
+    corrections: tuple[tuple[int, ...], tuple[float, ...]] = field(default=((), ()), compare=False)
+    follows: CallCost | None = field(default=None, compare=False, repr=False)  # its scale until a call of its own
     measured: float | None = field(default=None, compare=False)  # `time.time()` when calibration measured it
     noise: float | None = field(default=None, compare=False)  # typical slowdown of repeated calls over the fastest
-    source: Path | None = field(default=None, compare=False, repr=False)  # its cache file; None once removed as
-    # stale, or where not cached
+    source: Path | None = field(default=None, compare=False, repr=False)  # its cache file; None: none or stale
 
     def fitted(self, n: int, context: int) -> float:
         """Seconds of the calibrated fit, before the online correction."""
@@ -86,8 +80,7 @@ class CallCost:
         return f + (self.per_position + self.per_position_per_token * (n - 1)) * context
 
     def predict(self, n: int, context: int) -> float:
-        """Expected seconds of a call scoring `n` tokens after `context` cached ones: scale * offset(n) * fit, the
-        scale that of the cost it `follows` until this run observed a call of its own."""
+        """Expected seconds of a call scoring `n` tokens after `context` cached ones: scale * offset(n) * fit."""
         scale = self.scale if self.history or self.follows is None else self.follows.scale
         return scale * self.offset(n) * self.fitted(n, context)
 
@@ -104,26 +97,21 @@ class CallCost:
         self.scale = math.exp(self._level())
         if self.source is not None and len(self.history) >= STALE_CALLS:
             off = math.exp(statistics.median(ratio for _, ratio in self.history))
-            if off * STALE < 1:
-                self._mark_stale(off)
-
-    def _mark_stale(self, off: float) -> None:
-        """Remove the cache file (this run's calls take `off` times its curve) for the next run to measure; warn."""
-        path, self.source = self.source, None
-        try:
-            path.unlink(missing_ok=True)
-            outcome = "removed: the next run measures it again"
-        except OSError as error:
-            outcome = f"could not be removed ({error})"
-        warnings.warn(f"calibration {path} is stale: this run's calls take {off:.2g}x its curve; {outcome}",
-                      stacklevel=3)
+            if off * STALE < 1:  # measured on a busy machine: the next run measures it again
+                path, self.source = self.source, None
+                try:
+                    path.unlink(missing_ok=True)
+                    outcome = "removed: the next run measures it again"
+                except OSError as error:
+                    outcome = f"could not be removed ({error})"
+                warnings.warn(f"calibration {path} is stale: this run's calls take {off:.2g}x its curve; {outcome}",
+                              stacklevel=2)
 
     def _level(self) -> float:
         return statistics.median(ratio - math.log(self.offset(n)) for n, ratio in self.history)
 
     def offset(self, n: int) -> float:
-        """How much dearer than fit and level calls of `n` tokens ran this run: per knot `_correction`, interpolated
-        between knots with evidence, the nearest one's beyond them; 1 without any."""
+        """How much dearer than fit and level calls of `n` tokens ran: knots' `_correction`s interpolated, else 1."""
         sizes, values = self.corrections
         if not sizes:
             return 1.0
@@ -181,8 +169,7 @@ def _segment(sizes: tuple[int, ...], n: int) -> tuple[int, float]:
 
 
 def _weights(sizes: tuple[int, ...], n: int) -> list[tuple[int, float]]:
-    """(knot index, weight) of the knots a call of `n` tokens teaches: the two around it, as the fit weighs them at n;
-    below the first knot or past the last, that knot alone."""
+    """(knot index, weight) of the knots a call of `n` tokens teaches: the two around n as f weighs them, or the end."""
     if n <= sizes[0] or n >= sizes[-1]:
         return [(0 if n <= sizes[0] else len(sizes) - 1, 1.0)]
     i, r = _segment(sizes, n)
@@ -248,9 +235,8 @@ def _resize(cache, length: int) -> None:
 
 
 def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
-    """Time calls of `lm` scoring `sizes` tokens (at SHORT context up to the first `proportional` skips, the smallest
-    and largest at LONG), keeping every position's logits: (samples, noise). Rounds repeat, ROUNDS and more until
-    `budget` seconds, each point keeping its fastest time; noise: the median over points of median / fastest - 1."""
+    """(samples, noise) of `lm`'s calls of `sizes` tokens (all logits kept) at SHORT until `proportional`, the least and
+    most at LONG, each point's fastest of ROUNDS+ rounds in `budget` s; noise: median over points of median/min - 1."""
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
     begin = time.perf_counter()
@@ -283,9 +269,8 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
 
 
 def proportional(timed: list[tuple[int, float]], n: int) -> bool:
-    """Whether a call of `n` tokens need not be measured, given `timed` ((size, seconds), sizes increasing from 1):
-    three sizes timed, each call compute-bound (LINEAR of a one-token call per token) and the last segment extrapolated
-    to `n` past BUDGET."""
+    """Whether a call of `n` tokens need not be measured after `timed` ((size, seconds), sizes from 1): three timed, all
+    compute-bound (LINEAR of a one-token call per token), the last segment extrapolated to `n` past BUDGET."""
     if len(timed) < 3:
         return False
     one = timed[0][1]
@@ -304,8 +289,7 @@ def machine(device: torch.device) -> str:
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
-    """What a calibration depends on: role, name, model (config, parameter shapes and dtypes), its attention
-    implementation, dtype, `machine`, threads, torch version and sizes."""
+    """What a calibration depends on: role, name, model, attention, dtype, `machine`, threads, torch and sizes."""
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)
@@ -406,13 +390,11 @@ class CostModel:
             self.draft.follows = self.target
 
     def target_seconds(self, n: int, context: int) -> float:
-        """One target call scoring `n` tokens (a draft of n - 1 plus one) after `context` cached ones; in a batch, the
-        shared call, whose rows are padded to the batch's width."""
+        """One target call scoring `n` tokens after `context` cached ones (in a batch, the shared call's width)."""
         return self.target.predict(max(n, self.batch_tokens), context)
 
     def draft_seconds(self, calls: int, context: int, catch_up: int = 1) -> float:
-        """A draft model's chain of `calls` tokens after `context`: its first call feeds the `catch_up` tokens the
-        draft has not seen, the others one each."""
+        """A draft chain of `calls` tokens after `context`, its first call feeding `catch_up` tokens, the others one."""
         if calls == 0:
             return 0.0
         if self.draft is None:
@@ -436,7 +418,6 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        """The model `to_dict` wrote."""
         draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
         return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})))
 

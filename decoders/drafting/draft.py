@@ -31,13 +31,11 @@ class Draft:
     they were drawn, holding distinct tokens)."""
 
     tokens: list[int]  # [k]
-    probs: torch.Tensor | None = None  # [k, vocab] the draft distributions they were sampled from; None = one-hot
-    # (in a tree, row i is the distribution node i and its siblings were drawn from, without replacement)
+    probs: torch.Tensor | None = None  # [k, vocab] what each (and in a tree its siblings) was drawn from; None: one-hot
     parents: list[int] | None = None  # [k] index of each node's parent in `tokens`, -1 for the root's children
     source: str = "draft"  # what `result.sources` calls an accepted draft token
     window: Window | None = None  # scored alongside, not verified
-    origins: list[str] | None = None  # [k] each node's source where they differ (a tree merged from several
-    # drafters' drafts, `tree.merge`); None: every node's is `source`
+    origins: list[str] | None = None  # [k] each node's source, in a tree of several drafters' (`tree.merge`)
 
     @property
     def links(self) -> list[int]:
@@ -87,23 +85,20 @@ Drafting = Generator[Call, torch.Tensor, Draft]  # drafting with a draft model: 
 
 
 def drafting(proposed: Draft | Drafting) -> Drafting:
-    """A proposal as a generator of draft-model calls: a draft model's as it is, a draft-free drafter's `Draft` at
-    once. A draft model's calls are yielded, not run, so that a batch runs all its rows' in one forward."""
+    """A proposal as a generator of draft-model calls (yielded, not run: a batch runs its rows' in one forward)."""
     if isinstance(proposed, Draft):
         return proposed
     return (yield from proposed)
 
 
 class Drafter(Protocol):
-    """Proposes drafts for one run. Built per run from the run's state and the strategy's options
-    (`Drafter(state, options)`) and kept in `state.drafter`, so it may hold per-run state."""
+    """Proposes drafts for one run: built as `Drafter(state, options)` and kept in `state.drafter`."""
 
     def propose(self, state: DecodeState, limit: int) -> Draft | Drafting:
         """Up to `limit` tokens that continue `state.tokens` (may be empty); a tree at most `limit` deep. A drafter
         with a draft model returns them from a generator that yields the draft model's calls (`Drafting`)."""
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        """Called after verification with how many drafted tokens were accepted (for a tree: the path's length;
-        `draft.follow(the accepted tokens)` gives its nodes)."""
+        """After verification: how many drafted tokens were accepted (a tree's path: `draft.follow(the tokens)`)."""
 
     # Optional: `finish(state)`, called once after the run's last step (e.g. to remember its output).

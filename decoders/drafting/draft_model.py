@@ -1,11 +1,3 @@
-"""`DraftModel`: a draft LM with its own KV cache, following the run's accepted tokens.
-
-The draft never decides what is emitted (the target verifies every token), so whatever the draft cannot do is simply
-not drafted: past its own context length it stops proposing, and a token id its embedding lacks (a target with a
-padded vocabulary) is fed to it as a stand-in id. A draft of another tokenizer drafts through text instead
-(`decoders.drafting.translate`); `draft_model(state)` picks the one the run's models need.
-"""
-
 from __future__ import annotations
 
 import warnings
@@ -23,9 +15,8 @@ Chain = Generator[Call, torch.Tensor, tuple[list[int], list, list[float]]]  # a 
 
 
 def draft_model(state: DecodeState) -> DraftModel:
-    """The run's chain-drafting model: a `DraftModel` when the draft shares the target's vocabulary (a
-    `SharedCacheDraft` when it is the target's own quantized copy), else a `TranslatedDraftModel`, which drafts in
-    the target's ids through text."""
+    """The run's chain-drafting model: a `DraftModel`, a `SharedCacheDraft` for the target's own quantized copy, or
+    for a draft of another vocabulary a `TranslatedDraftModel` (it drafts through text)."""
     if state.draft is not None and state.draft.vocab_key != state.lm.vocab_key:
         from decoders.drafting.translate import TranslatedDraftModel
 
@@ -37,14 +28,13 @@ def draft_model(state: DecodeState) -> DraftModel:
 
 
 class DraftModel:
-    """A draft LM with its own KV cache, following the run's accepted tokens one draft token at a time."""
+    """A draft LM with its own KV cache, following the run's accepted tokens. It never decides what is emitted, so what
+    it cannot do is not drafted: past its context it stops, an id it cannot embed is fed as a stand-in."""
 
     translates = False  # drafts in the target's ids from a draft of another vocabulary
 
     def __init__(self, state: DecodeState) -> None:
-        draft: LM | None = state.draft
-        if draft is None:  # checked before the run by decoders.capabilities; kept for drafters built by hand
-            raise ValueError("this strategy needs a draft model: pass draft=<LM or model name>")
+        draft: LM = state.draft  # (a missing one is refused before the run: `capabilities.check_request`)
         if not self.translates and draft.vocab_key != state.lm.vocab_key:
             raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of {state.lm.name!r}: build "
                              "the drafter's model with decoders.drafting.draft_model.draft_model(state), which "
@@ -74,17 +64,15 @@ class DraftModel:
         return room
 
     def forward(self, tokens: list[int], **kwargs) -> Generator[Call, torch.Tensor, torch.Tensor]:
-        """One draft call on `tokens` (counted in the run's stats), yielded for the run's driver to run (`Call`'s
-        other arguments: `positions`, `tree_mask`, `keep`); returns its logits."""
+        """One draft call on `tokens` (counted in the run's stats), yielded as a `Call`; returns its logits."""
         self.state.stats.draft_calls += 1
         readable = [t if t < self.embeds else 0 for t in tokens]  # a stand-in for ids the draft cannot embed
         return (yield Call(readable, lm=self.lm, cache=self.cache, **kwargs))
 
     def next_token(self, feed: list[int], allowed: torch.Tensor | None = None
                    ) -> Generator[Call, torch.Tensor, tuple[int, torch.Tensor | None, float, int]]:
-        """One draft call on `feed`: the draft's next token (greedy: its argmax; sampling: a draw from the run's
-        filtered distribution, under the grammar's mask `allowed` if any), that distribution [vocab] (None in greedy
-        mode), the token's probability, and the likeliest other token (what a tree would hold beside it)."""
+        """One draft call on `feed`: (the next token under `allowed` - the argmax, or a draw from the run's filtered
+        distribution -, that distribution [vocab] or None if greedy, its probability, the likeliest other token)."""
         state = self.state
         logits = (yield from self.forward(feed, keep=1))[0, : self.width]  # [width]
         if allowed is not None:
@@ -101,7 +89,6 @@ class DraftModel:
         return token, row, float(probs[token]), second if first == token else first
 
     def uncached(self) -> list[int]:
-        """The run's tokens this draft model has not seen yet."""
         return self.state.tokens[len(self.cache):]
 
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:

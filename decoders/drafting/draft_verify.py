@@ -1,14 +1,3 @@
-"""The one draft-then-verify loop that every drafting strategy shares, for chains and trees.
-
-A step: the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft in one call; a
-verifier (`samplers.verify`, which defines drafted / accepted / rejected / bonus / recovered) keeps a path of it and
-adds one target token; the target cache is cut back to the accepted tokens; the drafter learns how far it got.
-
-A chain is the fast path: scored causally, no mask, and the accepted path is a prefix (a crop). A tree (`parents`)
-is scored in the same single call with a tree mask (`decoders.drafting.tree`), and the cache keeps the prefix plus the
-accepted path; a `Window` rides along in that call, its logits going back to the drafter.
-"""
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -25,7 +14,9 @@ from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, 
 
 
 class DraftVerify(Decoder):
-    """Base class of the drafting strategies: subclasses set `drafter(state, options) -> Drafter`, a callable."""
+    """Base class of the drafting strategies: subclasses set `drafter(state, options) -> Drafter`, a callable. A step:
+    the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft (a tree under a tree mask,
+    any `Window` along) in one call; a verifier keeps a path and adds one token; the drafter learns how far it got."""
 
     drafter: ClassVar[Callable[..., Drafter]]
 
@@ -73,9 +64,8 @@ class DraftVerify(Decoder):
 
 def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None, logits: torch.Tensor
            ) -> tuple[list[int], int, torch.Tensor]:
-    """Verify `draft` by the target's `logits` [k + 1 (+ window), vocab], restricted by `masks` [k + 1, vocab]
-    if any; returns (accepted node indices, next token, the logits [len(path) + 1, vocab] each of those tokens was
-    verified or chosen with). A window's rows go back to it."""
+    """Verify `draft` by the target's `logits` [k + 1 (+ window), vocab] under `masks` [k + 1, vocab]: (accepted
+    nodes, next token, the logits [len(path) + 1, vocab] each was chosen with); a window's rows go back to it."""
     k = len(draft.tokens)
     if draft.window is not None:
         draft.window.logits = logits[k + 1:]  # [w, vocab]

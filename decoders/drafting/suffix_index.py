@@ -1,19 +1,8 @@
-"""The data structure under `suffix` decoding: a counted suffix trie over token sequences that drafts token trees.
-
-Oliaro et al. 2024, "SuffixDecoding" (arXiv 2411.04975), as in Snowflake's ArcticInference and vLLM's method="suffix":
-match the longest recent suffix of the context in the run's own tokens (a `SuffixIndex`) and in earlier outputs (a
-`SuffixStore`), and grow a draft tree from what followed it, best first by empirical path probability (the product of
-count(child) / count(parent) along the path); the higher-scoring tree of the two (`propose`) is drafted.
-
-The index is a trie of every substring of at most `depth` tokens; node w holds count(w) and `cont`, how many of those
-occurrences a token in the trie follows (the rest end a sequence or reach `depth`). A substring seen once gets no node:
-its parent holds a *leaf*, an int packing the position of that occurrence's token, and what follows is read from the
-sequence itself, so text seen once costs one dict entry per token. A second occurrence turns the leaf into a node;
-removing a sequence turns a node left with one occurrence back into a leaf (when that occurrence's sequence is alive:
-always under the store's first-in first-out eviction, since a node remembers its newest occurrence).
-
-Costs: appending a token O(1 + r), r <= depth the longest earlier-seen suffix ending there; removing a sequence
-O(its length x r); matching O(max_match log max_match); a draft of n nodes O(n log n) plus a sort per expanded node.
+"""The data structure under `suffix` decoding (Oliaro et al. 2024, "SuffixDecoding", arXiv 2411.04975; ArcticInference,
+vLLM's method="suffix"): the longest suffix of the context is matched in a counted suffix trie of the run's own tokens
+(`SuffixIndex`) and of earlier outputs (`SuffixStore`), and a draft tree grows from what followed it, best first by
+empirical path probability (the product of count(child) / count(parent)). A substring seen once is a *leaf* of its
+parent (an int packing its token's position), read from the sequence itself.
 """
 
 from __future__ import annotations
@@ -193,11 +182,9 @@ class SuffixIndex:
         return at
 
     def _continues(self, at: _Node | int | None) -> bool:
-        if at is None:
-            return False
         if type(at) is int:
             return (at & INDEX) + 1 < len(self._tokens[at >> SHIFT])
-        return at.cont > 0
+        return at is not None and at.cont > 0
 
     def match(self, context: Sequence[int], max_match: int | None = None) -> tuple[_Node | int | None, int]:
         """(place in the trie, m): the longest suffix of `context`, of at most `max_match` and `depth - 1` tokens,
@@ -214,8 +201,7 @@ class SuffixIndex:
         return found, low
 
     def _ranked(self, at: _Node | int | None) -> list[tuple[int, int, _Node | int]]:
-        """[(count, token, child)] of what follows `at`, most frequent first, then the one last seen in the latest
-        sequence (the latest added), latest position first."""
+        """[(count, token, child)] of what follows `at`: most frequent first, then the one seen latest."""
         if at is None:
             return []
         if type(at) is int:
@@ -265,8 +251,7 @@ class SuffixIndex:
 
     def _offer(self, heap: list, order, at: _Node | int, p: float, parent: int, level: int, room: int,
                min_prob: float, vocab: float) -> None:
-        """Push up to `room` continuations of `at` (reached with path probability p) that keep p >= min_prob and
-        are below `vocab`."""
+        """Push up to `room` continuations of `at` (path probability p) whose p stays >= min_prob, below `vocab`."""
         total = 1 if type(at) is int else at.cont
         for count, token, child in self._ranked(at)[:room]:
             q = p * count / total
@@ -281,9 +266,8 @@ KINDS = ("output", "prompt")
 
 
 class SuffixStore:
-    """Earlier outputs (and, if added, prompts) shared across `generate` calls: a `SuffixIndex` of at most
-    `max_tokens` tokens, evicting whole sequences first in, first out; thread-safe (one lock). `depth` 48 = max_match
-    + max_tree of the default `SuffixOptions`."""
+    """Earlier outputs (and, if added, prompts) shared across `generate` calls: a thread-safe `SuffixIndex` of at most
+    `max_tokens` tokens, evicting whole sequences first in, first out (`depth` 48: max_match + max_tree)."""
 
     def __init__(self, max_tokens: int = 100_000, depth: int = 48) -> None:
         self.max_tokens = max_tokens  # evict the oldest sequences beyond this many tokens
@@ -323,7 +307,6 @@ class SuffixStore:
             self._added += 1
 
     def clear(self) -> None:
-        """Forget everything."""
         with self._lock:
             self._index = SuffixIndex(self._index.depth)
             self._kinds.clear()

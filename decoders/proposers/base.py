@@ -1,9 +1,4 @@
-"""The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy runs it.
-
-Each step a proposer `offer`s what it could draft (an `Offer`: acceptance per level and drafting cost), `draft`s the
-plan chosen, and `learn`s from the verified `Step`, whoever drafted it. A fixed strategy is a proposer with a fixed
-plan rule (`Fixed`).
-"""
+"""The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy (`Fixed`) runs it."""
 
 from __future__ import annotations
 
@@ -21,8 +16,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Clock:
-    """What a run times its calls by. `timed` False: it plans by no clock (a seeded sampling run, whose sample the
-    seed repeats only where what is drafted hangs on no timing), and `elapsed` gives the planned seconds."""
+    """What a run times calls by; `timed` False (a seeded sampling run): no clock, `elapsed` gives planned seconds."""
 
     now: Callable[[], float] = time.perf_counter
     timed: bool = True
@@ -48,15 +42,13 @@ class Proposer(Protocol):
     """A source of guesses for one run, built from the run's state."""
 
     name: str  # what `result.sources`, `auto`'s report and its estimates call it
-    corrected: bool  # its drafts run past their plans (a chain on while the next token pays, a tree grown by its own
-    # rule), so the chooser corrects its plans by what its steps gave
+    corrected: bool  # its drafts run past their plans, so the chooser corrects its plans by what its steps gave
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
         """What it could draft after `state.tokens`, at most `limit` levels; None: nothing this step."""
 
     def draft(self, state: DecodeState, plan: Plan) -> Draft | Drafting:
-        """The draft of `plan` (this proposer's, from the last `offer`); a draft model's proposer yields its calls
-        (`decoders.drafting.draft.Drafting`)."""
+        """The draft of `plan` (from this proposer's last `offer`); a draft model's proposer yields its calls."""
 
     def learn(self, state: DecodeState, step: Step) -> None:
         """After verification: `state.tokens` holds the step's tokens."""
@@ -65,8 +57,7 @@ class Proposer(Protocol):
 
 
 class Fixed:
-    """A `Drafter` (`decoders.drafting.draft`) from a proposer and a fixed plan rule: each step drafts `levels(offer)`
-    levels of what the proposer offers (default: all of them)."""
+    """A `Drafter` from a proposer: each step drafts `levels(offer)` levels of what it offers (default: all)."""
 
     def __init__(self, proposer: Proposer, levels: Callable[[Offer], int] = lambda offer: len(offer.accept)) -> None:
         self.proposer, self.levels = proposer, levels

@@ -1,9 +1,3 @@
-"""The draft model's chain: one token a draft call (`speculative` with a fixed length, `auto` while it pays).
-
-Leviathan et al. 2023 / Chen et al. 2023. Exact in greedy and in sampling mode: each token carries the draft
-distribution it was drawn from, and the verifier (`samplers.verify`) rejection-samples against the target's.
-"""
-
 from __future__ import annotations
 
 from decoders.base import DecodeState
@@ -15,9 +9,8 @@ from decoders.proposers.base import Clock, Step
 
 
 class ChainProposer:
-    """A draft model's chains. With a `chooser` a chain runs past its plan while the next token is predicted to pay
-    (`Chooser.should_continue`, judged by the draft's probability of the tokens so far); without one it is exactly
-    the plan's length."""
+    """A draft model's chains: the plan's length, or with a `chooser` on past it while the next token is predicted to
+    pay (`Chooser.should_continue`)."""
 
     name = "draft"
     corrected = True

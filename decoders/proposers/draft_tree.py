@@ -1,17 +1,8 @@
-"""The draft model's token trees: grown best-first, a draft-free lower stage drafting for the draft model.
-
-Used by `staged` and `auto` (its `tree` plans). Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative
-Decoding". Two changes to `speculative`:
-
-1. **A tree, not a chain**, grown best-first by cumulative draft probability: each draft call expands the `width` most
-   probable leaves at once (a tree mask over the draft's own cache), each expanded node gets up to `branching`
-   children, until `budget` nodes or `max_depth`. The target checks the whole tree in one call.
-2. **A lower stage under the draft model.** In every draft call a draft-free proposer (`lower="suffix"` or "lookup")
-   proposes a chain under the most probable leaf, which the draft verifies in the same call as the target verifies
-   drafts. Copied text thus grows the main branch by several levels per draft call.
-
-Children are the draft's top tokens in greedy mode; in sampling mode they are drawn without replacement from the
-draft's distribution and never dropped once drawn, as the multi-candidate rejection sampling in `samplers.verify` needs.
+"""The draft model's token trees (`staged`, and `auto`'s `tree` plans), after Spector & Re 2023, "Accelerating LLM
+Inference with Staged Speculative Decoding": grown best-first by cumulative draft probability, each draft call
+expanding the `width` likeliest leaves (`branching` children each) under a tree mask over the draft's own cache and
+carrying a draft-free lower stage's chain (the suffix index, or prompt lookup) under the likeliest leaf, which the
+draft verifies as a target verifies drafts. In sampling mode children are drawn without replacement, never dropped.
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ from decoders.drafting import Draft, Drafting, DraftModel
 from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
 from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
 from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
-from decoders.drafting.tree import depth, first_branch, keep_path, shared_length, visibility
+from decoders.drafting.tree import depth, first_branch, keep_path, shared_length
 from decoders.options import check_whole, probability
 from decoders.proposers.base import Clock, Step
 from decoders.proposers.draft_chain import ChainProposer
@@ -85,9 +76,7 @@ Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of a
 
 def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower
               ) -> Generator[Call, torch.Tensor, list[Node]]:
-    """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order).
-    The draft cache ends up holding the accepted tokens plus the nodes with a `slot` (and rejected chain tokens, which
-    no mask ever shows again)."""
+    """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order)."""
     cap = min(o.max_depth, limit, o.budget)
     nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
     frontier: list[int] = []  # empty: the first call, which expands the root
@@ -113,9 +102,8 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
 
 def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
                cap: int, lower: Lower) -> Steps:
-    """One draft call: the frontier leaves (none: the root, i.e. the uncached tail) plus the lower stage's chain under
-    the first leaf. The draft checks that chain against its own distributions as a target checks a draft (argmax, or
-    rejection sampling); the agreed part plus the draft's next token join the tree under that leaf."""
+    """One draft call on the frontier leaves (none: the root) plus the lower stage's chain under the first; the part
+    of the chain the draft agrees with (`samplers.verify`) and the draft's next token join the tree under that leaf."""
     leaves = frontier or [0]
     head = leaves[0]  # the most probable leaf
     chain = lower_stage(state, o, nodes, head, cap, lower)
@@ -169,7 +157,10 @@ def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: lis
     seen += [above[head] + [past] + list(range(past + k, past + k + i + 1)) for i in range(len(chain))]
     top = base + nodes[head].depth + 1  # the chain's first position
     positions = [base + nodes[n].depth for n in frontier] + list(range(top, top + len(chain)))
-    mask = visibility(seen, prefix=base, width=past + k + len(chain))  # [k + chain, past + k + chain]
+    mask = torch.zeros(len(seen), past + k + len(chain), dtype=torch.bool)  # [k + chain, past + k + chain]
+    mask[:, :base] = True  # the accepted tokens
+    for row, slots in enumerate(seen):
+        mask[row, slots] = True
     logits = yield from model.forward([nodes[n].token for n in frontier] + chain, positions=positions,
                                       tree_mask=mask, keep=k + len(chain))
     return logits, list(range(past, past + k + len(chain)))
@@ -260,10 +251,8 @@ SURE = 0.99  # the highest tree thresholds: `staged`'s must stay below 1
 
 
 def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float]:
-    """(min_prob, expand_prob) for a tree grown in a step expected to give `rate` tokens a second, where a node adds
-    `node` seconds to the target call and a draft call costs `call`: a node pays where its path's probability
-    reaches rate x node, a draft call where the likeliest leaf's reaches rate x (call + node); never below `staged`'s
-    own, never at 1."""
+    """(min_prob, expand_prob) of a step expected to give `rate` tokens a second: a node (`node` seconds more in the
+    target call) pays from a path probability of rate x node, a draft call (`call`) from rate x (call + node)."""
     base = StagedOptions()
     return min(SURE, max(base.min_prob, rate * node)), min(SURE, max(base.expand_prob, rate * (call + node)))
 
@@ -277,8 +266,6 @@ class TreeProposer:
 
     def __init__(self, state: DecodeState, chain: ChainProposer, suffix: SuffixProposer, cost: CostModel,
                  clock: Clock) -> None:
-        """`chain`, `suffix`: the run's `ChainProposer` (whose estimates the trees' first branches teach) and
-        `SuffixProposer`; `cost`, `clock`: the run's."""
         self.chain, self.suffix, self.cost, self.clock = chain, suffix, cost, clock
         width = frontier_width(cost.draft)
         self.drafter = TreeDrafter(state, replace(StagedOptions(), width=width), model=chain.model,

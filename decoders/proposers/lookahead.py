@@ -1,16 +1,7 @@
-"""Lookahead's proposer (`lookahead`, and `auto`'s guesses): n-grams from a Jacobi window and the context.
-
-Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". Each target call scores,
-after the uncached tail, two branches side by side under one mask (`decoders.drafting.tree.tree_call`):
-
-- the **verification branch**: up to `guesses` candidate n-grams (N - 1 tokens each) from an n-gram pool that
-  continue the last accepted token, merged into a prefix tree and verified like any draft (source "lookahead");
-- the **lookahead branch**: a Jacobi window of `window` (W) columns and up to N - 1 levels, level l holding the l-th
-  latest Jacobi iteration's guesses (`window_mask`). The target's predictions after the top level give the next
-  level; once all are filled, each column's trajectory plus that prediction is a pool N-gram.
-
-The pool is seeded with the prompt's n-grams and learns the accepted text's. Candidates are one-hot drafts: exact in
-both modes.
+"""Lookahead's proposer (`lookahead`, `auto`'s guesses; Fu et al. 2024): each target call scores, after the uncached
+tail, up to `guesses` pool n-grams continuing the last token (a tree, verified as any draft) and a Jacobi window of
+`window` columns and up to N - 1 levels (`window_mask`) whose predictions give its next level; a full column becomes
+a pool n-gram. The pool starts with the prompt's n-grams and learns the accepted text's. One-hot drafts: exact.
 """
 
 from __future__ import annotations
@@ -32,8 +23,7 @@ from decoders.proposers.suffix import SuffixProposer
 
 @dataclass(frozen=True)
 class LookaheadOptions:
-    """Options of `lookahead`: a small window and few guesses (at most 19 tokens a call), as a CPU's call of 16
-    tokens costs more than one token's (docs/design/evidence.md)."""
+    """Options of `lookahead`: at most 19 tokens a call, as a CPU's call of 16 costs more than one's (evidence.md)."""
 
     window: int = 2  # W: Jacobi window columns (0 = no window: candidates come from the prompt and the text only)
     ngram: int = 4  # N: n-gram size; the window has N - 1 levels, candidates are N - 1 tokens

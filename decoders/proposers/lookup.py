@@ -1,8 +1,3 @@
-"""Prompt lookup's proposer: the tokens that followed the most recent earlier match of the context's last n tokens.
-
-Used by `prompt_lookup` (its whole drafter), `staged` (one of its lower stages) and `auto` (its `lookup` guesses).
-"""
-
 from __future__ import annotations
 
 from dataclasses import dataclass

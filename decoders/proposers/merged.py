@@ -1,7 +1,3 @@
-"""`auto`'s merged guesses: the suffix index's tree and lookahead's n-grams as one tree, checked in one call (where a
-few more tokens cost a call little). Each node keeps its guess's source; each part learns how far its guesses went.
-"""
-
 from __future__ import annotations
 
 from decoders.base import DecodeState
@@ -14,7 +10,8 @@ from decoders.proposers.suffix import SuffixProposer
 
 
 class MergedProposer:
-    """The union of the suffix proposer's and lookahead's drafts of this step (offered after theirs)."""
+    """`auto`'s merged guesses: the suffix proposer's and lookahead's drafts of this step as one tree, checked in one
+    call (offered after theirs); each node keeps its guess's source, each part learns how far its guesses went."""
 
     name = "merged"
     corrected = False

@@ -1,10 +1,3 @@
-"""The suffix index's trees: what followed the longest matching suffix of the context (`suffix`, and `auto`).
-
-The index (`decoders.drafting.suffix_index`) holds the run's tokens and, with a `SuffixStore`, earlier outputs. The
-trees' acceptance is estimated per level on calibration curves of the index's probabilities, one per length of the
-matched suffix (`match_curve`), which the counts of what followed the match are blind to.
-"""
-
 from __future__ import annotations
 
 from decoders.base import DecodeState
@@ -28,7 +21,8 @@ def summarize(tree: SuffixDraft) -> list[float]:
 
 
 class SuffixProposer:
-    """The run's suffix index, grown with every accepted token, and the trees it drafts."""
+    """The run's suffix index, grown with every accepted token, and the trees it drafts, whose acceptance is judged on
+    calibration curves of the index's probabilities, one per matched length (`match_curve`)."""
 
     name = "suffix"
     corrected = False

@@ -1,11 +1,6 @@
-"""`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second.
-
-Each step every proposer (`decoders.proposers`) offers what it could draft, the `Chooser` picks the plan of highest
-expected tokens per second (or a plain step), and the verified `Step` goes to every proposer's `learn`. Proposers: the
-suffix index (always), lookahead's n-grams and both merged, and with a draft model its chains and trees. The cost
-model (`decoders.drafting.cost`) is calibrated once, cached on disk and corrected by the calls the run times.
-
-Exact in greedy and in sampling mode; a seeded sampling run plans by no clock, so the seed repeats the sample.
+"""`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second: every proposer
+offers what it could draft, the `Chooser` picks the plan (or a plain step), and every proposer learns from the verified
+`Step`. Exact in both modes; a seeded sampling run plans by no clock, so the seed repeats the sample.
 """
 
 from __future__ import annotations
@@ -38,10 +33,8 @@ class AutoOptions:
     max_draft: int = 16  # the most draft-model tokens per target call
     max_tree: int = 24  # the most suffix-tree nodes per target call (suffix's own bound)
     draft_trees: bool = True  # offer the draft model's trees where both models take tree masks
-    draft_int8: bool | None = None  # draft with the draft model's int8 copy: None where its calls measure cheaper
-    # (`copies.int8_copy`) and not in a batch, True always, False never; a draft already quantized is used as it is
-    self_int8: bool | None = None  # without a draft model, draft with the target's own int8 copy: None where its
-    # calls measure cheap enough, it fits in memory and not in a batch, True always, False never
+    draft_int8: bool | None = None  # draft with the draft's int8 copy; None: where it pays (`copies`), not batched
+    self_int8: bool | None = None  # without a draft, draft with the target's int8 copy; None: where it pays and fits
 
     def __post_init__(self):
         check_whole(self, max_draft=1, max_tree=1)
@@ -102,7 +95,10 @@ class AutoDrafter:
         # (a call that feeds the prompt is planned as the steps after it: the prompt's cost is the same for any plan)
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
         self.start = len(state.tokens)
-        self.record(state, plan)
+        details, name = state.stats.details, plan.proposer or "none"  # what auto chose, for reports
+        details["steps"][name] = details["steps"].get(name, 0) + 1
+        details["predicted_tokens"] += plan.expected_tokens
+        details["predicted_seconds"] += plan.seconds
         draft = (yield from drafting(self.by_name[plan.proposer].draft(state, plan))) if plan.proposer else Draft([])
         for proposer in self.proposers:  # what rides along unverified (lookahead's window)
             if (ride := getattr(proposer, "ride", None)) is not None:
@@ -128,14 +124,6 @@ class AutoDrafter:
         for proposer in self.proposers:
             proposer.learn(state, step)
 
-    def record(self, state: DecodeState, plan: Plan) -> None:
-        """What auto chose, for reports: steps per proposer, and the predicted tokens and seconds."""
-        details = state.stats.details
-        name = plan.proposer or "none"
-        details["steps"][name] = details["steps"].get(name, 0) + 1
-        details["predicted_tokens"] += plan.expected_tokens
-        details["predicted_seconds"] += plan.seconds
-
 
 @register("auto")
 class Auto(DraftVerify):
@@ -147,8 +135,7 @@ class Auto(DraftVerify):
 
     def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
                  chooser: Callable[[CostModel], Chooser] = Chooser, **options) -> None:
-        """`clock`: what auto times its steps and calls by; `chooser`: makes a run's `Chooser` from its cost model;
-        `options`: `AutoOptions`."""
+        """`clock`: what auto times by; `chooser`: a run's `Chooser` from its cost model; `options`: `AutoOptions`."""
         if not (callable(clock) and callable(chooser)):
             raise TypeError("auto's clock is a function of no arguments giving seconds, its chooser a Chooser factory")
         super().__init__(**options)

@@ -1,8 +1,3 @@
-"""`greedy`: KV-cached decoding, one target call per token - the reference every other strategy must reproduce.
-
-With temperature > 0 it is plain ancestral sampling from the filtered target distribution.
-"""
-
 from __future__ import annotations
 
 from decoders.base import DecodeState, Decoder, Steps
@@ -11,7 +6,8 @@ from decoders.registry import register
 
 @register("greedy")
 class Greedy(Decoder):
-    """One target call per token: score the uncached tail (the whole prompt on the first step), pick the next token."""
+    """One target call per token: score the uncached tail (the whole prompt on the first step), pick the next token.
+    The reference every other strategy reproduces; with temperature > 0, sampling from the filtered distribution."""
 
     def steps(self, state: DecodeState) -> Steps:
         logits = yield state.call()  # [1, vocab]: only the last position predicts a new token

@@ -1,11 +1,3 @@
-"""`guided`: grammar-constrained decoding that skips the model wherever the grammar alone decides the next tokens.
-
-Each step first accepts the tokens the grammar forces (`Matcher.forced()`, source "grammar") without calling the
-model; the step's one target call then scores them with the uncached tail, as a prefill, and the next token is chosen
-under the grammar's mask. Lossless: a forced token has probability 1 under the masked distribution, and
-`DecodeState.choose` returns it without drawing from the random stream.
-"""
-
 from __future__ import annotations
 
 from decoders.base import DecodeState, Decoder, Steps
@@ -14,7 +6,8 @@ from decoders.registry import register
 
 @register("guided")
 class Guided(Decoder):
-    """Greedy or sampled decoding under a grammar, with forced tokens fast-forwarded instead of decoded."""
+    """Greedy or sampled decoding under a grammar, with forced tokens fast-forwarded instead of decoded.
+    A forced token (source "grammar") takes no model call, is scored in the next, and has probability 1: lossless."""
 
     needs_grammar = True
 

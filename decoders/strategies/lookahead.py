@@ -1,9 +1,3 @@
-"""`lookahead`: lookahead decoding - no draft model; the target guesses n-grams and checks them in the same call.
-
-Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding". The Jacobi window, the
-n-gram pool and the measured defaults: `decoders.proposers.lookahead`.
-"""
-
 from __future__ import annotations
 
 from decoders.drafting import DraftVerify
@@ -13,7 +7,8 @@ from decoders.registry import register
 
 @register("lookahead")
 class Lookahead(DraftVerify):
-    """Draft-free decoding: n-grams from a Jacobi window and the context, verified as a tree in the same call."""
+    """Draft-free decoding: n-grams from a Jacobi window and the context, verified as a tree in the same call.
+    Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding"."""
 
     Options = LookaheadOptions
     drafter = LookaheadDrafter

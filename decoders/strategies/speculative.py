@@ -1,9 +1,5 @@
-"""`speculative`: a small draft model proposes k tokens, the target checks them all in one call.
-
-Leviathan et al. 2023 / Chen et al. 2023; exact in greedy and in sampling mode (`samplers.verify`). k is fixed for
-the run: unless given, the k this device's measured call costs favour (`default_k`), as the best k turns on what a
-draft call costs against a target call.
-"""
+"""`speculative`: a draft model proposes k tokens, the target checks them in one call (Leviathan et al. 2023 / Chen et
+al. 2023; exact in both modes, `samplers.verify`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,3 @@
-"""`staged`: staged speculative decoding - the draft model grows a token tree, and a draft-free stage drafts for it.
-
-Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding". The tree, its lower stage and the
-measured defaults: `decoders.proposers.draft_tree`.
-"""
-
 from __future__ import annotations
 
 from decoders.drafting import DraftVerify
@@ -13,7 +7,8 @@ from decoders.registry import register
 
 @register("staged")
 class Staged(DraftVerify):
-    """Tree speculative decoding with a draft model, itself sped up by a draft-free lower stage."""
+    """Tree speculative decoding with a draft model, itself sped up by a draft-free lower stage.
+    Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding" (`proposers.draft_tree`)."""
 
     Options = StagedOptions
     drafter = TreeDrafter

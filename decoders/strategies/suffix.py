@@ -1,9 +1,5 @@
-"""`suffix`: suffix decoding - no draft model; continuations of the longest matching context suffix, as a tree.
-
-Oliaro et al. 2024, "SuffixDecoding": the suffix trie over the prompt, the output so far and - with `store=` a
-`decoders.SuffixStore` - earlier outputs, and how it grows a tree, are `decoders.drafting.suffix_index`. Drafts are
-deterministic (one-hot for the verifier), so the strategy is exact in greedy and in sampling mode.
-"""
+"""`suffix`: suffix decoding (Oliaro et al. 2024, "SuffixDecoding"; the index: `decoders.drafting.suffix_index`).
+One-hot drafts: exact in greedy and in sampling mode."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""`threshold`: speculative decoding whose draft length follows the draft model's confidence.
-
-From "How to make LLMs go fast" (vgel.me): draft until the cumulative draft probability of the run falls below a
-moving threshold (or `max_draft` tokens). After each verification the threshold moves halfway toward the cumulative
-probability at the first rejected token; when the whole draft was accepted it drops by `step`, so the next draft may
-run longer. It stays within [min_threshold, max_threshold].
-"""
+"""`threshold`: speculative decoding whose draft length follows the draft's confidence ("How to make LLMs go fast",
+vgel.me): it drafts while its cumulative probability stays at or above a threshold that moves (`adapt_threshold`)."""
 
 from __future__ import annotations
 
