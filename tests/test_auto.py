@@ -583,10 +583,9 @@ def test_a_draft_is_probed_once_caught_up_the_targets_int8_copy_from_the_second_
     spent nothing yet. The target's own int8 copy, which drafts on the target's cache, has nothing to catch up on:
     offered from the second step (before the first that cache holds nothing, and drafting then would compute the
     prompt's keys and values only to throw them away), and probed there. Priced so that neither draft pays for its
-    rate at its prior estimates (0.99 s a draft call against 1 s a target call) though it could if every guess were
-    right (`Chooser.could_pay`): only a probe drafts."""
+    rate (2 s a draft call against 1 s a target call): only a probe drafts."""
     seen = []
-    costs = priced(lambda: CostModel(line(1.0, 0.0), line(0.99, 0.2)), watching(seen))
+    costs = priced(lambda: CostModel(line(1.0, 0.0), line(2.0, 0.2)), watching(seen))
     lm = tiny_lm("llama")
     decoders.generate(lm, PROMPTS[0], strategy=auto.Auto(chooser=costs), draft=lm if draft == "separate" else draft,
                       max_new_tokens=10)

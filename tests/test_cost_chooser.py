@@ -344,9 +344,9 @@ def test_break_even_guard_probes_only_what_could_pay():
     assert chooser.could_pay(guess, context=0, rate=1.0)
     assert not chooser.could_pay(guess, context=0, rate=1.1)  # nor can it beat a plan of 1.1 tokens/s
     plans = [chooser.choose([guess, draft], context=0) for _ in range(4)]  # nothing spent: nothing caught up
-    chooser.spend(0.5)  # the catch-up's worth (ski rental), but it cannot pay: its prompt is never caught up
+    chooser.spend(0.5)  # the catch-up's worth: the draft is probed once (ski rental), then never (it cannot pay)
     plans += [chooser.choose([guess, draft], context=0) for _ in range(8)]
-    assert [(p.proposer, p.probe) for p in plans] == [(None, False)] * 12
+    assert [(p.proposer, p.probe) for p in plans] == [(None, False)] * 4 + [("draft", True)] + [(None, False)] * 7
     # catching up is paid once: a draft whose calls are cheap enough (3 tokens in 2.82 s) could pay for it in a
     # run long enough: 100 tokens in 5 + 33.3 x 2.82 = 99.0 s rather than 100 s, but not 50 tokens (52.0 s)
     cheap = chain("draft", (0.3, 0.3), per_token=0.01, fixed=5.0, catch_up=5.0)
@@ -355,11 +355,22 @@ def test_break_even_guard_probes_only_what_could_pay():
     assert not chooser.could_pay(cheap, context=0, rate=1.0, remaining=50)
     assert not chooser.could_pay(replace(cheap, catch_up=0.0), context=0, rate=1.0)  # (5 s in every step)
     chooser = Chooser(chooser.cost, chooser.options)
-    chooser.spend(5.0)  # (ski rental: the catch-up's worth spent) but it could not pay in 50 tokens
-    assert [chooser.choose([cheap], context=0, remaining=50).probe for _ in range(3)] == [False] * 3
-    assert chooser.choose([cheap], context=0, remaining=100).probe  # could pay in 100 tokens: caught up, probed
-    assert [chooser.choose([cheap], context=0, remaining=100).probe for _ in range(2)] == [False] * 2  # declined
-    assert chooser.choose([cheap], context=0, remaining=100).probe  # 3 steps in a row, and could pay: probed again
+    chooser.spend(5.0)
+    assert chooser.choose([cheap], context=0, remaining=50).probe  # ski rental: caught up once, whatever remains
+    assert [chooser.choose([cheap], context=0, remaining=50).probe for _ in range(3)] == [False] * 3  # can't pay
+    assert chooser.choose([cheap], context=0, remaining=100).probe  # declined 3 steps, and could pay in 100 tokens
+
+
+def test_in_a_batch_a_drafter_is_first_probed_only_where_it_could_pay():
+    """Alone, ski rental probes a drafter once its catch-up is spent, to measure it, whatever it is predicted to cost.
+    In a batch its prefill and its calls stall every row (`CostModel.stall`): a draft call of 0.3 s against a 1 s
+    plain step could pay alone (every guess right: 2 tokens in 1.3 s) but not where it holds up four rows (2.2 s)."""
+    for stall, probed in ((1.0, True), (4.0, False)):
+        chooser = Chooser(CostModel(linear(1.0, 0.0), linear(0.3, 0.0)))
+        chooser.cost.stall = stall
+        draft = chain("draft", (0.3, 0.3), per_token=0.3, fixed=0.5, catch_up=0.5)
+        chooser.spend(0.5 * stall)
+        assert chooser.choose([draft], context=0).probe == probed
 
 
 def test_options_are_checked():

@@ -189,13 +189,15 @@ class Chooser:
         return plan.rate * self.correction(plan.proposer)
 
     def choose(self, offers: Sequence[Offer], context: int, remaining: int | None = None) -> Plan:
-        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter costing seconds that
-        `could_pay` is due a probe: declined `probe_after` steps in a row, or never taken and its catch-up spent."""
+        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter costing seconds is due
+        a probe: declined `probe_after` steps in a row and `could_pay`, or never taken and its catch-up spent (ski
+        rental; in a batch, where its prefill stalls every row, only if it `could_pay`)."""
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
         due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (
             self.spent >= o.catch_up if o.proposer not in self.taken else self.declined.get(o.proposer, 0) >=
-            self.options.probe_after) and self.could_pay(o, context, plan.rate, remaining)]
+            self.options.probe_after) and (self.cost.stall == 1 and o.proposer not in self.taken
+                                           or self.could_pay(o, context, plan.rate, remaining))]
         if due:
             probe = max(due, key=lambda o: (o.proposer not in self.taken, self.declined.get(o.proposer, 0)))
             plan = replace(self.evaluate(probe, min(self.options.probe_tokens, len(probe.accept)), context),

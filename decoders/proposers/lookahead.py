@@ -6,7 +6,6 @@ a pool n-gram. The pool starts with the prompt's n-grams and learns the accepted
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -69,7 +68,6 @@ def prefix_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]
     return tree.tokens, tree.parents
 
 
-@functools.cache  # (one per window shape, made every step otherwise; read only, never written)
 def window_mask(levels: int, width: int) -> torch.Tensor:
     """[levels * width, levels * width] bool: token (l, j) sees (0, j') for j' <= j and (l', j) for 1 <= l' <= l."""
     rows = []
