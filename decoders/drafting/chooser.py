@@ -195,9 +195,9 @@ class Chooser:
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
         due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (
-            self.spent >= o.catch_up if o.proposer not in self.taken else self.declined.get(o.proposer, 0) >=
-            self.options.probe_after) and (self.cost.stall == 1 and o.proposer not in self.taken
-                                           or self.could_pay(o, context, plan.rate, remaining))]
+            self.spent >= o.catch_up and (self.cost.stall == 1 or self.could_pay(o, context, plan.rate, remaining))
+            if o.proposer not in self.taken else self.declined.get(o.proposer, 0) >= self.options.probe_after
+            and self.could_pay(o, context, plan.rate, remaining))]
         if due:
             probe = max(due, key=lambda o: (o.proposer not in self.taken, self.declined.get(o.proposer, 0)))
             plan = replace(self.evaluate(probe, min(self.options.probe_tokens, len(probe.accept)), context),
@@ -212,8 +212,8 @@ class Chooser:
         """Whether drafting the `remaining` tokens of the run (None: without end) with some prefix of `offer`, every
         level accepted, would beat `rate` tokens per second, its catching up paid once."""
         perfect, once = replace(offer, accept=(1.0,) * len(offer.accept)), self.cost.stall * offer.catch_up
-        seconds = [self.evaluate(perfect, k, context).seconds - once for k in range(1, len(offer.accept) + 1)]
-        return any(once / (remaining or math.inf) + s / (k + 2) < 1 / rate for k, s in enumerate(seconds))
+        return any(once / (remaining or math.inf) + (self.evaluate(perfect, k, context).seconds - once) / (k + 1)
+                   < 1 / rate for k in range(1, len(offer.accept) + 1))
 
     def spend(self, seconds: float) -> None:
         """Count a step's seconds toward the run's (`choose`'s ski rental)."""
