@@ -443,6 +443,25 @@ def test_tree_thresholds_are_what_pays_at_the_planned_rate():
     assert draft_tree.tree_thresholds(100.0, 1.0, 1.0) == (draft_tree.SURE, draft_tree.SURE)
 
 
+def test_in_a_batch_a_trees_draft_calls_are_weighed_at_the_rows_they_hold_up(monkeypatch):
+    """A draft call holds up every row of a batch that is not drafting beside it (`CostModel.stall`): the tree's
+    threshold for a further draft call weighs it at that many times its seconds; alone, at its seconds."""
+    calls = []
+    thresholds = draft_tree.tree_thresholds
+    monkeypatch.setattr(draft_tree, "tree_thresholds", lambda rate, node, call: calls.append(call) or thresholds(
+        rate, node, call))
+    costs = priced(lambda: CostModel(line(1.0, 0.02), line(0.25, 0.0)),
+                   type("Choosing", (chooser.Chooser,), {"choose": taking("tree")}), frozen=True)
+    lm = tiny_lm("llama")
+    trees = auto.Auto(chooser=costs, draft_int8=False)
+    alone = decoders.generate(lm, PROMPTS[0], strategy=trees, draft=lm, max_new_tokens=16)
+    assert alone.stats.details["steps"].get("tree", 0) > 0 and set(calls) == {0.25}
+    calls.clear()
+    both = decoders.generate(lm, PROMPTS[:2], strategy=trees, draft=lm, max_new_tokens=16, batch_size=2)
+    assert [r.tokens for r in both] == [alone.tokens, decoders.generate(lm, PROMPTS[1], max_new_tokens=16).tokens]
+    assert 0.5 in calls and set(calls) <= {0.25, 0.5}  # (two rows: until both draft, one row's call holds up two)
+
+
 @pytest.mark.parametrize("nodes", ["cheap", "dear"])
 def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(nodes):
     """Each tree grows by staged's rule with the thresholds this step's planned rate and the measured costs set: where

@@ -59,11 +59,11 @@ def test_int8_layer_matches_float_reference_within_the_scale_bound(kind, bias, i
     q, scales = quantize_rows(weight, torch.bfloat16)
     kernels = _kernels(q, scales)
     assert ("int8_mm" in kernels) == (in_features % 16 == 0) and kernels[-1] == "dequantize"
-    assert Int8Linear.from_float(layer).kernel == kernels[0]
+    assert Int8Linear.rounded(layer).timed(layer).kernel == kernels[0]
     x = torch.randint(-8, 9, (1, 5, in_features)) / 4  # [1, T, in], exact in bfloat16
     reference = x @ weight.T  # [1, T, out]
     for kernel in kernels:
-        int8 = Int8Linear.from_float(layer, kernel)
+        int8 = Int8Linear.rounded(layer, kernel).timed(layer)
         int8.float_from = None  # the int8 path at every call size (long calls may run on the float weight)
         with torch.no_grad():
             y = int8(x)
@@ -84,8 +84,7 @@ def test_weights_that_are_multiples_of_their_scale_come_back_exactly():
     weight = torch.tensor([[127.0, -3.0, 0.0, 5.0], [1.0, 2.0, -127.0, 64.0]]) / 64  # scales are exactly 1/64
     layer = nn.Linear(4, 2, bias=False)
     layer.weight.data.copy_(weight)
-    int8 = Int8Linear.from_float(layer, "dequantize")  # (the inputs as they are: "int8_activations" rounds them)
-    int8.float_from = None
+    int8 = Int8Linear.rounded(layer, "dequantize")  # (the inputs as they are: "int8_activations" rounds them)
     x = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
     assert torch.equal(int8.scales.float(), torch.full((2,), 1 / 64))
     assert torch.equal(int8(x), x @ weight.T)
@@ -95,7 +94,7 @@ def test_weights_that_are_multiples_of_their_scale_come_back_exactly():
 def test_int8_layer_takes_an_unaligned_bfloat16_input():
     torch.manual_seed(0)
     layer = nn.Linear(64, 8).to(torch.bfloat16)
-    int8 = Int8Linear.from_float(layer, "int8_mm")
+    int8 = Int8Linear.rounded(layer, "int8_mm").timed(layer)
     int8.float_from = None
     x = torch.randn(3 * 64 + 1, dtype=torch.bfloat16)[1:].reshape(1, 3, 64)  # starts 2 bytes into its storage
     assert x.data_ptr() % 64 and torch.equal(int8(x), int8(x.clone()))
@@ -108,19 +107,20 @@ def test_long_calls_run_on_the_shared_float_weight_from_the_measured_size(monkey
     layer = nn.Linear(64, 8)
     monkeypatch.setattr(module, "_crossovers", {})
     monkeypatch.setattr(module, "_seconds", lambda call, device: 1.0)  # float never faster
-    int8 = Int8Linear.from_float(layer)
+    int8 = Int8Linear.rounded(layer).timed(layer)
     assert int8.float_from is None and int8.float_weight is None  # never faster: not kept
 
     timings = iter([2.0, 1.0, 2.0, 1.0, 0.5, 1.0])  # (float, int8) at 2, 4, 8 rows: faster from 8
     monkeypatch.setattr(module, "_crossovers", {})
     monkeypatch.setattr(module, "_seconds", lambda call, device: next(timings))
-    int8 = Int8Linear.from_float(layer)
+    int8 = Int8Linear.rounded(layer).timed(layer)
     assert int8.float_from == 8 and int8.float_weight.data_ptr() == layer.weight.data_ptr()  # shared, not copied
     x = torch.randn(1, 8, 64)
     with torch.no_grad():
         assert torch.equal(int8(x), layer(x))  # 8 rows: the float layer's own result
         assert not torch.equal(int8(x[:, :7]), layer(x[:, :7]))  # 7 rows: the int8 weights
-    assert Int8Linear.from_float(nn.Linear(64, 8)).float_from == 8  # measured once per shape
+    layer = nn.Linear(64, 8)
+    assert Int8Linear.rounded(layer).timed(layer).float_from == 8  # measured once per shape
 
 
 def test_a_self_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_found_it(monkeypatch):
@@ -261,7 +261,7 @@ def test_int8_activations_round_over_the_calls_range_except_row_by_row():
 
     torch.manual_seed(0)
     layer = nn.Linear(64, 32, bias=False)
-    int8 = Int8Linear.from_float(layer, "int8_activations")
+    int8 = Int8Linear.rounded(layer, "int8_activations").timed(layer)
     int8.float_from = None
     x = torch.randn(3, 64)
     x[2] *= 50  # a row of wide range: every row of its call is rounded in coarser steps

@@ -381,7 +381,6 @@ class CostModel:
 
     target: CallCost
     draft: CallCost | None = None  # None: no draft model
-    observed: dict[str, int] = field(default_factory=dict)  # calls observed per kind, for reports
     batch_tokens: int = 0  # in a batch, the tokens its shared target call scores in all rows (`DecodeState`)
     stall: float = 1.0  # in a batch, what a second of a row's drafting costs the batch in rows' seconds (`DecodeState`)
 
@@ -409,17 +408,7 @@ class CostModel:
             raise ValueError(f"cannot observe a {kind!r} call: kinds are 'target' and, with a draft model, 'draft'")
         if n > (TARGET_SIZES if kind == "target" else DRAFT_SIZES)[-1]:
             return
-        self.observed[kind] = self.observed.get(kind, 0) + 1
         part.observe(n, context, seconds)
-
-    def to_dict(self) -> dict:
-        return {"target": self.target.to_dict(), "draft": None if self.draft is None else self.draft.to_dict(),
-                "observed": dict(self.observed)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> CostModel:
-        draft = None if data.get("draft") is None else CallCost.from_dict(data["draft"])
-        return cls(CallCost.from_dict(data["target"]), draft, dict(data.get("observed", {})))
 
 
 def calibrate(lm, draft=None, *, cache: bool = True, refresh: bool = False, folder: Path | None = None,

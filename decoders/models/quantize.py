@@ -52,13 +52,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("float_weight", None, persistent=False)  # [out, in] the float layer's (shared), or None
 
     @classmethod
-    def from_float(cls, layer: nn.Linear | Conv1D, kernel: str | None = None) -> Int8Linear:
-        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `kernel`: one of KERNELS, None: the first to run."""
-        return cls.rounded(layer, kernel).timed(layer)
-
-    @classmethod
     def rounded(cls, layer: nn.Linear | Conv1D, kernel: str | None = None) -> Int8Linear:
-        """`from_float` without `timed`: the int8 path for calls of any size."""
+        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D` for calls of any size (`timed` sets where the float
+        weight is faster); `kernel`: one of KERNELS, None: the first to run."""
         weight = _float_weight(layer)
         compute = torch.bfloat16 if weight.device.type == "cpu" else weight.dtype
         weight_int8, scales = quantize_rows(weight, compute)
@@ -91,7 +87,8 @@ class Int8Linear(nn.Module):
         if self.kernel == "int8_activations":
             rows = x.reshape(-1, self.in_features).float()
             calls, reduce = rows.split(1) if self.row_by_row else [rows], _reduce_range()
-            y = torch.cat([torch.ops.quantized.linear_dynamic(r, self.packed, reduce) for r in calls])
+            y = [torch.ops.quantized.linear_dynamic(r, self.packed, reduce) for r in calls]
+            y = torch.cat(y) if self.row_by_row else y[0]  # (a cat of one copies every output)
         else:
             rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
             if self.kernel == "int8_mm":
