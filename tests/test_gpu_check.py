@@ -28,7 +28,7 @@ def summary(tmp_path_factory) -> dict:
         env.pop(name, None)
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out), "--device", "cpu", "--quick",
                            "--tests", "none"], env=env, capture_output=True, text=True,
-                          timeout=300)  # (the quick parts' own limits add up to 200 s; a busy machine nears them)
+                          timeout=300)  # (the quick parts' own limits add up to 220 s; a busy machine nears them)
     assert done.returncode == 0, done.stdout + done.stderr
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and all(name.replace(".", "").replace("_", "").isalnum() for name in files), files
