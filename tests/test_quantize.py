@@ -59,12 +59,11 @@ def test_int8_layer_matches_float_reference_within_the_scale_bound(kind, bias, i
     q, scales = quantize_rows(weight, torch.bfloat16)
     kernels = _kernels(q, scales)
     assert ("int8_mm" in kernels) == (in_features % 16 == 0) and kernels[-1] == "dequantize"
-    assert Int8Linear.rounded(layer).timed(layer).kernel == kernels[0]
+    assert Int8Linear.rounded(layer).kernel == kernels[0]
     x = torch.randint(-8, 9, (1, 5, in_features)) / 4  # [1, T, in], exact in bfloat16
     reference = x @ weight.T  # [1, T, out]
     for kernel in kernels:
-        int8 = Int8Linear.rounded(layer, kernel).timed(layer)
-        int8.float_from = None  # the int8 path at every call size (long calls may run on the float weight)
+        int8 = Int8Linear.rounded(layer, kernel)  # (not `timed`: the int8 path at every call size)
         with torch.no_grad():
             y = int8(x)
         assert y.shape == (1, 5, out_features) and y.dtype == x.dtype
@@ -94,8 +93,7 @@ def test_weights_that_are_multiples_of_their_scale_come_back_exactly():
 def test_int8_layer_takes_an_unaligned_bfloat16_input():
     torch.manual_seed(0)
     layer = nn.Linear(64, 8).to(torch.bfloat16)
-    int8 = Int8Linear.rounded(layer, "int8_mm").timed(layer)
-    int8.float_from = None
+    int8 = Int8Linear.rounded(layer, "int8_mm")
     x = torch.randn(3 * 64 + 1, dtype=torch.bfloat16)[1:].reshape(1, 3, 64)  # starts 2 bytes into its storage
     assert x.data_ptr() % 64 and torch.equal(int8(x), int8(x.clone()))
 
