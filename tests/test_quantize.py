@@ -259,8 +259,7 @@ def test_int8_activations_round_over_the_calls_range_except_row_by_row():
 
     torch.manual_seed(0)
     layer = nn.Linear(64, 32, bias=False)
-    int8 = Int8Linear.rounded(layer, "int8_activations").timed(layer)
-    int8.float_from = None
+    int8 = Int8Linear.rounded(layer, "int8_activations")
     x = torch.randn(3, 64)
     x[2] *= 50  # a row of wide range: every row of its call is rounded in coarser steps
     q, scales = quantize_rows(layer.weight.detach(), torch.bfloat16)

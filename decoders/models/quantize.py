@@ -87,8 +87,8 @@ class Int8Linear(nn.Module):
         if self.kernel == "int8_activations":
             rows = x.reshape(-1, self.in_features).float()
             calls, reduce = rows.split(1) if self.row_by_row else [rows], _reduce_range()
-            y = [torch.ops.quantized.linear_dynamic(r, self.packed, reduce) for r in calls]
-            y = torch.cat(y) if self.row_by_row else y[0]  # (a cat of one copies every output)
+            parts = [torch.ops.quantized.linear_dynamic(r, self.packed, reduce) for r in calls]
+            y = torch.cat(parts) if self.row_by_row else parts[0]  # (a cat of one copies every output)
         else:
             rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
             if self.kernel == "int8_mm":

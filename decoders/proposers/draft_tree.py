@@ -297,7 +297,8 @@ class TreeProposer:
         planned, budget = self.size(plan.k), self.base.budget
         big, small = (self.cost.target_seconds(1 + n, context) for n in (budget, planned))
         call = self.cost.draft.predict(self.base.width, context)
-        node = (big - small) / max(1, budget - planned)  # (a draft call holds up the rows of a batch: `stall`)
+        node = (big - small) / max(1, budget - planned)
+        # in a batch a draft call holds up the rows not drafting beside it (`stall`), as the tree's plan is priced
         min_prob, expand_prob = tree_thresholds(plan.rate, node, self.cost.stall * call)
         self.drafter.options = replace(self.base, min_prob=min_prob, expand_prob=expand_prob)
         draft = yield from self.drafter.propose(state, plan.k if plan.probe else self.limit)
