@@ -39,7 +39,7 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
         prompt: text or one sequence of token ids; or a list of those, decoded together (`decoders.batch`) into a list
             of `Result`s in order, each row exactly its own run's. A row whose own step raises ends with finish_reason
             "error" and the error in `result.error`; the other rows go on.
-        batch_size: with a list of prompts, the most rows in flight at once (default BATCH_SIZE).
+        batch_size: with a list of prompts, the most rows in flight at once (default BATCH_SIZE); 1: each alone.
         strategy: a registered name (`decoders.available()`) or a `Decoder` instance. Default "greedy".
         max_new_tokens: the most tokens to add (> 0). Default 128.
         draft: the draft model: an `LM`, a name for `decoders.load`, or "self:int8" (the target's own int8 copy).

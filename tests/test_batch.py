@@ -366,7 +366,7 @@ def registered():
         decoders.unregister(name)
 
 
-def test_a_strategy_with_step_only_is_refused_in_a_batch(registered, monkeypatch):
+def test_a_strategy_with_step_only_is_refused_in_a_batch_but_runs_one_at_a_time(registered, monkeypatch):
     class StepOnly(Decoder):
         def step(self, state):
             logits = state.score()
@@ -385,6 +385,9 @@ def test_a_strategy_with_step_only_is_refused_in_a_batch(registered, monkeypatch
     monkeypatch.setattr(decoders.batch, "admit", admit)
     with pytest.raises(TypeError, match=rf"{name}.*`step` only.*`steps`"):
         decoders.generate(lm, [PROMPTS[0], PROMPTS[1]], strategy=name, max_new_tokens=6)
+    # one row in flight: each prompt runs alone (no row admitted to a batch), as it would by itself
+    results = decoders.generate(lm, [PROMPTS[0], PROMPTS[1]], strategy=name, batch_size=1, max_new_tokens=6)
+    assert [r.tokens for r in results] == [reference(lm, p, max_new_tokens=6).tokens for p in PROMPTS[:2]]
 
 
 # ------------------------------------------------------------------------------------------ a row whose step raises
@@ -413,15 +416,16 @@ class Flaky(Decoder):
         state.accept([state.choose(logits[-1])], ["target"], rows=logits[-1:])
 
 
+@pytest.mark.parametrize("batch_size", [2, 1])
 @pytest.mark.parametrize("at, after_call", [(0, False), (3, False), (3, True)])
-def test_a_row_whose_step_raises_ends_with_an_error_and_the_others_go_on(registered, at, after_call):
+def test_a_row_whose_step_raises_ends_with_an_error_and_the_others_go_on(registered, at, after_call, batch_size):
     name = registered("batch_test_flaky", Flaky)
     lm = tiny_lm("llama")
     prompts = mixed_prompts(lm)
     bad = 2  # in the middle of the queue: rows are refilled after it
     options = dict(bad=tuple(lm.encode(prompts[bad]) if isinstance(prompts[bad], str) else prompts[bad]), at=at,
                    after_call=after_call)
-    results = decoders.generate(lm, prompts, strategy=name, batch_size=2, max_new_tokens=MAX_NEW, **options)
+    results = decoders.generate(lm, prompts, strategy=name, batch_size=batch_size, max_new_tokens=MAX_NEW, **options)
     for i, (prompt, got) in enumerate(zip(prompts, results)):
         want = reference(lm, prompt)
         if i == bad:
@@ -431,8 +435,8 @@ def test_a_row_whose_step_raises_ends_with_an_error_and_the_others_go_on(registe
             assert got.tokens == want.tokens[:at]
         else:
             assert_same_row(got, want, i, name)
-    streamed = [c for c in decoders.stream(lm, prompts, strategy=name, batch_size=2, max_new_tokens=MAX_NEW,
-                                           **options) if c.index == bad]
+    streamed = [c for c in decoders.stream(lm, prompts, strategy=name, batch_size=batch_size,
+                                           max_new_tokens=MAX_NEW, **options) if c.index == bad]
     assert [t for c in streamed for t in c.tokens] == results[bad].tokens
 
 
