@@ -419,7 +419,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
 def one_at_a_time(runs: list[tuple[DecodeState, Decoder]], with_text: bool = True
                   ) -> Iterator[tuple[int, Chunk, Result | None]]:
     """`run` with one row in flight: each run alone on its own cache, as `decoders.generate` runs one prompt (a batch
-    of one shares no call, and its masks and slots would only cost: 12% of greedy's time, SmolLM2 float32)."""
+    of one shares no call: its masks, slots and widths would only cost)."""
     for index, (state, decoder) in enumerate(runs):
         chunks, error = Decoding(state, decoder).chunks(with_text), None
         while not state.finished:
