@@ -340,6 +340,10 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
         if not decoder.batchable():
             raise TypeError(f"strategy {decoder.name!r} implements `step` only and cannot run batched; implement "
                             "`steps` (see decoders.base.Decoder) or decode its prompts one at a time")
+    try:  # (rows of several lengths in one call need masks of their own)
+        lm.check_tree_mask()
+    except TypeError as error:
+        raise TypeError(f"cannot decode a batch with this model: {error}; pass batch_size=1") from None
     queue = deque(enumerate(runs))
     batch = BatchCache(lm, min(batch_size, len(runs)))
     rows: list[Row | None] = [None] * batch.rows
@@ -412,7 +416,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                         width.forget(b)
                         rows[b] = None
                     paused = time.perf_counter()  # (the caller's time with the chunk is not the batch's)
-                    yield row.index, chunk, result(state, row.decoder, row.error) if state.finished else None
+                    yield row.index, chunk, Decoding(state, row.decoder).result(row.error) if state.finished else None
                     since += time.perf_counter() - paused
 
 
@@ -421,13 +425,14 @@ def one_at_a_time(runs: list[tuple[DecodeState, Decoder]], with_text: bool = Tru
     """`run` with one row in flight: each run alone on its own cache, as `decoders.generate` runs one prompt (a batch
     of one shares no call: its masks, slots and widths would only cost)."""
     for index, (state, decoder) in enumerate(runs):
-        chunks, error = Decoding(state, decoder).chunks(with_text), None
+        run, error = Decoding(state, decoder), None
+        chunks = run.chunks(with_text)
         while not state.finished:
             try:
                 chunk = next(chunks)
             except Exception as raised:  # noqa: BLE001  (as a batch's row: the later runs go on)
                 chunk, error, state.finish_reason = Chunk([], "", [], index), raised, "error"
-            yield index, replace(chunk, index=index), result(state, decoder, error) if state.finished else None
+            yield index, replace(chunk, index=index), run.result(error) if state.finished else None
 
 
 def admit(batch: BatchCache, b: int, index: int, run: tuple[DecodeState, Decoder]) -> Row:
@@ -459,8 +464,3 @@ def _advance(row: Row, logits: torch.Tensor | None) -> None:
         row.steps = row.pending = None
         row.error = error
 
-
-def result(state: DecodeState, decoder: Decoder, error: Exception | None = None) -> Result:
-    return Result(text=state.lm.decode(state.new_tokens), tokens=state.new_tokens, sources=state.sources,
-                  stats=state.stats, finish_reason=state.finish_reason, prompt_tokens=state.tokens[: state.prompt_len],
-                  strategy=decoder.name, error=None if error is None else f"{type(error).__name__}: {error}")

@@ -99,18 +99,13 @@ class Decoding:
                 piece, text = full[len(text):], full
             yield Chunk(tokens=added, text=piece, sources=state.sources[len(state.sources) - len(added):])
 
-    def result(self) -> Result:
-        """The run's outcome (what it has so far, if `chunks()` was not run to the end)."""
+    def result(self, error: Exception | None = None) -> Result:
+        """The run's outcome (what it has so far, if `chunks()` was not run to the end); `error`: what ended it."""
         state = self.state
-        return Result(
-            text=state.lm.decode(state.new_tokens),
-            tokens=state.new_tokens,
-            sources=state.sources,
-            stats=state.stats,
-            finish_reason=state.finish_reason,
-            prompt_tokens=state.tokens[: state.prompt_len],
-            strategy=self.decoder.name,
-        )
+        return Result(text=state.lm.decode(state.new_tokens), tokens=state.new_tokens, sources=state.sources,
+                      stats=state.stats, finish_reason=state.finish_reason,
+                      prompt_tokens=state.tokens[: state.prompt_len], strategy=self.decoder.name,
+                      error=None if error is None else f"{type(error).__name__}: {error}")
 
 
 def prepare(lm: LM, prompt: Prompt, **kwargs) -> Decoding:
@@ -216,10 +211,6 @@ def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, 
             runs.append(_prepare(lm, prompt, seed=seeds[i], grammar=grammars[i], stop=stops[i], **kwargs))
         except (TypeError, ValueError) as error:
             raise type(error)(f"prompt {i}: {error}") from None
-    try:
-        lm.check_tree_mask()
-    except TypeError as error:
-        raise TypeError(f"cannot decode a batch with this model: {error}") from None
     yield from batch.run(lm, runs, batch_size, with_text)
 
 

@@ -390,6 +390,19 @@ def test_a_strategy_with_step_only_is_refused_in_a_batch_but_runs_one_at_a_time(
     assert [r.tokens for r in results] == [reference(lm, p, max_new_tokens=6).tokens for p in PROMPTS[:2]]
 
 
+def test_a_model_without_masks_of_its_own_is_refused_a_batch_but_runs_one_at_a_time(monkeypatch):
+    def no_masks(self):
+        raise TypeError(f"{type(self.model).__name__} takes no 4D attention mask")
+
+    monkeypatch.setattr(decoders.LM, "check_tree_mask", no_masks)
+    lm = tiny_lm("llama")
+    with pytest.raises(TypeError, match="cannot decode a batch with this model: LlamaForCausalLM takes no 4D.*"
+                                        "batch_size=1"):
+        decoders.generate(lm, [PROMPTS[0], PROMPTS[1]], max_new_tokens=6)
+    results = decoders.generate(lm, [PROMPTS[0], PROMPTS[1]], batch_size=1, max_new_tokens=6)
+    assert [r.tokens for r in results] == [reference(lm, p, max_new_tokens=6).tokens for p in PROMPTS[:2]]
+
+
 # ------------------------------------------------------------------------------------------ a row whose step raises
 
 
