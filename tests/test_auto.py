@@ -128,27 +128,52 @@ def test_any_plan_samples_under_a_grammar_with_eos_in_the_drafts(random_plans):
         assert result.text in (" red", " green")
 
 
-def test_in_sampling_mode_any_plan_draws_the_first_token_from_the_targets_distribution(random_plans):
+def test_in_sampling_mode_any_plan_draws_its_token_from_the_targets_distribution(random_plans):
     """Sampling mode: whether a step checks the draft model's sampled chain or tree, the suffix index's one-hot
-    guesses or nothing, the first new token follows the target's distribution."""
+    guesses or nothing, its token follows the target's distribution. The prompt's call takes a plain step, so the
+    step checked is the second: its token, in the runs whose first token was the likeliest, against the target's
+    distribution after that token."""
     from samplers import SamplingConfig
     from stats import chi_square_fits
     from test_tree import near_draft
 
     lm, draft = tiny_lm("llama"), near_draft()
-    prompt = lm.encode(PROMPTS[4]) * 2  # (repeated: the suffix index guesses too)
-    settings = dict(temperature=1.0, top_k=12)
+    words, settings = lm.encode(PROMPTS[0]), dict(temperature=1.0, top_k=12)
     with torch.inference_mode():
-        target = SamplingConfig(**settings).probs(lm.forward(prompt, lm.new_cache())[-1])
-    firsts, sources, steps = [], [], set()
-    for seed in range(600):
-        result = decoders.generate(lm, prompt, strategy=random_plans, draft=draft, max_new_tokens=2, seed=seed,
+        lead = int(lm.forward(words * 2, lm.new_cache())[-1].argmax())
+        prompt = [lead, words[0]] + words * 2  # (the suffix index guesses what follows `lead` too)
+        assert int(lm.forward(prompt, lm.new_cache())[-1].argmax()) == lead  # (still the likeliest first token)
+        target = SamplingConfig(**settings).probs(lm.forward(prompt + [lead], lm.new_cache())[-1])
+    seconds, sources, steps = [], [], set()
+    for seed in range(800):
+        result = decoders.generate(lm, prompt, strategy=random_plans, draft=draft, max_new_tokens=3, seed=seed,
                                    **settings)
-        firsts.append(result.tokens[0])
-        sources.append(result.sources[0])
+        assert result.sources[0] == "target"  # (the prompt's call drafts nothing)
+        if result.tokens[0] == lead:
+            seconds.append(result.tokens[1])
+            sources.append(result.sources[1])
         steps |= set(result.stats.details["steps"])
+    assert len(seconds) > 100
     assert {"draft", "target"} <= set(sources) and {"draft", "tree", "suffix", "none"} <= steps
-    assert chi_square_fits(torch.tensor(firsts), target)
+    assert chi_square_fits(torch.tensor(seconds), target)
+
+
+def test_the_prompts_call_drafts_nothing_and_carries_no_window(monkeypatch):
+    """The prompt's call is a plain causal call (nodes or a window would put the prompt under a tree mask), even
+    where the suffix index guesses the continuation; the steps after it draft."""
+    lm = tiny_lm("llama")
+    prompt = lm.encode(PROMPTS[4]) * 3
+    calls = []
+    forward = lm.forward
+
+    def recording(tokens, cache, positions=None, tree_mask=None, keep=0):
+        calls.append((len(tokens), tree_mask is not None))
+        return forward(tokens, cache, positions, tree_mask, keep)
+
+    monkeypatch.setattr(lm, "forward", recording)  # (this LM only: `tiny_lm` is shared)
+    result = decoders.generate(lm, prompt, strategy="auto", max_new_tokens=24)
+    assert calls[0] == (len(prompt), False)
+    assert result.stats.drafted > 0 and result.tokens == decoders.generate(lm, prompt, max_new_tokens=24).tokens
 
 
 def test_a_seed_repeats_the_sample_however_the_calls_are_timed():
@@ -551,7 +576,7 @@ def test_the_draft_models_first_call_is_costed_as_the_catch_up_it_is():
     decoders.generate(lm, prompt, strategy=auto.Auto(chooser=recording, draft_trees=False), draft=lm,
                       max_new_tokens=10)
     drafts = [n for kind, n in observed if kind == "draft"]
-    assert drafts[:2] == [len(prompt), 1]  # the prompt's call, then the one-token calls of the first chain
+    assert drafts[:2] == [len(prompt) + 1, 1]  # the prompt and the first token, then the first chain's one-token calls
 
 
 @pytest.mark.parametrize("pays", [False, True])
@@ -597,24 +622,22 @@ def watching(seen: list) -> type:
 
 
 @pytest.mark.parametrize("draft", ["separate", "self:int8"])
-def test_a_draft_is_probed_once_caught_up_the_targets_int8_copy_from_the_second_step(draft):
-    """A draft of its own cache must first catch up on the prompt: not probed in the first step, where the run has
-    spent nothing yet. The target's own int8 copy, which drafts on the target's cache, has nothing to catch up on:
-    offered from the second step (before the first that cache holds nothing, and drafting then would compute the
-    prompt's keys and values only to throw them away), and probed there. Priced so that neither draft pays for its
-    rate (2 s a draft call against 1 s a target call): only a probe drafts."""
+def test_a_draft_is_probed_once_caught_up_the_targets_int8_copy_at_once(draft):
+    """The prompt's call is offered nothing. After it, a draft of its own cache must first catch up on the prompt: not
+    probed while the run has spent less than that. The target's own int8 copy, which drafts on the target's cache, has
+    nothing to catch up on: offered and probed at once. Priced so that neither draft pays for its rate (2 s a draft
+    call against 1 s a target call): only a probe drafts."""
     seen = []
     costs = priced(lambda: CostModel(line(1.0, 0.0), line(2.0, 0.2)), watching(seen))
     lm = tiny_lm("llama")
     decoders.generate(lm, PROMPTS[0], strategy=auto.Auto(chooser=costs), draft=lm if draft == "separate" else draft,
                       max_new_tokens=10)
-    (first, plan, spent), (second, then, _) = seen[:2]
-    assert spent == 0.0
+    (none, prompts, _), (first, plan, spent) = seen[:2]
+    assert not none and prompts.proposer is None
     if draft == "separate":
-        assert first["draft"].catch_up > 0 and plan.proposer not in ("draft", "tree")
+        assert first["draft"].catch_up > spent and plan.proposer not in ("draft", "tree")
     else:
-        assert "draft" not in first and second["draft"].catch_up == 0.0
-        assert (then.proposer, then.probe) == ("draft", True)
+        assert first["draft"].catch_up == 0.0 and (plan.proposer, plan.probe) == ("draft", True)
 
 
 def test_a_short_answer_never_pays_for_a_separate_drafts_prefill_a_long_one_probes_it():
@@ -634,15 +657,15 @@ def test_a_short_answer_never_pays_for_a_separate_drafts_prefill_a_long_one_prob
 
     short = run(8)
     assert short.stats.draft_calls == 0 and not {"draft", "tree"} & set(short.stats.details["steps"])
-    offered = [(offers["draft"], spent) for offers, _, spent in seen if "draft" in offers]  # (not in the last step:
-    # no room left for a draft token)
-    assert len(offered) >= len(seen) - 1 and all(spent < offer.catch_up for offer, spent in offered)
+    offered = [(offers["draft"], spent) for offers, _, spent in seen if "draft" in offers]  # (not in the prompt's
+    # call, nor in the last step: no room left for a draft token)
+    assert len(offered) >= len(seen) - 2 and all(spent < offer.catch_up for offer, spent in offered)
     long = run(64)
     assert long.stats.draft_calls > 0
     first = next(i for i, (_, plan, _) in enumerate(seen) if plan.proposer in ("draft", "tree"))
     offers, plan, spent = seen[first]
     assert plan.probe and spent >= offers[plan.proposer].catch_up > 0
-    assert all(spent < offers["draft"].catch_up for offers, _, spent in seen[:first])
+    assert all(spent < offers["draft"].catch_up for offers, _, spent in seen[1:first])  # (after the prompt's call)
     assert first >= 8  # (later than the short answer's end)
 
 
