@@ -283,3 +283,25 @@ def test_speedups_are_greedys_estimated_seconds_over_each_methods_per_suite_and_
     assert all(row[s] > 0.95 for row in table.values() for s in ("a", "b", "all")), table
     with pytest.raises(SystemExit, match="unknown methods"):
         speedups.main(["x.json", "--methods", "speculative"])
+
+
+def test_the_held_out_suite_takes_its_positions_of_each_category_and_loads_as_a_suite(tmp_path, capsys):
+    import json
+
+    from devtools import heldout
+    from evals import suites
+
+    lines = [{"question_id": n, "category": c, "turns": [f"{c} {n}", "again"]} for n, c in
+             enumerate(["writing"] * 3 + ["extraction"] * 3 + [t for t in heldout.TASKS for _ in range(4)])]
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    heldout.main([str(questions)])
+    out = tmp_path / "heldout.jsonl"
+    out.write_text(capsys.readouterr().out)
+    prompts = suites.load(out)
+    tasks = [(f"specbench-{n}", c, f"{c} {n}") for c in heldout.TASKS
+             for n in [line["question_id"] for line in lines if line["category"] == c][2:4]]
+    assert [(p.id, p.category, p.prompt) for p in prompts] == tasks + [
+        ("specbench-2", "mt_bench", "writing 2"), ("specbench-5", "mt_bench", "extraction 5")]
+    with pytest.raises(SystemExit, match=r"no prompt translation\[4\].*rag\[4\]: is it Spec-Bench"):
+        heldout.main([str(questions), "--positions", "0,4"])
