@@ -181,14 +181,16 @@ def test_calibration_extrapolates_sizes_whose_calls_would_be_dear_and_grow_with_
     proportional = ClockedLM(lambda n: 0.05 + 0.15 * n)
     monkeypatch.setattr(cost_module, "time", proportional)
     samples, _ = cost_module.measure(proportional)
-    # after the warm-up: 1-3 tokens, then 1 and 3 after 512 positions; then that round again
-    assert proportional.scored[2:] == [1, 2, 3, 1, 3] * ROUNDS
-    fitted = fit(samples, (1, 2, 3))
+    # after the warm-up: 1-4 tokens, then 1 and 4 after 512 positions; then that round again
+    assert proportional.scored[2:] == [1, 2, 3, 4, 1, 4] * ROUNDS
+    fitted = fit(samples, (1, 2, 3, 4))
     for n in (1, 4, 16, 32):
         assert fitted.predict(n, 16) == pytest.approx(0.05 + 0.15 * n)
     # cheap calls, or dear ones whose time flattens, are all measured (a CPU reading weights, a GPU)
     smollm2 = {1: 0.041, 2: 0.067, 3: 0.083, 4: 0.066, 8: 0.058, 16: 0.07, 32: 0.1}  # float32, AMD EPYC (AVX-512)
-    for seconds in (lambda n: 0.002 * n, lambda n: 0.3 + 0.01 * n, smollm2.get):
+    # the 1.5B in float32 on an AVX2-only CPU: 2 and 3 tokens cost by the token, 4 and more far less
+    qwen = {1: 0.373, 2: 0.700, 3: 0.990, 4: 0.930, 8: 1.04, 16: 1.23, 32: 1.69}
+    for seconds in (lambda n: 0.002 * n, lambda n: 0.3 + 0.01 * n, smollm2.get, qwen.get):
         clocked = ClockedLM(seconds)
         monkeypatch.setattr(cost_module, "time", clocked)
         assert [n for n, L, _ in cost_module.measure(clocked)[0] if L == 16] == list(TARGET_SIZES)

@@ -22,13 +22,14 @@ import torch
 
 from decoders.models.lm import cpu_model
 
-VERSION = 6  # of the cache file format and what it measures: files of another version are measured again
+VERSION = 7  # of the cache file format and what it measures: files of another version are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # the target's measured n; dense, as its curve need not be convex
 DRAFT_SIZES = (1, 2, 3, 4, 5, 8, 16)  # a draft's measured n; 5 as int8 kernels run rows in blocks of four
 SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
 BUDGET = 0.25  # seconds per model: rounds repeat until then (at least ROUNDS); dearer sizes are extrapolated
 ROUNDS = 2  # measuring rounds at least, each point keeping its fastest: a process's first calls run slow
 LINEAR = 0.8  # share of a one-token call each further token costs at least where a call is compute-bound
+PROPORTIONAL_FROM = 4  # the least size that shows it: float32 products of 2-3 rows can cost by the row, of 4 not
 WEIGHT = 0.1  # how far one value moves a `RunningMean`: about the last 1 / WEIGHT count
 WINDOW = 9  # the last calls whose median ratio to the fit is the level (`CallCost.scale`); the first is believed
 EVIDENCE = 9  # the last calls per knot whose weighted median is its correction (`CallCost.offset`)
@@ -269,9 +270,10 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
 
 
 def proportional(timed: list[tuple[int, float]], n: int) -> bool:
-    """Whether a call of `n` tokens need not be measured after `timed` ((size, seconds), sizes from 1): three timed, all
-    compute-bound (LINEAR of a one-token call per token), the last segment extrapolated to `n` past BUDGET."""
-    if len(timed) < 3:
+    """Whether a call of `n` tokens need not be measured after `timed` ((size, seconds), sizes from 1): sizes through
+    PROPORTIONAL_FROM timed, all compute-bound (LINEAR of a one-token call per token), the last segment extrapolated to
+    `n` past BUDGET."""
+    if not timed or timed[-1][0] < PROPORTIONAL_FROM:
         return False
     one = timed[0][1]
     (b, tb), (c, tc) = timed[-2:]
