@@ -624,9 +624,9 @@ def watching(seen: list) -> type:
 @pytest.mark.parametrize("draft", ["separate", "self:int8"])
 def test_a_draft_is_probed_once_caught_up_the_targets_int8_copy_at_once(draft):
     """The prompt's call is offered nothing. After it, a draft of its own cache must first catch up on the prompt: not
-    probed while the run has spent less than that. The target's own int8 copy, which drafts on the target's cache, has
-    nothing to catch up on: offered and probed at once. Priced so that neither draft pays for its rate (2 s a draft
-    call against 1 s a target call): only a probe drafts."""
+    probed while that is more than a fifth of the run's spent seconds. The target's own int8 copy, which drafts on the
+    target's cache, has nothing to catch up on: offered and probed at once. Priced so that neither draft pays for its
+    rate (2 s a draft call against 1 s a target call): only a probe drafts."""
     seen = []
     costs = priced(lambda: CostModel(line(1.0, 0.0), line(2.0, 0.2)), watching(seen))
     lm = tiny_lm("llama")
@@ -641,12 +641,14 @@ def test_a_draft_is_probed_once_caught_up_the_targets_int8_copy_at_once(draft):
 
 
 def test_a_short_answer_never_pays_for_a_separate_drafts_prefill_a_long_one_probes_it():
-    """Ski rental, end to end: a draft model of its own cache first catches up on every token of the run (its
-    prefill, 0.2 s a token here against 1 s a step), and is probed only once the run has spent as much without it.
-    Seeded, so auto plans by no clock: the seconds spent are its plans'. An answer of 8 tokens to a 46-token prompt
-    never drafts with it; one of 64 does, from the first step whose spent seconds reach its catch-up."""
+    """End to end: a draft model of its own cache first catches up on every token of the run (its prefill, 0.05 s a
+    token here against 1 s a step), and is probed only once that is at most a fifth of the seconds the run has spent
+    without it (`ChooserOptions.catch_up_share`). Seeded, so auto plans by no clock: the seconds spent are its plans'.
+    An answer of 8 tokens to a 46-token prompt never drafts with it; one of 64 does, from the first step where its
+    catch-up is that little."""
     seen = []
-    costs = priced(lambda: CostModel(line(1.0, 0.0), line(0.05, 0.2)), watching(seen))
+    share = chooser.ChooserOptions().catch_up_share
+    costs = priced(lambda: CostModel(line(1.0, 0.0), line(0.05, 0.05)), watching(seen))
     lm, draft = tiny_lm("llama"), tiny_lm("llama", 1)
     prompt = lm.encode(" ".join(PROMPTS))
 
@@ -659,13 +661,13 @@ def test_a_short_answer_never_pays_for_a_separate_drafts_prefill_a_long_one_prob
     assert short.stats.draft_calls == 0 and not {"draft", "tree"} & set(short.stats.details["steps"])
     offered = [(offers["draft"], spent) for offers, _, spent in seen if "draft" in offers]  # (not in the prompt's
     # call, nor in the last step: no room left for a draft token)
-    assert len(offered) >= len(seen) - 2 and all(spent < offer.catch_up for offer, spent in offered)
+    assert len(offered) >= len(seen) - 2 and all(share * spent < offer.catch_up for offer, spent in offered)
     long = run(64)
     assert long.stats.draft_calls > 0
     first = next(i for i, (_, plan, _) in enumerate(seen) if plan.proposer in ("draft", "tree"))
     offers, plan, spent = seen[first]
-    assert plan.probe and spent >= offers[plan.proposer].catch_up > 0
-    assert all(spent < offers["draft"].catch_up for offers, _, spent in seen[1:first])  # (after the prompt's call)
+    assert plan.probe and share * spent >= offers[plan.proposer].catch_up > 0
+    assert all(share * spent < offers["draft"].catch_up for offers, _, spent in seen[1:first])  # (after the prompt)
     assert first >= 8  # (later than the short answer's end)
 
 
@@ -800,7 +802,7 @@ def test_in_a_batch_a_step_is_priced_as_the_call_all_rows_share():
             self.last = plan
             return plan
 
-        def spend(self, seconds):  # (the ski rental's count: in a batch, a row's share of the call)
+        def spend(self, seconds):  # (what a catch-up is weighed against: in a batch, a row's share of the call)
             spent.append(seconds / self.last.seconds)
             super().spend(seconds)
 

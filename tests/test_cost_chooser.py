@@ -1,5 +1,5 @@
-"""The chooser: plans, marginal rule, per-proposer estimates (`Acceptance`), probing (ski rental and the break-even
-guard), on synthetic cost models with hand-computed answers."""
+"""The chooser: plans, marginal rule, per-proposer estimates (`Acceptance`), probing (the draft's catch-up and the
+break-even guard), on synthetic cost models with hand-computed answers."""
 
 from __future__ import annotations
 
@@ -259,18 +259,18 @@ def test_plans_are_weighed_by_what_their_proposers_steps_gave_against_them():
     assert chooser.choose([tree, draft], context=0).proposer == "tree"
 
 
-# --- probing: ski rental, then the break-even guard ---------------------------------------------------------------
+# --- probing: the catch-up, then the break-even guard -----------------------------------------------------------------
 
 
-def test_a_draft_never_taken_is_probed_once_the_run_has_spent_its_catch_up():
-    """Ski rental: a draft model that has not seen the run's tokens must first catch up on them (its prefill), paid
-    once. It is probed the first step the run's spent seconds (`Chooser.spend`) reach that catch-up: a run that ends
-    sooner never pays it, and one that goes on pays at most twice what it would have paid knowing its length.
+def test_a_draft_never_taken_is_probed_once_its_catch_up_is_a_fifth_of_the_runs_seconds():
+    """A draft model that has not seen the run's tokens must first catch up on them (its prefill), paid once. It is
+    probed the first step its catch-up is at most `catch_up_share` (0.2) of the run's spent seconds (`Chooser.spend`):
+    a run that ends sooner never pays it, one that goes on pays it when it is at most a fifth of its time so far.
 
-    Hand-computed: plain steps of 1 s; a draft that catches up on n tokens in 0.1 n s, a prompt of 50 tokens and one
-    more per plain step: at step s (from 0) the catch-up is 0.1 (50 + s - 1) s and the run has spent s s, first
-    enough at s = 6. Taken once, it is probed again after `probe_after` steps declined, as it could pay."""
-    cost = CostModel(linear(1.0, 0.02), linear(0.1, 0.1))
+    Hand-computed: plain steps of 1 s; a draft that catches up on n tokens in 0.01 n s, a prompt of 50 tokens and one
+    more per plain step: at step s (from 0) the catch-up is 0.01 (50 + s - 1) s and the run has spent s s, first
+    little enough at s = 3. Taken once, it is probed again after each `probe_after` steps declined, as it could pay."""
+    cost = CostModel(linear(1.0, 0.02), linear(0.1, 0.01))
     call = cost.draft_seconds(1, 0)
 
     def draft_offer(unseen: int) -> Offer:
@@ -289,10 +289,12 @@ def test_a_draft_never_taken_is_probed_once_the_run_has_spent_its_catch_up():
             chooser.spend(plan.seconds)
         return probes
 
-    assert draft_offer(50).catch_up == pytest.approx(4.9) and draft_offer(1).catch_up == 0.0
-    assert run(6, Chooser(cost)) == []  # a short answer never pays for the draft's prefill
+    assert draft_offer(50).catch_up == pytest.approx(0.49) and draft_offer(1).catch_up == 0.0
+    assert run(3, Chooser(cost)) == []  # a short answer never pays for the draft's prefill
     probe_after = ChooserOptions().probe_after
-    assert run(40, Chooser(cost)) == [6, 6 + 1 + probe_after]  # (the free guess, never worth it, never probed)
+    assert run(40, Chooser(cost)) == [3, 3 + 1 + probe_after, 3 + 2 * (1 + probe_after)]  # (the free guess, never
+    # worth it, never probed)
+    assert run(40, Chooser(cost, ChooserOptions(catch_up_share=1.0))) == [1, 18, 35]  # (ski rental: 0.49 + 0.01 s <= s)
     assert run(8, Chooser(cost), prompt=1) == [0]  # nothing to catch up on: probed at once
     never_spent = Chooser(cost)  # a run that spends nothing (a call feeding the prompt spends nothing) probes nothing
     assert not any(never_spent.choose([draft_offer(50)], context=50).probe for _ in range(40))
@@ -303,7 +305,7 @@ def test_a_draft_never_taken_is_probed_once_the_run_has_spent_its_catch_up():
 
 
 def test_each_drafter_never_taken_is_probed_once_the_run_has_spent_its_own_catch_up():
-    chooser = Chooser(cpu_like())
+    chooser = Chooser(cpu_like(), ChooserOptions(catch_up_share=1.0))
     dear = chain("tree", (0.05,) * 3, per_token=0.25, fixed=3.0, catch_up=3.0)
     cheap = chain("draft", (0.05,) * 3, per_token=0.25, fixed=1.0, catch_up=1.0)
     plans = []
@@ -314,7 +316,7 @@ def test_each_drafter_never_taken_is_probed_once_the_run_has_spent_its_own_catch
     assert [(p.proposer, p.probe) for p in plans] == [(None, False), ("draft", True), (None, False),
                                                       ("tree", True), (None, False)]
     # both due at once: the one declined longest first, then the other
-    chooser = Chooser(cpu_like())
+    chooser = Chooser(cpu_like(), ChooserOptions(catch_up_share=1.0))
     plans = [chooser.choose([cheap], context=0), chooser.choose([dear, cheap], context=0)]
     chooser.spend(3.0)
     plans += [chooser.choose([dear, cheap], context=0) for _ in range(3)]
@@ -344,7 +346,7 @@ def test_break_even_guard_probes_only_what_could_pay():
     assert chooser.could_pay(guess, context=0, rate=1.0)
     assert not chooser.could_pay(guess, context=0, rate=1.1)  # nor can it beat a plan of 1.1 tokens/s
     plans = [chooser.choose([guess, draft], context=0) for _ in range(4)]  # nothing spent: nothing caught up
-    chooser.spend(0.5)  # the catch-up's worth: the draft is probed once (ski rental), then never (it cannot pay)
+    chooser.spend(2.5)  # five times the catch-up: the draft is probed once, then never (it cannot pay)
     plans += [chooser.choose([guess, draft], context=0) for _ in range(8)]
     assert [(p.proposer, p.probe) for p in plans] == [(None, False)] * 4 + [("draft", True)] + [(None, False)] * 7
     # catching up is paid once: a draft whose calls are cheap enough (3 tokens in 2.82 s) could pay for it in a
@@ -355,21 +357,22 @@ def test_break_even_guard_probes_only_what_could_pay():
     assert not chooser.could_pay(cheap, context=0, rate=1.0, remaining=50)
     assert not chooser.could_pay(replace(cheap, catch_up=0.0), context=0, rate=1.0)  # (5 s in every step)
     chooser = Chooser(chooser.cost, chooser.options)
-    chooser.spend(5.0)
-    assert chooser.choose([cheap], context=0, remaining=50).probe  # ski rental: caught up once, whatever remains
+    chooser.spend(25.0)
+    assert chooser.choose([cheap], context=0, remaining=50).probe  # caught up once, whatever remains
     assert [chooser.choose([cheap], context=0, remaining=50).probe for _ in range(3)] == [False] * 3  # can't pay
     assert chooser.choose([cheap], context=0, remaining=100).probe  # declined 3 steps, and could pay in 100 tokens
 
 
 def test_in_a_batch_a_drafter_is_first_probed_only_where_it_could_pay():
-    """Alone, ski rental probes a drafter once its catch-up is spent, to measure it, whatever it is predicted to cost.
+    """Alone, a drafter is probed once its catch-up is a fifth of the run's seconds, to measure it, whatever it is
+    predicted to cost.
     In a batch its prefill and its calls stall every row (`CostModel.stall`): a draft call of 0.3 s against a 1 s
     plain step could pay alone (every guess right: 2 tokens in 1.3 s) but not where it holds up four rows (2.2 s)."""
     for stall, probed in ((1.0, True), (4.0, False)):
         chooser = Chooser(CostModel(linear(1.0, 0.0), linear(0.3, 0.0)))
         chooser.cost.stall = stall
         draft = chain("draft", (0.3, 0.3), per_token=0.3, fixed=0.5, catch_up=0.5)
-        chooser.spend(0.5 * stall)
+        chooser.spend(2.5 * stall)
         assert chooser.choose([draft], context=0).probe == probed
 
 
@@ -378,6 +381,9 @@ def test_options_are_checked():
         ChooserOptions(probe_after=0)
     with pytest.raises(ValueError, match="decay"):
         ChooserOptions(decay=1.5)
+    for share in (0, 1.5, "0.2"):
+        with pytest.raises(ValueError, match=r"catch_up_share must be in \(0, 1\]"):
+            ChooserOptions(catch_up_share=share)
     with pytest.raises(ValueError, match="prior_strength"):
         ChooserOptions(prior_strength=0.0)
     assert math.isclose(Acceptance(ChooserOptions(prior_mean=0.2)).level(1), 0.2)

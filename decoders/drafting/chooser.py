@@ -39,11 +39,14 @@ class ChooserOptions:
     decay: float = 0.99  # per observation old evidence fades: about the last 100 count
     probe_after: int = 16  # declined steps in a row before a drafter that costs something is probed
     probe_tokens: int = 2  # levels of a probe
+    catch_up_share: float = 0.2  # a drafter is first probed once its catch-up is this share of the run's seconds
 
     def __post_init__(self):
         check_whole(self, max_depth=1, probe_after=1, probe_tokens=1)
         probability("prior_mean", self.prior_mean)
         probability("decay", self.decay)
+        if not (isinstance(self.catch_up_share, (int, float)) and 0 < self.catch_up_share <= 1):
+            raise ValueError(f"catch_up_share must be in (0, 1] (of the run's seconds), got {self.catch_up_share!r}")
         if not self.prior_strength > 0:
             raise ValueError(f"prior_strength must be > 0 pseudo-observations, got {self.prior_strength}")
 
@@ -167,7 +170,7 @@ class Chooser:
         self.cost, self.options = cost, options or ChooserOptions()
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
         self.taken: set[str] = set()  # proposers taken at least once this run
-        self.spent = 0.0  # the run's seconds so far (`choose`'s ski rental)
+        self.spent = 0.0  # the run's seconds so far (what `choose` weighs a catch-up against)
         self.realized: dict[str, list[float]] = {}  # proposer -> decayed [predicted tokens, tokens, predicted
         # seconds, seconds] of its steps
 
@@ -190,14 +193,19 @@ class Chooser:
 
     def choose(self, offers: Sequence[Offer], context: int, remaining: int | None = None) -> Plan:
         """The plan of highest corrected rate among `offers` and a plain step, unless a drafter costing seconds is due
-        a probe: declined `probe_after` steps in a row and `could_pay`, or never taken and its catch-up spent (ski
-        rental; in a batch, where its prefill stalls every row, only if it `could_pay`)."""
+        a probe: declined `probe_after` steps in a row and `could_pay`, or never taken and its catch-up at most
+        `catch_up_share` of the run's seconds so far (a short answer never pays a draft's prefill; in a batch, where
+        that stalls every row, only if it `could_pay`)."""
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
+
+        def pays(o: Offer) -> bool:
+            return self.could_pay(o, context, plan.rate, remaining)
+
         due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (
-            self.spent >= o.catch_up and (self.cost.stall == 1 or self.could_pay(o, context, plan.rate, remaining))
+            self.options.catch_up_share * self.spent >= o.catch_up and (self.cost.stall == 1 or pays(o))
             if o.proposer not in self.taken else self.declined.get(o.proposer, 0) >= self.options.probe_after
-            and self.could_pay(o, context, plan.rate, remaining))]
+            and pays(o))]
         if due:
             probe = max(due, key=lambda o: (o.proposer not in self.taken, self.declined.get(o.proposer, 0)))
             plan = replace(self.evaluate(probe, min(self.options.probe_tokens, len(probe.accept)), context),
@@ -216,7 +224,7 @@ class Chooser:
                    < 1 / rate for k in range(1, len(offer.accept) + 1))
 
     def spend(self, seconds: float) -> None:
-        """Count a step's seconds toward the run's (`choose`'s ski rental)."""
+        """Count a step's seconds toward the run's (what `choose` weighs a catch-up against)."""
         self.spent += seconds
 
     def learn_rate(self, plan: Plan, tokens: int, seconds: float) -> None:
