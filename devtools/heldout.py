@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         positions = tuple(int(i) for i in args.positions.split(","))
         mt_bench = tuple((c, int(i)) for c, i in (item.split(":") for item in args.mt_bench.split(",")))
+        if min(positions) < 0 or any(i < 0 for _, i in mt_bench):  # (a negative one would count from the end)
+            raise ValueError
     except ValueError:
-        parser.error("--positions takes whole numbers (2,3), --mt-bench CATEGORY:POSITION pairs (writing:2)")
+        parser.error("--positions takes whole numbers from 0 (2,3), --mt-bench CATEGORY:POSITION pairs (writing:2)")
     for prompt in held_out(suites.load(args.questions), positions, mt_bench):
         print(json.dumps({"id": f"specbench-{prompt.id}", "category": prompt.category, "prompt": prompt.prompt}))
 

@@ -305,3 +305,7 @@ def test_the_held_out_suite_takes_its_positions_of_each_category_and_loads_as_a_
         ("specbench-2", "mt_bench", "writing 2"), ("specbench-5", "mt_bench", "extraction 5")]
     with pytest.raises(SystemExit, match=r"no prompt translation\[4\].*rag\[4\]: is it Spec-Bench"):
         heldout.main([str(questions), "--positions", "0,4"])
+    for bad in (["--positions", "-1"], ["--positions", "x"], ["--mt-bench", "writing:-2"], ["--mt-bench", "writing"]):
+        with pytest.raises(SystemExit):  # (argparse's usage error)
+            heldout.main([str(questions), *bad])
+        assert "whole numbers from 0" in capsys.readouterr().err
