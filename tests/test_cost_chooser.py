@@ -259,7 +259,7 @@ def test_plans_are_weighed_by_what_their_proposers_steps_gave_against_them():
     assert chooser.choose([tree, draft], context=0).proposer == "tree"
 
 
-# --- probing: the catch-up, then the break-even guard -----------------------------------------------------------------
+# --- probing: the catch-up, then the break-even guard -------------------------------------------------------------
 
 
 def test_a_draft_never_taken_is_probed_once_its_catch_up_is_a_fifth_of_the_runs_seconds():
@@ -365,9 +365,9 @@ def test_break_even_guard_probes_only_what_could_pay():
 
 def test_in_a_batch_a_drafter_is_first_probed_only_where_it_could_pay():
     """Alone, a drafter is probed once its catch-up is a fifth of the run's seconds, to measure it, whatever it is
-    predicted to cost.
-    In a batch its prefill and its calls stall every row (`CostModel.stall`): a draft call of 0.3 s against a 1 s
-    plain step could pay alone (every guess right: 2 tokens in 1.3 s) but not where it holds up four rows (2.2 s)."""
+    predicted to cost. In a batch its prefill and its calls stall every row (`CostModel.stall`): a draft call of 0.3 s
+    against a 1 s plain step could pay alone (every guess right: 2 tokens in 1.3 s) but not where it holds up four
+    rows (2.2 s)."""
     for stall, probed in ((1.0, True), (4.0, False)):
         chooser = Chooser(CostModel(linear(1.0, 0.0), linear(0.3, 0.0)))
         chooser.cost.stall = stall
