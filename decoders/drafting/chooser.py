@@ -39,7 +39,8 @@ class ChooserOptions:
     decay: float = 0.99  # per observation old evidence fades: about the last 100 count
     probe_after: int = 16  # declined steps in a row before a drafter that costs something is probed
     probe_tokens: int = 2  # levels of a probe
-    catch_up_share: float = 0.2  # a drafter is first probed once its catch-up is this share of the run's seconds
+    catch_up_share: float = 0.2  # a drafter is first probed once its catch-up is at most this share of the run's
+    # seconds so far
 
     def __post_init__(self):
         check_whole(self, max_depth=1, probe_after=1, probe_tokens=1)
