@@ -278,8 +278,8 @@ class Width:
         self.rows_seen.pop(row, None)
 
     def took(self, width: int, seconds: float, context: int) -> None:
-        """A step of the batch whose target call was `width` tokens wide took `seconds`: the call, the draft calls
-        before it, every row's own work; not the prompts admitted meanwhile."""
+        """A step of the batch whose target call was `width` tokens wide took `seconds`: the call and every row's own
+        work; not the draft models' calls (the rows that draft price them) nor the prompts admitted meanwhile."""
         if self.cost is None:
             return  # (no prediction yet to correct: the first steps, at the starting width)
         w = next((w for w in WIDTHS if w >= width), WIDTHS[-1])
@@ -349,7 +349,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
     rows: list[Row | None] = [None] * batch.rows
     width = Width(lm, batch.rows)
     timed = not any(state.seeded for state, _ in runs)  # (seeded: widths from the calibration alone, so runs repeat)
-    since = time.perf_counter()  # the last target call's end, less the prompts admitted and chunks yielded since
+    since = time.perf_counter()  # the last target call's end, less the prompts admitted, draft calls and chunks since
     drafters, drafted = set(), set()  # the rows that called a draft model before the last target call, and since
     with torch.inference_mode():
         while queue or any(rows):
@@ -378,7 +378,11 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 calls = {b: call for b, call in served.items()
                          if (batch if call.lm is None else call.cache.batch) is cache}
                 if calls:
+                    began = time.perf_counter()
                     answers.update(cache.forward(calls))
+                    if cache is not batch:  # a draft model's call: priced in its rows' plans (`stall`), not the width's
+                        cache.lm.synchronize()
+                        since += time.perf_counter() - began
             for b, logits in answers.items():
                 rows[b].state.stats.target_calls += rows[b].pending.lm is None
                 _advance(rows[b], logits)

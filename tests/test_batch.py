@@ -712,6 +712,30 @@ def test_width_follows_what_the_batchs_steps_took_over_the_predicted_cost():
     assert width.next(context=10) == 2
 
 
+def test_a_draft_models_calls_are_not_charged_to_the_batchs_width(monkeypatch):
+    """The seconds a width's step took (`Width.took`) leave out the draft model's calls: the rows that draft price
+    them in their own plans (`stall`), and counted twice they made drafting widths look dear and the batch fall back
+    to plain steps. Each draft forward here takes 100 s of a fake clock, the rest nothing."""
+    clock, tooks = [0.0], []
+    monkeypatch.setattr(batch.time, "perf_counter", lambda: clock[0])
+
+    def forward(self, calls, original=BatchCache.forward):
+        if self.lm is not lm:
+            clock[0] += 100.0
+        return original(self, calls)
+
+    class Recorded(Fixed):
+        def took(self, width, seconds, context):
+            tooks.append(seconds)
+
+    monkeypatch.setattr(BatchCache, "forward", forward)
+    monkeypatch.setattr(batch, "Width", Recorded)
+    lm, draft = tiny_lm("llama"), tiny_lm("llama", seed=1)
+    results = decoders.generate(lm, [lm.encode(p) for p in PROMPTS[:3]], strategy="speculative", draft=draft, k=2,
+                                batch_size=3, max_new_tokens=12)
+    assert sum(r.stats.draft_calls for r in results) > 0 and tooks and max(tooks) < 100.0
+
+
 def test_in_the_last_wave_a_width_is_worth_what_it_gains_the_slowest_row():
     """While prompts wait, the rows' gains count together: one row accepting every draft makes 17 the best width.
     With none waiting the batch ends with its slowest row, and a row that gains nothing from drafts holds it at 1
