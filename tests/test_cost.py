@@ -282,3 +282,21 @@ def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypat
     assert cost_module.VERSION in [data["version"] for data in written]
     calibrate(target)
     assert target.calls == 4 * one
+
+
+def test_an_int8_copys_calibration_key_holds_whichever_call_sizes_its_timing_ran_on_the_float_weight(monkeypatch):
+    from decoders.drafting.cost import calibration_key
+    from decoders.models import quantize as module
+
+    lm = tiny_lm("qwen2")
+    keys = []
+    for float_faster in (False, True):  # two processes whose timings of the float and int8 paths disagree
+        monkeypatch.setattr(module, "_crossovers", {})
+        timings = iter([0.5, 1.0] * 1000 if float_faster else [2.0, 1.0] * 1000)  # (float, int8) per size tried
+        monkeypatch.setattr(module, "_seconds", lambda call, device: next(timings))
+        copy = module.quantize(lm, "int8")
+        kept = [name for name, _ in copy.model.named_buffers() if name.endswith("float_weight")]
+        assert bool(kept) == float_faster  # (the float weight kept in memory only where its timing chose it)
+        keys.append(calibration_key(copy, "draft", DRAFT_SIZES))
+    assert keys[0] == keys[1]
+    assert keys[0] != calibration_key(lm, "draft", DRAFT_SIZES)  # the int8 copy is not its float original

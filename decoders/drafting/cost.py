@@ -297,7 +297,9 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
         config = model.config.to_json_string(use_diff=False)
     except (TypeError, ValueError):  # a config holding something JSON cannot write
         config = repr(model.config)
-    tensors = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in (*model.named_parameters(), *model.named_buffers())]
+    # the weights and saved buffers, not the ones kept only in memory: an int8 layer keeps the float weight for the call
+    # sizes its timing found faster there, which varies from process to process
+    tensors = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
     fingerprint = hashlib.sha256("\n".join([type(model).__name__, config, *tensors]).encode()).hexdigest()[:16]
     attention = getattr(model.config, "_attn_implementation", None)
     return {"role": role, "name": lm.name, "model": fingerprint, "attention": attention, "dtype": str(lm.dtype),
