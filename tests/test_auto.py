@@ -2,6 +2,7 @@
 its `AutoDrafter` and proposers): whatever proposer and draft length a step picks, the output is greedy's (the
 chooser's own picks depend on measured times, so the registry-wide tests see only some of them)."""
 
+import collections
 import copy
 import math
 import random
@@ -247,12 +248,18 @@ def test_every_proposer_learns_every_step_whoever_drafted_it():
     """Each step passes one `Step` (the plan, the draft verified, how far it was accepted, the step's tokens) to every
     proposer's `learn`, the built-in ones and one of the test's own, whichever drafted it or none."""
     lm = tiny_lm("llama")
-    seen, plans, guessers = {}, [], []
-    RandomPlans = random_chooser(1)
+    seen, plans, guessers, rng = {}, [], [], random.Random(1)
+    taken_times = collections.Counter()
 
-    class Recording(RandomPlans):
+    class Recording(chooser.Chooser):
+        """Plans each step as the offer (or plain step) taken least so far, of a random length, half of them probes:
+        every proposer offered drafts soon, whichever offers the run's timed costs let through."""
+
         def choose(self, offers, context, remaining=None):
-            plans.append(super().choose(offers, context, remaining))
+            picked = min([*offers, None], key=lambda o: taken_times[o and o.proposer])
+            taken_times[picked and picked.proposer] += 1
+            plans.append(plain() if picked is None else chooser.Plan(
+                picked.proposer, rng.randint(1, len(picked.accept)), 1.0, 1.0, probe=rng.random() < 0.5))
             return plans[-1]
 
     class Drafter(auto.AutoDrafter):
