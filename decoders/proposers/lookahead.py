@@ -6,6 +6,7 @@ a pool n-gram. The pool starts with the prompt's n-grams and learns the accepted
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -68,6 +69,7 @@ def prefix_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]
     return tree.tokens, tree.parents
 
 
+@functools.cache  # (every step asks for one of a few shapes; callers only read it)
 def window_mask(levels: int, width: int) -> torch.Tensor:
     """[levels * width, levels * width] bool: token (l, j) sees (0, j') for j' <= j and (l', j) for 1 <= l' <= l."""
     rows = []
