@@ -6,8 +6,10 @@
 Loads Qwen2.5-Coder-1.5B in bfloat16 (the zoo's), takes the first `--prompts` of 16 prompts (the first 8 of bench +
 mixed, then every second of agentic's first 16), and times `decoders.generate(lm, prompts, batch_size=B)` per
 strategy and batch size (B = 1: one prompt at a time), then transformers' `generate` on left-padded batches of each B
-and its continuous batching (`generate_batch`). Prints tokens per second, how many rows equal batch-1 greedy's
-tokens, and target calls. Run it alone: a second process on a 2-core machine spoils the timings.
+and its continuous batching (`generate_batch`). Every strategy first runs an untimed queue of short prompts at each
+batch size (as `compare` warms every method up: a strategy's first run pays one-time probes of the models). Prints
+tokens per second, how many rows equal batch-1 greedy's tokens, and target calls. Run it alone: a second process on a
+2-core machine spoils the timings.
 `decodekit compare --batch-size` is the evaluator's version of this, with latency, TTFT and the tie analysis.
 """
 
@@ -20,6 +22,7 @@ import torch
 
 import decoders
 from evals import batched, peers, suites
+from evals.runner import WARMUP_TOKENS
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = ([p.prompt for p in suites.load("bench") + suites.load("mixed")][:8]
                + [p.prompt for p in suites.load("agentic")][::2][:8])[: args.prompts]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    decoders.generate(lm, ["def f(x):", "Hello"], max_new_tokens=4)  # warm-up
+    warm = ["def f(x):", "Hello"]
+    decoders.generate(lm, warm, max_new_tokens=4)  # warm-up
     reference = [None if args.no_reference else decoders.generate(lm, p, max_new_tokens=args.tokens).tokens
                  for p in prompts]
     for strategy in args.strategies.split(","):
@@ -47,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         kind = decoders.registry.get(strategy)
         if draft is not None and (kind.takes_draft or kind.needs_draft):
             options["draft"] = draft
+        for size in sizes:  # warm-up: the models' probes and one-time set-up are not the batch's throughput
+            decoders.generate(lm, (warm * size)[:size], batch_size=size, **{**options, "max_new_tokens": WARMUP_TOKENS})
         for size in sizes:
             start = time.perf_counter()
             if size == 1:
