@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = ([p.prompt for p in suites.load("bench") + suites.load("mixed")][:8]
                + [p.prompt for p in suites.load("agentic")][::2][:8])[: args.prompts]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    warm = ["def f(x):", "Hello"]
-    decoders.generate(lm, warm, max_new_tokens=4)  # warm-up
+    warm = ["def f(x):", "Hello"]  # the untimed warm-up queue's prompts
     reference = [None if args.no_reference else decoders.generate(lm, p, max_new_tokens=args.tokens).tokens
                  for p in prompts]
     for strategy in args.strategies.split(","):
