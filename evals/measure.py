@@ -14,6 +14,7 @@ from importlib import metadata
 
 import torch
 
+from decoders.models import packed
 from decoders.models.lm import cpu_model, synchronize
 
 
@@ -123,14 +124,20 @@ def read_bandwidth(device: torch.device, megabytes: int = 256, dtype: torch.dtyp
                    repeats: int = 5) -> float:
     """Bytes/s a matrix-vector product of a `megabytes` matrix of `dtype` streams: the best of `repeats`.
 
-    A batch-1 decoding step only reads its weights, through one such product per weight matrix (`F.linear` of one
+    A batch-1 decoding step only reads its weights, through one such product per weight matrix (a linear layer of one
     row), so this kernel over a buffer larger than the last-level cache is the rate a step can reach; a copy also
-    writes, in another kernel, and overstates it."""
+    writes, in another kernel, and overstates it. Where a model's layers may hold their weights packed for oneDNN
+    (`decoders.models.packed`, bfloat16 on a CPU), the faster of the plain and the packed product counts."""
     rows = max(1, megabytes * 2**20 // (PROBE_COLUMNS * dtype.itemsize))
-    matrix = torch.ones(rows, PROBE_COLUMNS, dtype=dtype, device=device)
+    layer = torch.nn.Linear(PROBE_COLUMNS, rows, bias=False, device="meta")  # [rows, PROBE_COLUMNS] of ones
+    layer.weight = torch.nn.Parameter(torch.ones(rows, PROBE_COLUMNS, dtype=dtype, device=device), requires_grad=False)
     vector = torch.ones(1, PROBE_COLUMNS, dtype=dtype, device=device)
-    seconds = _best_seconds(device, lambda: torch.nn.functional.linear(vector, matrix), repeats)
-    return matrix.numel() * matrix.element_size() / seconds
+    layers = [layer]
+    if device.type == "cpu" and dtype == torch.bfloat16 and packed.available():
+        layers.append(packed.PackedLinear(layer))
+    with torch.inference_mode():
+        seconds = min(_best_seconds(device, lambda: probe(vector), repeats) for probe in layers)
+    return layer.weight.numel() * layer.weight.element_size() / seconds
 
 
 def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> float:

@@ -291,7 +291,10 @@ def machine(device: torch.device) -> str:
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
-    """What a calibration depends on: role, name, model, attention, dtype, `machine`, threads, torch and sizes."""
+    """What a calibration depends on: role, name, model, attention, packed layers, dtype, `machine`, threads, torch
+    and sizes."""
+    from decoders.models.packed import packed_count
+
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)
@@ -302,7 +305,8 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
     tensors = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
     fingerprint = hashlib.sha256("\n".join([type(model).__name__, config, *tensors]).encode()).hexdigest()[:16]
     attention = getattr(model.config, "_attn_implementation", None)
-    return {"role": role, "name": lm.name, "model": fingerprint, "attention": attention, "dtype": str(lm.dtype),
+    return {"role": role, "name": lm.name, "model": fingerprint, "attention": attention,
+            "packed": packed_count(model), "dtype": str(lm.dtype),
             "device": machine(lm.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "sizes": list(sizes)}
 

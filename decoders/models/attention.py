@@ -63,9 +63,12 @@ def use_grouped(model) -> bool:
 
 @contextlib.contextmanager
 def stock(*models) -> Iterator[None]:
-    """Within: each of `models` that `use_grouped` switched runs transformers' own "sdpa" (peers as users get them)."""
+    """Within: each of `models` that `use_grouped` switched runs transformers' own "sdpa", and plain linear layers
+    (`models.packed`): peers as users get them."""
+    from decoders.models.packed import unpacked
+
     switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == NAME]
-    with restored(*switched):
+    with restored(*switched), unpacked(*models):
         for model in switched:
             model.set_attn_implementation("sdpa")
         yield

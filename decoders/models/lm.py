@@ -20,6 +20,7 @@ import torch
 from decoders.models.attention import use_grouped
 from decoders.models.cache import KVCache
 from decoders.models.graphs import StaticKVCache
+from decoders.models.packed import pack
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -78,6 +79,7 @@ class LM:
             raise ValueError("an LM needs its tokenizer: decoders.wrap(model, tokenizer)")
         self.model = model.eval()
         use_grouped(model)  # its attention on "sdpa" with grouped heads: the same, without copying keys per query head
+        pack(model)  # on a CPU in bfloat16, its linear layers' weights prepacked for oneDNN where that is faster
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.config = model.config.get_text_config(decoder=True)
