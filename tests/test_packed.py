@@ -127,3 +127,12 @@ def test_a_copy_is_plain_and_its_own():
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(twin(x), packed(x))
+
+
+def test_a_packed_model_still_counts_its_bytes_and_footprint():
+    from evals.measure import bytes_per_token, parameter_bytes
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    before = parameter_bytes(model), bytes_per_token(model), model.get_memory_footprint()
+    assert pack(model, probe=False) > 0
+    assert (parameter_bytes(model), bytes_per_token(model), model.get_memory_footprint()) == before

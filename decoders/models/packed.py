@@ -31,7 +31,8 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(self)  # (not nn.Linear's: it would allocate a weight of its own)
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.weight, self.bias = layer.weight, layer.bias
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach()), persistent=False)
+        # (an attribute, not a buffer: code that walks a model's buffers, e.g. to count bytes, cannot read its storage)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
         self.plain = False  # (`unpacked`: the plain layer's call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
