@@ -136,3 +136,25 @@ def test_a_packed_model_still_counts_its_bytes_and_footprint():
     before = parameter_bytes(model), bytes_per_token(model), model.get_memory_footprint()
     assert pack(model, probe=False) > 0
     assert (parameter_bytes(model), bytes_per_token(model), model.get_memory_footprint()) == before
+
+
+def test_a_weight_changed_in_place_or_replaced_is_packed_again():
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16).to(torch.bfloat16)
+    packed = PackedLinear(layer)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        packed.weight.mul_(2)  # e.g. an optimizer's step
+        assert torch.equal(packed(x), nn.functional.linear(x, packed.weight, packed.bias))
+        packed.weight = nn.Parameter(torch.randn(16, 32, dtype=torch.bfloat16))
+        assert torch.equal(packed(x), nn.functional.linear(x, packed.weight, packed.bias))
+
+
+def test_a_pickled_layer_loads_plain_and_computes(tmp_path):
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(32, 16).to(torch.bfloat16))
+    torch.save(packed, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert loaded.packed is None and torch.equal(loaded(x), packed(x))

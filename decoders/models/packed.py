@@ -31,16 +31,29 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(self)  # (not nn.Linear's: it would allocate a weight of its own)
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.weight, self.bias = layer.weight, layer.bias
-        # (an attribute, not a buffer: code that walks a model's buffers, e.g. to count bytes, cannot read its storage)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+        # the packed weight and the (address, version) of the weight it was packed from; attributes, not buffers: code
+        # that walks a model's buffers (e.g. to count bytes) cannot read a packed tensor's storage
+        self.packed: torch.Tensor | None = None
+        self.packed_from: tuple[int, int] | None = None
+        self.repack()
         self.plain = False  # (`unpacked`: the plain layer's call)
+
+    def repack(self) -> None:
+        """Pack the weight as it is now (a weight changed in place, e.g. trained, is packed again at its next call)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        self.packed_from = (self.weight.data_ptr(), self.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if (self.plain or self.packed is None or x.dtype != self.packed.dtype
                 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):  # (no backward)
             return super().forward(x)
+        if self.packed_from != (self.weight.data_ptr(), self.weight._version):
+            self.repack()
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "packed": None}  # (pickled, e.g. by torch.save: plain, as a cast one)
 
     def __deepcopy__(self, memo: dict) -> nn.Linear:
         """A plain `nn.Linear` of copied parameters (a model's copy, e.g. cast to float32 or quantized, packs anew)."""
