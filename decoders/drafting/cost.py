@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from decoders.models.lm import cpu_model
+from decoders.models.packed import packed_count
 
 VERSION = 7  # of the cache file format and what it measures: files of another version are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # the target's measured n; dense, as its curve need not be convex
@@ -293,8 +294,6 @@ def machine(device: torch.device) -> str:
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
     """What a calibration depends on: role, name, model, attention, packed layers, dtype, `machine`, threads, torch
     and sizes."""
-    from decoders.models.packed import packed_count
-
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from decoders.models.packed import unpacked
+
 try:  # (transformers' interfaces for attention functions of one's own; without them models keep their own)
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -65,8 +67,6 @@ def use_grouped(model) -> bool:
 def stock(*models) -> Iterator[None]:
     """Within: each of `models` that `use_grouped` switched runs transformers' own "sdpa", and plain linear layers
     (`models.packed`): peers as users get them."""
-    from decoders.models.packed import unpacked
-
     switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == NAME]
     with restored(*switched), unpacked(*models):
         for model in switched:

@@ -140,4 +140,4 @@ def unpacked(*models) -> contextlib.AbstractContextManager:
 
 def packed_count(model: nn.Module) -> int:
     """How many of `model`'s linear layers multiply by a packed weight."""
-    return len({id(m) for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None})
+    return sum(isinstance(m, PackedLinear) and m.packed is not None for m in model.modules())  # (each module once)
