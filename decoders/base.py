@@ -166,7 +166,8 @@ class DecodeState:
     batch_tokens: int = 0  # in a batch, the tokens the shared target call scores in all rows: what the call costs
     stall: float = 1.0  # in a batch, the rows a second of this row's drafting holds up per row drafting beside it
     trying: bool = False  # in a batch, the width is a guess or a try, not the batch's best: rent no draft model on it
-    verified: tuple[int, int, list[int]] | None = None  # a drafting step's (width, tokens before its draft, path)
+    verified: tuple[int, int, list[int]] | None = None  # a drafting step's (width, tokens before its draft, path),
+    # for `batch.Width` (auto reports a step with no room to draft as one token wider: `AutoDrafter.update`)
 
     def __post_init__(self) -> None:
         self.cache = self.lm.new_cache(self.expected_length)

@@ -822,3 +822,34 @@ def test_auto_weighs_a_rows_drafting_by_the_rows_it_holds_up(rows, monkeypatch):
                else [decoders.generate(lm, prompts[0], **options)])
     drafted = sum(r.stats.draft_calls for r in results)
     assert drafted > 0 if rows == 1 else drafted == 0
+
+
+class Plain(batch.Width):
+    """Every target call 1 token wide (no room to draft), the batch's best; records what each row's step reported."""
+
+    def next(self, context, last_wave=()):
+        self.best, self.verified = 1, True
+        return 1
+
+    def observe(self, width, fed, path, row=0):
+        self.reports.append((width, fed, list(path)))
+        super().observe(width, fed, path, row)
+
+
+def test_at_a_batchs_plain_steps_auto_reports_what_one_token_more_would_have_gained(monkeypatch):
+    """A width's gain is learnt by running it; at steps whose width leaves no room to draft, auto reports the step as
+    one token wider, its draft the suffix index's guess, accepted where the target's token is that guess. The tokens
+    stay the batch-1 greedy ones; a run whose text repeats (the prompt's own words, a tiny model's loops) guesses
+    right at some steps."""
+    reports = []
+    monkeypatch.setattr(Plain, "reports", reports, raising=False)
+    monkeypatch.setattr(batch, "Width", Plain)
+    lm = tiny_lm("llama")
+    prompts = ["the cat sat on the mat and the cat sat on the mat and the cat", PROMPTS[0], PROMPTS[1]]
+    results = decoders.generate(lm, prompts, strategy="auto", batch_size=3, max_new_tokens=24)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == decoders.generate(lm, prompt, max_new_tokens=24).tokens
+        assert result.stats.drafted == 0  # (nothing drafted: every call 1 token wide)
+    # every step reports one token wider but each row's last (no token comes after it to have drafted)
+    assert [r for r in reports if r[0] != r[1] + 1] == [(1, 1, [])] * len(prompts) < reports
+    assert any(path == [0] for _, _, path in reports)

@@ -80,8 +80,10 @@ class AutoDrafter:
             if options.draft_trees and trees and type(model) is DraftModel and takes_trees(state.draft):
                 self.proposers.append(TreeProposer(state, chain, suffix, self.cost, self.clock))
         self.by_name = {p.name: p for p in self.proposers}
+        self.suffix = suffix
         self.plan, self.start, self.began, self.called = Plan(None, 0, 1.0, 1.0), 0, 0.0, 0.0
         self.context, self.fed = 0, 1  # this step's cached positions and tokens fed
+        self.guessed, self.guess = False, None  # a batch's step with no room to draft: the suffix index's next token
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
         if state.draft is not None:
             state.stats.details["draft"] = state.draft.name
@@ -93,6 +95,8 @@ class AutoDrafter:
         # 900-token prompt's call 10% dearer) for guesses no step has taught yet
         prompt = not len(state.cache)
         offers = [] if prompt else [offer for p in self.proposers if (offer := p.offer(state, limit)) is not None]
+        self.guessed = bool(state.width) and not limit and not prompt and state.remaining > 1
+        self.guess = self.suffix.current().tokens[0] if self.guessed and self.suffix.offer(state, 1) else None
         if state.trying:  # a batch's try at a width: no draft model's prompt prefilled for it (every row would stall)
             offers = [o for o in offers if not o.catch_up or o.proposer in self.chooser.taken]
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
@@ -123,6 +127,10 @@ class AutoDrafter:
             proposer = self.by_name.get(self.plan.proposer)
             if proposer is not None and proposer.corrected and not self.plan.probe:
                 self.chooser.learn_rate(self.plan, len(step.tokens), step.seconds)
+        if self.guessed and state.verified is not None:
+            # a batch learns what a width gains by running it; at a step its width left no room to draft, what one
+            # token more would have gained is known for free: the suffix index's guess, right or not
+            state.verified = self.fed + 1, self.fed, [0] if step.tokens[:1] == [self.guess] else []
         for proposer in self.proposers:
             proposer.learn(state, step)
 
