@@ -80,7 +80,6 @@ class AutoDrafter:
             if options.draft_trees and trees and type(model) is DraftModel and takes_trees(state.draft):
                 self.proposers.append(TreeProposer(state, chain, suffix, self.cost, self.clock))
         self.by_name = {p.name: p for p in self.proposers}
-        self.suffix = suffix
         self.plan, self.start, self.began, self.called = Plan(None, 0, 1.0, 1.0), 0, 0.0, 0.0
         self.context, self.fed = 0, 1  # this step's cached positions and tokens fed
         self.guessed, self.guess = False, None  # a batch's step with no room to draft: the suffix index's next token
@@ -96,7 +95,8 @@ class AutoDrafter:
         prompt = not len(state.cache)
         offers = [] if prompt else [offer for p in self.proposers if (offer := p.offer(state, limit)) is not None]
         self.guessed = bool(state.width) and not limit and not prompt and state.remaining > 1
-        self.guess = self.suffix.current().tokens[0] if self.guessed and self.suffix.offer(state, 1) else None
+        suffix = self.by_name[SuffixProposer.name]
+        self.guess = suffix.current().tokens[0] if self.guessed and suffix.offer(state, 1) else None
         if state.trying:  # a batch's try at a width: no draft model's prompt prefilled for it (every row would stall)
             offers = [o for o in offers if not o.catch_up or o.proposer in self.chooser.taken]
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
