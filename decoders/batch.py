@@ -257,13 +257,16 @@ class Width:
         self.rows_seen: dict[int, tuple[dict[int, float], dict[int, float]]] = {}  # row -> its own steps, gained
         self.timed = dict.fromkeys(WIDTHS, 0.0)  # decayed batch steps timed at each width
         self.ratio = dict.fromkeys(WIDTHS, 0.0)  # their decayed sum of seconds taken / the cost predicted
-        self.calls, self.verified = 0, False
+        self.calls, self.verified, self.last = 0, False, WIDTHS[0]  # (last: the width handed out last)
         self.best, self.gap, self.due, self.explored = 0, EXPLORE, EXPLORE, 0  # the best width, since when explored
+        self.heard: set[int] = set()  # widths whose gains rows report from narrower calls (auto's guesses)
 
     def observe(self, width: int, fed: int, path: list[int], row: int = 0) -> None:
         """Row `row`'s verified step whose call scored `fed` tokens, then a draft of at most `width` - `fed` nodes, of
         which `path` were accepted (0: no limit)."""
         self.verified = True
+        if width > self.last:
+            self.heard.add(width)
         own = self.rows_seen.setdefault(row, (dict(self.prior[0]), dict(self.prior[1])))
         for w in WIDTHS:
             if width and w > width:
@@ -296,22 +299,26 @@ class Width:
     def next(self, context: int, last_wave: Sequence[int] = ()) -> int:
         """The width of the batch's next target call, its rows holding up to `context` slots; `last_wave`: with no
         prompt waiting, the rows still running."""
-        if not self.verified:
-            return WIDTHS[3]  # until a step is verified (4 drafted tokens, what a call of a few rows affords)
+        if not self.verified:  # plain steps until a row reports one (a drafting strategy reports its first): a first
+            return WIDTHS[0]  # call drafting 4 tokens a row cost 3 plain ones at 16 rows
         if self.cost is None:
             self.cost = calibrate(self.lm).target  # (measured once per machine and model, then cached)
         seen = [self.rows_seen[b] for b in last_wave if b in self.rows_seen] or [(self.steps, self.gained)]
         best = max(WIDTHS, key=lambda w: min(gained[w] / steps[w] for steps, gained in seen) / self.seconds(w, context))
         if best != self.best:  # a new best: the others are tried soon again
             self.best, self.gap, self.due = best, EXPLORE, self.calls + EXPLORE
-        self.calls += 1
+        self.calls, self.last = self.calls + 1, best
         if self.calls < self.due:
             return best
         # the width above the best and a plain step in turn: what a wider call gains and what a step without drafts
         # takes (the price to beat) are learnt only by running them; each try dearer when a draft model must catch up
         self.gap, self.explored = 2 * self.gap, self.explored + 1
         self.due = self.calls + self.gap
-        return WIDTHS[min(WIDTHS.index(best) + 1, len(WIDTHS) - 1)] if self.explored % 2 or best == 1 else WIDTHS[0]
+        trial = WIDTHS[min(WIDTHS.index(best) + 1, len(WIDTHS) - 1)] if self.explored % 2 or best == 1 else WIDTHS[0]
+        # a width the rows report at narrower calls needs no try: its gain is heard at every step, its seconds priced
+        # by the nearest width run (at 16 rows a 2-token call costs 1.5 plain ones, and a try gains the batch nothing)
+        self.last = best if trial in self.heard else trial
+        return self.last
 
 
 @dataclass

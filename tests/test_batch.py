@@ -652,6 +652,20 @@ def test_width_weighs_the_tokens_against_the_call_of_rows_x_width_tokens(slope, 
     assert picks == [want] * (batch.EXPLORE - 1) + [wider] + [want] * (2 * batch.EXPLORE - 1) + [then]
 
 
+@pytest.mark.parametrize("reported", [1, 2])
+def test_a_width_the_rows_report_at_narrower_calls_is_never_tried(reported):
+    """Each token as dear as the call, so a plain step is best. Before any report the batch runs plain steps. Rows
+    that report only what their calls ran (width 1) get width 2 tried after `EXPLORE` calls; rows that report at
+    each 1-token call what a 2-token one would have gained (auto's guesses) need no try, and get none."""
+    width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 1000), (1.0, 2000.0)))
+    picks = []
+    for _ in range(4 * batch.EXPLORE):
+        picks.append(width.next(context=10))
+        width.observe(reported, 1, [])
+    tried = [i for i, pick in enumerate(picks) if pick != 1]  # (pick 0 before any report, then 1 + EXPLORE calls)
+    assert tried == ([] if reported == 2 else [batch.EXPLORE, 3 * batch.EXPLORE]) and picks[0] == 1
+
+
 def test_a_batch_limits_every_rows_call_to_its_width(monkeypatch):
     """Each row's target call scores at most the batch's width, and the rows still equal their batch-1 greedy runs."""
     lm = tiny_lm("llama")
