@@ -228,7 +228,7 @@ class BatchCache:
             n = len(call.tokens)
             self.valid[b, past + width - n:] = True
             want = call.keep or n
-            logits[b] = out.logits[b, keep - want:]  # [want, vocab]
+            logits[b] = out.logits[b, keep - want:].float()  # [want, vocab], as `LM.forward`'s
         return logits
 
 

@@ -708,6 +708,23 @@ def test_a_long_catch_up_is_fed_alone_and_scores_as_alone(arch, monkeypatch):
         torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
 
 
+def test_a_bfloat16_models_logits_come_back_in_float32_alone_and_in_a_batch():
+    """Argmax over a vocabulary in bfloat16 took 4x a conversion and a float32 argmax on a CPU, so `LM.forward` and a
+    batch's calls hand back float32 logits: the model's own bfloat16 ones, converted exactly."""
+    model = copy.deepcopy(tiny_lm("llama").model).to(torch.bfloat16)
+    lm = decoders.wrap(model, tiny_tokenizer(), name="tiny-llama-bf16")
+    first, second = lm.encode(PROMPTS[0]), lm.encode(PROMPTS[1])
+    own = model(input_ids=torch.tensor([first])).logits[0]  # [T, vocab] bfloat16
+    alone = lm.forward(first, decoders.models.cache.KVCache())
+    assert own.dtype == torch.bfloat16 and alone.dtype == torch.float32 and torch.equal(alone, own.float())
+    cache = BatchCache(lm, 2)
+    cache.prefill(0, first[:-1])
+    cache.prefill(1, second[:-1])
+    got = cache.forward({0: decoders.base.Call(first[-1:]), 1: decoders.base.Call(second[-1:])})
+    assert all(logits.dtype == torch.float32 for logits in got.values())
+    torch.testing.assert_close(got[0], own[-1:].float(), rtol=0.02, atol=0.02)  # (bfloat16 rounding of a batch)
+
+
 def test_width_follows_what_the_batchs_steps_took_over_the_predicted_cost():
     """The calibrated cost is flat, so every draft accepted makes 17 the widest and best; once steps at 17 are seen
     to take 20x their prediction and steps at 1 as predicted, a width never run is priced by the nearest run one's

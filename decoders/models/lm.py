@@ -132,7 +132,8 @@ class LM:
         tree_mask: torch.Tensor | None = None,  # [T, T] (or [T, len(cache) + T]) bool: i sees j; default causal
         keep: int = 0,  # compute logits for the last `keep` positions only (0 = all): skips the prompt's lm_head
     ) -> torch.Tensor:
-        """Score `tokens` against `cache` (which grows by T) and return their logits: [T or keep, vocab]."""
+        """Score `tokens` against `cache` (which grows by T) and return their logits: [T or keep, vocab], in float32
+        (exact from any dtype; a bfloat16 argmax over a vocabulary took 4x a conversion and a float32 one on a CPU)."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, T]
         past, length = len(cache), ids.shape[1]
         if positions is None:
@@ -142,7 +143,7 @@ class LM:
         if isinstance(cache, StaticKVCache):
             if cache.lm is not self and (self.quantized_from is None or self.quantized_from() is not cache.lm):
                 raise ValueError(f"{self.name}: this static cache belongs to {cache.lm.name}")
-            return cache.forward(self, ids, pos, tree_mask, keep)
+            return cache.forward(self, ids, pos, tree_mask, keep).float()
         mask = None if tree_mask is None else self._tree_attention_mask(tree_mask, pos[0], past)
         out = self.model(
             input_ids=ids,
@@ -152,7 +153,7 @@ class LM:
             logits_to_keep=keep,
             **{self.cache_keyword: cache.hf},
         )
-        return out.logits[0]  # [T or keep, vocab]
+        return out.logits[0].float()  # [T or keep, vocab]
 
     @functools.cached_property
     def cache_keyword(self) -> str:
