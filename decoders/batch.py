@@ -31,6 +31,7 @@ from decoders.drafting.cost import CallCost, calibrate
 from decoders.drafting.tree import shared_length
 from decoders.driver import Decoding
 from decoders.models.cache import KVCache
+from decoders.models.graphs import BUCKETS, MIN_CAPACITY, lend_batch
 from decoders.models.lm import LM
 
 
@@ -79,11 +80,16 @@ class RowCache:
 
 class BatchCache:
     """A model's keys and values for `rows` runs: per layer [rows, heads, slots, head_dim], with which slots hold
-    each row's tokens (`valid` [rows, slots]) and their positions (`positions` [rows, slots])."""
+    each row's tokens (`valid` [rows, slots]) and their positions (`positions` [rows, slots]). Where the LM has a
+    static cache (`LM.static_cache_ok`: CUDA graphs), the layers are a `BatchSlab`'s buffers of `capacity` >= slots,
+    and calls of up to 32 tokens run padded to a bucket's width as its graph."""
 
     def __init__(self, lm: LM, rows: int) -> None:
         self.lm, self.rows = lm, rows
         self.hf = DynamicCache()
+        self.slab = lend_batch(lm, rows, MIN_CAPACITY, self) if lm.static_cache_ok() else None
+        if self.slab is not None:
+            self.hf = self.slab.hf
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.positions = torch.zeros(rows, 0, dtype=torch.long)
         self.drafts: list[BatchCache] = []  # the draft models' caches beside the target's, one per draft model
@@ -119,18 +125,42 @@ class BatchCache:
         if extra <= 0:
             return
         layers = self._layers()
-        if not layers:  # the first prompt: shape the batch's layers after its cache
-            for i, layer in enumerate(template.hf.layers):
-                shape = (self.rows, layer.keys.shape[1], 0, layer.keys.shape[-1])
-                empty = layer.keys.new_zeros(shape), layer.values.new_zeros(shape[:3] + (layer.values.shape[-1],))
-                self.hf.update(*empty, i)
-            layers = self._layers()
-        for layer in layers:
-            pad = lambda t: t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3])  # noqa: E731
-            layer.keys, layer.values = torch.cat([layer.keys, pad(layer.keys)], 2), torch.cat(
-                [layer.values, pad(layer.values)], 2)
+        if self.slab is not None:
+            self._reserve(slots, layers or template.hf.layers)
+        else:
+            if not layers:  # the first prompt: shape the batch's layers after its cache
+                for i, layer in enumerate(template.hf.layers):
+                    shape = (self.rows, layer.keys.shape[1], 0, layer.keys.shape[-1])
+                    empty = layer.keys.new_zeros(shape), layer.values.new_zeros(shape[:3] + (layer.values.shape[-1],))
+                    self.hf.update(*empty, i)
+                layers = self._layers()
+            for layer in layers:
+                pad = lambda t: t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3])  # noqa: E731
+                layer.keys, layer.values = torch.cat([layer.keys, pad(layer.keys)], 2), torch.cat(
+                    [layer.values, pad(layer.values)], 2)
         self.valid = torch.cat([self.valid, torch.zeros(self.rows, extra, dtype=torch.bool)], 1)
         self.positions = torch.cat([self.positions, torch.zeros(self.rows, extra, dtype=torch.long)], 1)
+
+    def _reserve(self, slots: int, like=None) -> None:
+        """(A static cache) a slab of `slots` slots or more, holding what the current one holds; its layers, if new,
+        shaped after `like` (layers of one row, or of the current slab)."""
+        if self.slab.capacity >= slots and self._layers():
+            return
+        capacity = self.slab.capacity
+        while capacity < slots:
+            capacity *= 2
+        slab = self.slab if capacity == self.slab.capacity else lend_batch(self.lm, self.rows, capacity, self)
+        for layer, model in zip(slab.hf.layers, like or self._layers()):
+            if not layer.is_initialized:
+                shape = (self.rows, model.keys.shape[1], 0)
+                layer.lazy_initialization(model.keys.new_empty(*shape, model.keys.shape[-1]),
+                                          model.values.new_empty(*shape, model.values.shape[-1]))
+        if slab is not self.slab:
+            for mine, theirs in zip(slab.hf.layers, self._layers()):
+                mine.keys[:, :, :self.slots] = theirs.keys[:, :, :self.slots]
+                mine.values[:, :, :self.slots] = theirs.values[:, :, :self.slots]
+            self.slab.owner = None
+            self.slab, self.hf = slab, slab.hf
 
     def prefill(self, b: int, tokens: Sequence[int]) -> None:
         """Row `b` now holds exactly `tokens` (a prompt), in its first slots: scored in a call of their own, so that no
@@ -177,8 +207,12 @@ class BatchCache:
         order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]  # valid slots first
         for layer in self._layers():
             index = order.to(layer.keys.device)[:, None, :, None]
-            layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
-            layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            if self.slab is None:
+                layer.keys, layer.values = keys, values
+            else:  # (a slab's buffers stay where its graphs read them)
+                layer.keys[:, :, :width], layer.values[:, :, :width] = keys, values
         self.positions = self.positions.gather(1, order)
         self.valid = torch.arange(width)[None, :] < counts[:, None]
 
@@ -200,9 +234,15 @@ class BatchCache:
         if self.slots > 64 and self.slots > 2 * int(self.valid.sum(1).max()):
             self.compact()
         past, width = self.slots, max(len(call.tokens) for call in calls.values())
+        if self.slab is not None:
+            bucket = next((b for b in BUCKETS if b >= width), width)
+            self._reserve(past + bucket)
+            if self.slab.capture:
+                width = bucket  # (a graph's width: the rows padded further left)
+        total = past + width if self.slab is None else self.slab.capacity  # keys a query may see, padding included
         ids = torch.zeros(self.rows, width, dtype=torch.long)
         positions = torch.zeros(self.rows, width, dtype=torch.long)
-        allowed = torch.zeros(self.rows, width, past + width, dtype=torch.bool)
+        allowed = torch.zeros(self.rows, width, total, dtype=torch.bool)
         allowed[:, torch.arange(width), past + torch.arange(width)] = True  # padding sees itself (no empty softmax)
         for b, call in calls.items():
             n, cached = len(call.tokens), int(self.valid[b].sum())
@@ -215,12 +255,17 @@ class BatchCache:
                 allowed[b, pad:, self.valid[b].nonzero()[:, 0]] = own[:, :cached]
             else:
                 allowed[b, pad:, :past] = self.valid[b]
-            allowed[b, pad:, past + pad:] = own[:, own.shape[1] - n:]
+            allowed[b, pad:, past + pad:past + width] = own[:, own.shape[1] - n:]
         key_positions = torch.cat([self.positions, positions], 1)  # [rows, past + width]
-        mask = lm.attention_masks(allowed, key_positions, positions)
-        keep = max(call.keep or len(call.tokens) for call in calls.values())
-        out = lm.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
-                       use_cache=True, logits_to_keep=keep, **{lm.cache_keyword: self.hf})
+        if self.slab is not None:
+            keys = torch.zeros(self.rows, total, dtype=torch.long)
+            keys[:, :past + width] = key_positions
+            out, keep = self.slab.forward(ids, positions, past, allowed, keys), width
+        else:
+            mask = lm.attention_masks(allowed, key_positions, positions)
+            keep = max(call.keep or len(call.tokens) for call in calls.values())
+            out = lm.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
+                           use_cache=True, logits_to_keep=keep, **{lm.cache_keyword: self.hf}).logits
         self.valid = torch.cat([self.valid, torch.zeros(self.rows, width, dtype=torch.bool)], 1)
         self.positions = key_positions
         logits = {}
@@ -228,7 +273,7 @@ class BatchCache:
             n = len(call.tokens)
             self.valid[b, past + width - n:] = True
             want = call.keep or n
-            logits[b] = out.logits[b, keep - want:].float()  # [want, vocab], as `LM.forward`'s
+            logits[b] = out[b, keep - want:].float()  # [want, vocab], as `LM.forward`'s
         return logits
 
 

@@ -12,6 +12,7 @@ import torch
 import conftest
 import decoders
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm
+from test_batch import LONG_PROMPT
 from decoders.drafting import cost
 from decoders.models import graphs
 from decoders.models.cache import KVCache
@@ -150,7 +151,7 @@ def test_a_call_whose_capture_fails_runs_eagerly_from_then_on(monkeypatch):
         static.forward([1, 2, 3], cache)
     slab = cache.slab
     monkeypatch.setattr(slab, "capture", True)  # (as on CUDA; the capture itself fails)
-    monkeypatch.setattr(graphs.Slab, "_capture", lambda *_: (_ for _ in ()).throw(RuntimeError("not capturable")))
+    monkeypatch.setattr(graphs, "capture", lambda *_: (_ for _ in ()).throw(RuntimeError("not capturable")))
     ids, positions = torch.tensor([[4]]), torch.tensor([[3]])
     with pytest.warns(UserWarning, match="calls of 1 tokens could not be captured .*not capturable.*run eagerly"):
         assert slab.replay(static, ids, positions, 3, None, None) is None
@@ -208,3 +209,73 @@ def test_a_run_reserves_the_slots_it_may_need_but_not_the_whole_context():
         static.forward([1, 2], long)
     assert long.slab.capacity == MAX_RESERVE
     assert 2 * MIN_CAPACITY in static.__dict__["_slabs"]  # (the short run's: 300 slots)
+
+
+# ------------------------------------------------------------------------------------------------------------ batches
+
+
+def static_draft() -> decoders.LM:
+    return twins_of(tiny_lm("llama", seed=99))[1]
+
+
+def twins_of(base: decoders.LM) -> tuple[decoders.LM, decoders.LM]:
+    dynamic, static = (decoders.wrap(base.model, base.tokenizer, name=f"{base.name}-{kind}")
+                       for kind in ("dynamic", "static"))
+    dynamic.cuda_graphs, static.cuda_graphs = False, True
+    return dynamic, static
+
+
+def batch_strategies() -> list[str]:
+    return [s for s in decoders.available() if not decoders.registry.get(s).needs_grammar]
+
+
+@pytest.mark.parametrize("strategy", batch_strategies())
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3", "gpt2"])
+def test_a_batch_on_static_caches_gives_each_row_its_own_tokens(strategy, arch):
+    """A batch's cache and its draft model's are `BatchSlab`s where the LM has a static cache: each row's tokens are
+    its batch-1 greedy run's (prompts of several lengths, refills: 5 prompts through 3 rows)."""
+    dynamic, static = twins(arch)
+    draft = static_draft() if decoders.registry.get(strategy).needs_draft else None
+    prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4]]
+    got = decoders.generate(static, prompts, strategy=strategy, draft=draft, batch_size=3, max_new_tokens=20)
+    assert [r.tokens for r in got] == [decoders.generate(dynamic, p, max_new_tokens=20).tokens for p in prompts]
+    assert static.__dict__["_batch_slabs"]
+    assert draft is None or draft.__dict__.get("_batch_slabs")
+    if static.device.type == "cuda":  # (the test device): the calls replayed graphs
+        assert any(graph not in (None, False) for slab in static.__dict__["_batch_slabs"].values()
+                   for graph, _, _ in slab.graphs.values())
+
+
+@pytest.fixture
+def failing_captures(monkeypatch):
+    """Batch slabs that capture (as on CUDA), every capture failing: calls padded to the buckets, run eagerly."""
+    init = graphs.BatchSlab.__init__
+
+    def capturing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.capture = True
+
+    monkeypatch.setattr(graphs.BatchSlab, "__init__", capturing)
+    monkeypatch.setattr(graphs, "capture", lambda *_: (_ for _ in ()).throw(RuntimeError("not capturable")))
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "speculative", "suffix", "lookahead"])
+def test_a_batchs_calls_padded_to_a_graphs_width_score_as_unpadded(failing_captures, strategy):
+    dynamic, static = twins("qwen2")
+    draft = static_draft() if strategy == "speculative" else None
+    prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = decoders.generate(static, prompts, strategy=strategy, draft=draft, batch_size=2, max_new_tokens=24)
+    assert any("batch calls of 2 x 1 tokens could not be captured" in str(w.message) for w in caught)
+    assert [r.tokens for r in got] == [decoders.generate(dynamic, p, max_new_tokens=24).tokens for p in prompts]
+    widths = {key[0] for slab in static.__dict__["_batch_slabs"].values() for key in slab.graphs}
+    assert widths <= set(graphs.BUCKETS) and (strategy == "greedy") == (widths == {1})
+
+
+def test_a_batch_outgrowing_its_slab_moves_to_a_larger_one_and_scores_the_same():
+    dynamic, static = twins("llama")
+    prompts = [LONG_PROMPT, PROMPTS[0], LONG_PROMPT[::-1]]  # (slots grow with each call: past 256 before compacting)
+    got = decoders.generate(static, prompts, batch_size=2, max_new_tokens=120)
+    assert [r.tokens for r in got] == [decoders.generate(dynamic, p, max_new_tokens=120).tokens for p in prompts]
+    assert {capacity for _, capacity in static.__dict__["_batch_slabs"]} == {MIN_CAPACITY, 2 * MIN_CAPACITY}

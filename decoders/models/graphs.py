@@ -10,7 +10,9 @@ whole call at once. A graph replays fixed addresses and shapes, so:
   tree mask and `past` from static buffers; the attention mask is built inside the graph from them. Padded rows write
   slots past the call's end, which no query sees;
 - buffers and graphs (a `Slab` per capacity) stay with the LM and are lent to one cache at a time: a later run reuses
-  them without capturing again. A cache outgrowing its slab moves to one of twice the capacity.
+  them without capturing again. A cache outgrowing its slab moves to one of twice the capacity;
+- a batch (`decoders.batch.BatchCache`) keeps its rows in a `BatchSlab` per rows and capacity, lent the same way: its
+  calls write every row at the same slots, padded to a bucket's width, each row's mask built by the batch.
 
 `LM.compile_calls` also compiles each captured call with `torch.compile` first (tens of seconds of compiling for fewer,
 fused kernels; a string names torch.compile's mode). A call whose capture fails runs eagerly on the same cache, with
@@ -130,7 +132,7 @@ class Slab:
         key = bucket, lm.compile_calls, lm.model  # (the model itself, not its id: a graph keeps its weights' addresses)
         if key not in self.graphs:
             self.graphs[key] = (None, self._inputs(bucket), None)
-        graph, static, logits = self.graphs[key]
+        graph, static, _ = self.graphs[key]
         if graph is False:  # its capture failed: the caller runs it eagerly
             return None
         static["ids"][:, :length] = ids  # (padding: stale ids and positions, rows no real query sees)
@@ -142,17 +144,10 @@ class Slab:
             if wide is not None:
                 static["wide"][:length] = wide
                 static["wide_set"] = True
-        if graph is None:
-            try:
-                graph, logits = self._capture(lm, static)
-            except Exception as error:  # noqa: BLE001 - any failure: this call runs eagerly from now on
-                warnings.warn(f"{lm.name}: its calls of {bucket} tokens could not be captured as a CUDA graph "
-                              f"({type(error).__name__}: {error}); they run eagerly")
-                self.graphs[key] = (False, static, None)
-                return None
-            self.graphs[key] = (graph, static, logits)
-        graph.replay()
-        return logits[0, :length]
+        logits = replayed(self.lm, self.graphs, key, lm, self.call,
+                          (static["ids"], static["positions"], static["past"], static["tree"], static["wide"]),
+                          f"calls of {bucket} tokens")
+        return None if logits is None else logits[0, :length]
 
     def _padded(self, bucket: int, length: int, tree) -> torch.Tensor:
         """`tree` [T, T] (None: causal) in a [bucket, bucket] mask whose padded rows see themselves only."""
@@ -173,50 +168,71 @@ class Slab:
                 "tree": torch.zeros(bucket, bucket, dtype=torch.bool, device=device),
                 "wide": torch.ones(bucket, self.capacity, dtype=torch.bool, device=device)}
 
-    def _capture(self, lm, static: dict[str, torch.Tensor]):
-        """A graph of `call` on the `static` inputs, which hold the caller's call: the warm-up calls run it for real
-        (writing the slots its replay writes again), the capture runs nothing."""
-        device = self.lm.device
 
-        # compiled, the call's many small kernels (norms, rotary, masks) fuse: fewer kernels in the graph to replay
-        mode = lm.compile_calls if isinstance(lm.compile_calls, str) else None
-        call = torch.compile(self.call, mode=mode) if lm.compile_calls else self.call
-
-        def run():
-            return call(lm, static["ids"], static["positions"], static["past"], static["tree"], static["wide"])
-
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up off the capture: kernels picked, workspaces allocated
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph, pool, caller = torch.cuda.CUDAGraph(), graph_pool(self.lm), torch.cuda.current_stream(device)
-        # no garbage collection inside the capture: collecting a dropped LM (a cycle with its slabs) frees its graphs'
-        # memory pool, a cudaFree that invalidates the capture
-        collecting = gc.isenabled()
-        gc.disable()
+def replayed(owner, graphs: dict, key, lm, call, args: tuple, what: str) -> torch.Tensor | None:
+    """Replay `graphs[key]` (graph, inputs, logits), captured from `call(lm, *args)` on first use (`capture`): its
+    logits buffer; None, with a warning the first time, if its capture failed (the caller runs the call eagerly)."""
+    graph, static, logits = graphs[key]
+    if graph is False:
+        return None
+    if graph is None:
         try:
-            # thread_local: CUDA work of another thread (transformers' continuous batching runs one) cannot invalidate
-            # this capture
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                logits = run()
-        except Exception:
-            # a capture failing midway leaves the allocator recording into the pool, which every later capture of
-            # this LM would refuse, the capture stream current, and the device's random generator in capture mode,
-            # where any later random op outside a graph raises ("Offset increment outside graph capture")
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            with contextlib.suppress(RuntimeError):
-                torch._C._cuda_endAllocateToPool(index, pool)
-            self.lm._graph_pool = None
-            torch.cuda.set_stream(caller)
-            generator = torch.cuda.default_generators[index]
-            generator.graphsafe_set_state(generator.clone_state())  # (a copy of its seed and offset, not capturing)
-            raise
-        finally:
-            if collecting:
-                gc.enable()
-        return graph, logits
+            graph, logits = capture(owner, lm, call, args)
+        except Exception as error:  # noqa: BLE001 - any failure: this call runs eagerly from now on
+            warnings.warn(f"{lm.name}: its {what} could not be captured as a CUDA graph ({type(error).__name__}: "
+                          f"{error}); they run eagerly")
+            graphs[key] = (False, static, None)
+            return None
+        graphs[key] = (graph, static, logits)
+    graph.replay()
+    return logits
+
+
+def capture(owner, lm, call, args: tuple):
+    """A graph of `call(lm, *args)` on the static tensors `args`, which hold the caller's call, in the memory pool of
+    `owner` (the LM whose buffers it writes): the warm-up calls run it for real (writing the slots its replay writes
+    again), the capture runs nothing. Returns (graph, its logits buffer)."""
+    device = owner.device
+
+    # compiled, the call's many small kernels (norms, rotary, masks) fuse: fewer kernels in the graph to replay
+    mode = lm.compile_calls if isinstance(lm.compile_calls, str) else None
+    function = torch.compile(call, mode=mode) if lm.compile_calls else call
+
+    def run():
+        return function(lm, *args)
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capture: kernels picked, workspaces allocated
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph, pool, caller = torch.cuda.CUDAGraph(), graph_pool(owner), torch.cuda.current_stream(device)
+    # no garbage collection inside the capture: collecting a dropped LM (a cycle with its slabs) frees its graphs'
+    # memory pool, a cudaFree that invalidates the capture
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        # thread_local: CUDA work of another thread (transformers' continuous batching runs one) cannot invalidate
+        # this capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            logits = run()
+    except Exception:
+        # a capture failing midway leaves the allocator recording into the pool, which every later capture of
+        # this LM would refuse, the capture stream current, and the device's random generator in capture mode,
+        # where any later random op outside a graph raises ("Offset increment outside graph capture")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with contextlib.suppress(RuntimeError):
+            torch._C._cuda_endAllocateToPool(index, pool)
+        owner._graph_pool = None
+        torch.cuda.set_stream(caller)
+        generator = torch.cuda.default_generators[index]
+        generator.graphsafe_set_state(generator.clone_state())  # (a copy of its seed and offset, not capturing)
+        raise
+    finally:
+        if collecting:
+            gc.enable()
+    return graph, logits
 
 
 def graph_pool(lm):
@@ -320,5 +336,71 @@ def lend(lm, capacity: int, cache: StaticKVCache) -> Slab:
         slab = slabs[capacity] = Slab(lm, capacity, capture=lm.device.type == "cuda")
     elif slab.owner is not None and slab.owner() is not None:
         return Slab(lm, capacity, capture=False)
+    slab.owner = weakref.ref(cache)
+    return slab
+
+
+class BatchSlab:
+    """A batch's static buffers (`decoders.batch.BatchCache` where its LM has a static cache): keys and values of
+    `rows` rows and `capacity` slots per layer, and per bucket the captured call with its input buffers. The batch
+    writes every row's call at the same slots (its queries right-aligned) and builds each row's mask itself."""
+
+    def __init__(self, lm, rows: int, capacity: int, capture: bool) -> None:
+        self.lm, self.rows, self.capacity, self.capture = lm, rows, capacity, capture
+        self.hf = SlotCache(lm.config.num_hidden_layers, capacity)
+        self.graphs: dict[tuple, tuple] = {}  # (bucket, compiled) -> (CUDAGraph, inputs, logits)
+        self.owner = None  # a weakref to the BatchCache it is lent to
+
+    def call(self, lm, ids, positions, past, allowed, keys) -> torch.Tensor:
+        """The model on `ids`, `positions` [rows, W], written at slots past..past+W (`past` a 0-d tensor); `allowed`
+        [rows, W, capacity] (query i of a row may see slot j), `keys` [rows, capacity] the slots' positions: logits
+        [rows, W, vocab]."""
+        self.hf.slots = past + torch.arange(ids.shape[1], device=ids.device)
+        masks = lm.attention_masks(allowed, keys, positions)
+        return lm.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
+                        **{lm.cache_keyword: self.hf}).logits
+
+    def forward(self, ids, positions, past: int, allowed, keys) -> torch.Tensor:
+        """`call`, replayed as the CUDA graph of its width (a bucket, captured on first use) where the slab captures:
+        logits [rows, W, vocab], the caller's to keep."""
+        lm, device, width = self.lm, self.lm.device, ids.shape[1]
+        self.hf.length = past
+        with torch.inference_mode():
+            if self.capture and width in BUCKETS:
+                key = width, lm.compile_calls
+                if key not in self.graphs:
+                    self.graphs[key] = (None, self._inputs(width), None)
+                graph, static, _ = self.graphs[key]
+                if graph is not False:
+                    static["ids"].copy_(ids)
+                    static["positions"].copy_(positions)
+                    static["past"].fill_(past)
+                    static["allowed"].copy_(allowed)
+                    static["keys"].copy_(keys)
+                    logits = replayed(lm, self.graphs, key, lm, self.call, tuple(static.values()),
+                                      f"batch calls of {self.rows} x {width} tokens")
+                    if logits is not None:
+                        return logits.clone()
+            return self.call(lm, ids.to(device), positions.to(device), torch.tensor(past, device=device),
+                             allowed.to(device), keys.to(device))
+
+    def _inputs(self, width: int) -> dict[str, torch.Tensor]:
+        device, rows = self.lm.device, self.rows
+        return {"ids": torch.zeros(rows, width, dtype=torch.long, device=device),
+                "positions": torch.zeros(rows, width, dtype=torch.long, device=device),
+                "past": torch.zeros((), dtype=torch.long, device=device),
+                "allowed": torch.zeros(rows, width, self.capacity, dtype=torch.bool, device=device),
+                "keys": torch.zeros(rows, self.capacity, dtype=torch.long, device=device)}
+
+
+def lend_batch(lm, rows: int, capacity: int, cache) -> BatchSlab:
+    """`lend` for a batch: the LM's slab of `rows` x `capacity`, made on first use, lent to the `BatchCache` `cache`
+    (a private one, never captured, while another live batch holds it)."""
+    slabs = lm.__dict__.setdefault("_batch_slabs", {})
+    slab = slabs.get((rows, capacity))
+    if slab is None:
+        slab = slabs[rows, capacity] = BatchSlab(lm, rows, capacity, capture=lm.device.type == "cuda")
+    elif slab.owner is not None and slab.owner() is not None:
+        return BatchSlab(lm, rows, capacity, capture=False)
     slab.owner = weakref.ref(cache)
     return slab

@@ -104,17 +104,20 @@ class LM:
         """Wait for this model's device (CUDA kernels run asynchronously), before reading a clock."""
         synchronize(self.device)
 
-    def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
-        """An empty KV cache: static (graph-captured calls) where `cuda_graphs` is on and the model runs exactly on one
-        (probed once; warned of if not), else a `KVCache`. `length`: the positions a static cache reserves."""
+    def static_cache_ok(self) -> bool:
+        """Whether this LM's calls run on a static cache (graph-captured on CUDA): `cuda_graphs` on and the model
+        scoring on one as on transformers' cache (probed once; warned of if not)."""
         if self.cuda_graphs and getattr(self, "_static_ok", None) is None:
             self._static_ok = _probe_static_cache(self)
             if self._static_ok is not True:
                 warnings.warn(f"{self.name}: {type(self.model).__name__} {self._static_ok} on a static cache; its "
-                              "calls run eagerly on transformers' cache (no CUDA graphs)", stacklevel=2)
-        if self.cuda_graphs and self._static_ok is True:
-            return StaticKVCache(self, length)
-        return KVCache()
+                              "calls run eagerly on transformers' cache (no CUDA graphs)", stacklevel=3)
+        return self.cuda_graphs and self._static_ok is True
+
+    def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
+        """An empty KV cache: static (`static_cache_ok`) or a `KVCache`. `length`: the positions a static cache
+        reserves."""
+        return StaticKVCache(self, length) if self.static_cache_ok() else KVCache()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with the tokenizer's usual special tokens (e.g. a BOS)."""
