@@ -51,7 +51,7 @@ except Exception as error:  # noqa: BLE001 - the parts that need decodekit repor
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 MODELS = {"target": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b"}  # role -> config, as the zoo pairs them
-PARTS = ("env", "curves", "greedy", "profile", "compiled", "tests")
+PARTS = ("env", "curves", "greedy", "batch", "profile", "compiled", "tests")
 QUICK_TESTS = ("tests/test_cache.py", "tests/test_greedy.py", "tests/test_graphs.py")
 PACKAGES = ("torch", "transformers", "accelerate", "tokenizers", "numpy", "outlines", "outlines-core", "llguidance",
             "jsonschema", "pydantic", "gguf", "pytest", "pytest-xdist")  # versions env reports
@@ -60,6 +60,7 @@ SIZES = ((1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64), (1, 2, 4, 8))  # tokens 
 CONTEXTS = ((128, 512, 2048), (16, 64))  # cached positions before the call
 REPEATS = (5, 2)  # timed calls per point after an untimed one, keeping the fastest and the median
 PROMPT, NEW_TOKENS = (128, 32), (128, 8)  # greedy runs: prompt length, tokens generated
+BATCHES = ((4, 16), (2,))  # rows of the batch part's runs (prompts of 64 to 127 tokens, NEW_TOKENS each)
 QUICK_LAYERS, QUICK_VOCAB = 2, 16384  # --quick keeps the hidden widths and cuts the depth and the vocabulary (whose
 # random init takes a CPU seconds): it checks that every part runs, its timings tell nothing
 
@@ -351,6 +352,74 @@ def part_greedy(args) -> dict:
     return result
 
 
+def batch_prompts(lm: decoders.LM, rows: int, quick: bool) -> list[list[int]]:
+    """`rows` prompts of different lengths (64 to 127 tokens; a quarter of that quick)."""
+    longest = PROMPT[quick]
+    return [[(5 * i + 7 * r + 11) % lm.vocab_size for i in range(longest // 2 + (r * 37) % (longest // 2))]
+            for r in range(rows)]
+
+
+def decodekit_batch(lm: decoders.LM, prompts: list[list[int]], new: int, graphs: bool) -> dict:
+    """decodekit's batched `greedy` of all `prompts` at once (`LM.cuda_graphs` set to `graphs` for the run): its
+    seconds, prompts included, and new tokens per second over all rows."""
+    before = lm.cuda_graphs
+    lm.cuda_graphs = graphs
+    try:
+        lm.synchronize()
+        start = time.perf_counter()
+        results = decoders.generate(lm, prompts, strategy="greedy", batch_size=len(prompts), max_new_tokens=new)
+        lm.synchronize()
+        seconds = time.perf_counter() - start
+    finally:
+        lm.cuda_graphs = before
+    tokens = sum(r.stats.new_tokens for r in results)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
+            "ids": [r.tokens for r in results]}
+
+
+def hf_batch(lm: decoders.LM, prompts: list[list[int]], new: int) -> dict:
+    """transformers' greedy `generate` of the `prompts` left-padded into one batch, `new` tokens each, as
+    `decodekit_batch` reports it."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=lm.device)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=lm.device)
+    with torch.inference_mode():
+        lm.synchronize()
+        start = time.perf_counter()
+        out = lm.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                                pad_token_id=0)
+        lm.synchronize()
+        seconds = time.perf_counter() - start
+    rows = out[:, longest:].tolist()
+    return {"tokens": sum(map(len, rows)), "seconds": seconds, "tokens_per_second": sum(map(len, rows)) / seconds,
+            "ids": rows}
+
+
+def part_batch(args) -> dict:
+    """Batched greedy of the target: decodekit with its batch calls as CUDA graphs (`BatchSlab`; eagerly on a static
+    cache off CUDA) and eagerly on transformers' cache, and transformers' left-padded `generate`, at each of BATCHES'
+    sizes; each run after an untimed one of the same prompts (graphs captured, kernels chosen)."""
+    lm = build("target", args.device, args.quick)
+    runs = {"decodekit_graphs": lambda *a: decodekit_batch(*a, graphs=True),
+            "decodekit_eager": lambda *a: decodekit_batch(*a, graphs=False), "transformers_eager": hf_batch}
+    result: dict = {"model": lm.name}
+    for rows in BATCHES[args.quick]:
+        prompts, new = batch_prompts(lm, rows, args.quick), NEW_TOKENS[args.quick]
+        measured = {}
+        for name, run in runs.items():
+            attempt(run, lm, prompts, new)
+            measured[name] = attempt(run, lm, prompts, new)
+        first = measured["decodekit_graphs"].get("ids")
+        for r in measured.values():  # leading tokens each row shares with the graphs' run (random weights: near-ties)
+            ids = r.pop("ids", None)
+            if ids is not None and first is not None:
+                r["same_leading_tokens"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                                            for x, y in zip(ids, first)]
+        result[f"rows_{rows}"] = measured
+        (args.outdir / "batch.json").write_text(json.dumps({"part": "batch", "partial": True, "result": result}))
+    return result
+
+
 def median_seconds(lm: decoders.LM, function, repeats: int = 30) -> float:
     function()
     return statistics.median(timed(lm, function) for _ in range(repeats))
@@ -521,6 +590,10 @@ def headline(parts: dict) -> dict:
         runs = greedy.get(role, {}).get("runs", {})
         line[f"{role}_tokens_per_second"] = {n: r.get("decode_tokens_per_second") for n, r in runs.items()}
         line[f"{role}_limit_tokens_per_second"] = greedy.get(role, {}).get("limit_tokens_per_second")
+    batch = parts["batch"].get("result", {})
+    line["batch_tokens_per_second"] = parts["batch"].get("error") or {
+        size: {name: run.get("tokens_per_second") for name, run in runs.items()}
+        for size, runs in batch.items() if size.startswith("rows_")}
     compiled = parts["compiled"].get("result", {})
     limit = line["target_limit_tokens_per_second"]
     line["compiled"] = compiled.get("skipped") or parts["compiled"].get("error") or {
@@ -565,7 +638,7 @@ def main() -> None:
         return
     start = time.perf_counter()
     entry = {"part": args.part, "device": args.device, "quick": args.quick, "budget": args.budget}
-    if DECODEKIT_ERROR and args.part in ("curves", "greedy", "compiled"):
+    if DECODEKIT_ERROR and args.part in ("curves", "greedy", "batch", "compiled"):
         entry["error"] = DECODEKIT_ERROR
     else:
         entry.update(attempt(lambda: {"result": globals()[f"part_{args.part}"](args)}))
