@@ -61,6 +61,7 @@ CONTEXTS = ((128, 512, 2048), (16, 64))  # cached positions before the call
 REPEATS = (5, 2)  # timed calls per point after an untimed one, keeping the fastest and the median
 PROMPT, NEW_TOKENS = (128, 32), (128, 8)  # greedy runs: prompt length, tokens generated
 BATCHES = ((4, 16), (2,))  # rows of the batch part's runs (prompts of 64 to 127 tokens, NEW_TOKENS each)
+BATCH_WIDTHS = ((1, 2, 4, 8, 16), (1, 2))  # tokens per row of the batch part's timed calls
 QUICK_LAYERS, QUICK_VOCAB = 2, 16384  # --quick keeps the hidden widths and cuts the depth and the vocabulary (whose
 # random init takes a CPU seconds): it checks that every part runs, its timings tell nothing
 
@@ -395,10 +396,41 @@ def hf_batch(lm: decoders.LM, prompts: list[list[int]], new: int) -> dict:
             "ids": rows}
 
 
+def batch_curve(lm: decoders.LM, rows: int, quick: bool, deadline: float) -> dict:
+    """Seconds of one batch call (`BatchCache.forward`) of `rows` rows, each scoring n tokens (logits of every one)
+    after L cached positions of its own, the fastest and the median of REPEATS timed calls; stops at `deadline`."""
+    from decoders.base import Call
+    from decoders.batch import BatchCache
+
+    ids = [(7 * i + 3) % lm.vocab_size for i in range(max(CONTEXTS[quick]))]
+    points, stopped = [], None
+    with torch.inference_mode():
+        for context in CONTEXTS[quick][:2]:
+            cache = BatchCache(lm, rows)
+            for b in range(rows):
+                cache.prefill(b, ids[:context])  # (the rows after the first copy the first's keys)
+            for n in BATCH_WIDTHS[quick]:
+                if time.monotonic() > deadline:
+                    stopped = stopped or f"time budget spent before n={n}, context={context}"
+                    continue
+                calls = {b: Call(tokens=ids[:n]) for b in range(rows)}
+                times = []
+                for _ in range(REPEATS[quick] + 1):  # the first untimed: a new shape's kernels, or its graph
+                    times.append(timed(lm, lambda: cache.forward(calls)))
+                    for b in range(rows):
+                        cache.row(b).crop(context)
+                    cache.compact()  # (back to `context` slots)
+                times = sorted(times[1:])
+                points.append({"n": n, "context": context, "seconds": times[0], "median": times[len(times) // 2]})
+            del cache
+    return {"points": points, "stopped": stopped}
+
+
 def part_batch(args) -> dict:
     """Batched greedy of the target: decodekit with its batch calls as CUDA graphs (`BatchSlab`; eagerly on a static
     cache off CUDA) and eagerly on transformers' cache, and transformers' left-padded `generate`, at each of BATCHES'
-    sizes; each run after an untimed one of the same prompts (graphs captured, kernels chosen)."""
+    sizes, each run after an untimed one of the same prompts (graphs captured, kernels chosen); then the cost of one
+    batch call by rows, tokens per row and cached positions, graphs and eager."""
     lm = build("target", args.device, args.quick)
     runs = {"decodekit_graphs": lambda *a: decodekit_batch(*a, graphs=True),
             "decodekit_eager": lambda *a: decodekit_batch(*a, graphs=False), "transformers_eager": hf_batch}
@@ -417,6 +449,15 @@ def part_batch(args) -> dict:
                                             for x, y in zip(ids, first)]
         result[f"rows_{rows}"] = measured
         (args.outdir / "batch.json").write_text(json.dumps({"part": "batch", "partial": True, "result": result}))
+    before = lm.cuda_graphs
+    for graphs in (True, False):
+        lm.cuda_graphs = graphs
+        for i, rows in enumerate(BATCHES[args.quick]):
+            left = len(BATCHES[args.quick]) * (1 + graphs) - i  # curves still to measure, this one included
+            share = (START + args.budget - time.monotonic()) / left
+            curves = result.setdefault("curves_" + ("graphs" if graphs else "eager"), {})
+            curves[f"rows_{rows}"] = attempt(batch_curve, lm, rows, args.quick, time.monotonic() + share)
+    lm.cuda_graphs = before
     return result
 
 

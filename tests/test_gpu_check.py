@@ -89,6 +89,13 @@ def test_batched_greedy_runs_on_graphs_eagerly_and_in_transformers(summary):
         # a batch on the static cache (`BatchSlab`, eager on a CPU) gives transformers' cache's tokens
         assert runs["decodekit_eager"]["same_leading_tokens"] == [gpu_check.NEW_TOKENS[True]] * rows
     assert summary["headline"]["batch_tokens_per_second"][f"rows_{rows}"]["decodekit_graphs"] > 0
+    for kind in ("graphs", "eager"):  # the cost of one batch call by rows, tokens per row and cached positions
+        for rows in gpu_check.BATCHES[True]:
+            curve = batch[f"curves_{kind}"][f"rows_{rows}"]
+            assert curve["stopped"] is None
+            assert [(p["context"], p["n"]) for p in curve["points"]] == [
+                (c, n) for c in gpu_check.CONTEXTS[True][:2] for n in gpu_check.BATCH_WIDTHS[True]]
+            assert all(0 < p["seconds"] <= p["median"] for p in curve["points"])
 
 
 def test_graph_capture_is_skipped_on_a_cpu_with_the_reason(summary):
