@@ -1,4 +1,5 @@
-"""The static KV cache (`decoders.models.graphs`): exactly transformers' cache, on every architecture and strategy.
+"""The static KV cache (`decoders.models.graphs`): exactly transformers' cache, on every architecture and strategy, alone
+and in a batch (`BatchSlab`: each row its batch-1 greedy run's tokens, draft models' caches too).
 
 On a CPU it runs eagerly (`cuda_graphs = True` there is the test path); with DECODEKIT_TEST_DEVICE=cuda the same tests
 replay CUDA graphs of the bucketed calls.
@@ -244,6 +245,22 @@ def test_a_batch_on_static_caches_gives_each_row_its_own_tokens(strategy, arch):
     if static.device.type == "cuda":  # (the test device): the calls replayed graphs
         assert any(graph not in (None, False) for slab in static.__dict__["_batch_slabs"].values()
                    for graph, _, _ in slab.graphs.values())
+
+
+@pytest.mark.parametrize("kind", ["self:int8", "translated"])
+def test_a_batchs_int8_copy_and_translated_draft_draft_on_static_caches_of_their_own(kind):
+    from test_batch import translating_draft
+
+    dynamic, static = twins("llama")
+    if kind == "self:int8":
+        draft = static.self_draft("int8")
+        draft.cuda_graphs = True
+    else:
+        draft = twins_of(translating_draft())[1]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4]]
+    got = decoders.generate(static, prompts, strategy="speculative", draft=draft, batch_size=3, max_new_tokens=20)
+    assert [r.tokens for r in got] == [decoders.generate(dynamic, p, max_new_tokens=20).tokens for p in prompts]
+    assert sum(r.stats.draft_calls for r in got) > 0 and draft.__dict__.get("_batch_slabs")
 
 
 @pytest.fixture
