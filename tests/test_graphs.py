@@ -1,5 +1,5 @@
-"""The static KV cache (`decoders.models.graphs`): exactly transformers' cache, on every architecture and strategy, alone
-and in a batch (`BatchSlab`: each row its batch-1 greedy run's tokens, draft models' caches too).
+"""The static KV cache (`decoders.models.graphs`): exactly transformers' cache, on every architecture and strategy,
+alone and in a batch (`BatchSlab`: each row its batch-1 greedy run's tokens, draft models' caches too).
 
 On a CPU it runs eagerly (`cuda_graphs = True` there is the test path); with DECODEKIT_TEST_DEVICE=cuda the same tests
 replay CUDA graphs of the bucketed calls.
