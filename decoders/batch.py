@@ -31,7 +31,7 @@ from decoders.drafting.cost import CallCost, calibrate
 from decoders.drafting.tree import shared_length
 from decoders.driver import Decoding
 from decoders.models.cache import KVCache
-from decoders.models.graphs import BUCKETS, MIN_CAPACITY, lend_batch
+from decoders.models.graphs import BUCKETS, MIN_CAPACITY, lend
 from decoders.models.lm import LM
 
 
@@ -86,10 +86,8 @@ class BatchCache:
 
     def __init__(self, lm: LM, rows: int) -> None:
         self.lm, self.rows = lm, rows
-        self.hf = DynamicCache()
-        self.slab = lend_batch(lm, rows, MIN_CAPACITY, self) if lm.static_cache_ok() else None
-        if self.slab is not None:
-            self.hf = self.slab.hf
+        self.slab = lend(lm, MIN_CAPACITY, self, rows) if lm.static_cache_ok() else None
+        self.hf = DynamicCache() if self.slab is None else self.slab.hf
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.positions = torch.zeros(rows, 0, dtype=torch.long)
         self.drafts: list[BatchCache] = []  # the draft models' caches beside the target's, one per draft model
@@ -126,7 +124,7 @@ class BatchCache:
             return
         layers = self._layers()
         if self.slab is not None:
-            self._reserve(slots, layers or template.hf.layers)
+            self._reserve(slots, template.hf.layers)
         else:
             if not layers:  # the first prompt: shape the batch's layers after its cache
                 for i, layer in enumerate(template.hf.layers):
@@ -149,7 +147,7 @@ class BatchCache:
         capacity = self.slab.capacity
         while capacity < slots:
             capacity *= 2
-        slab = self.slab if capacity == self.slab.capacity else lend_batch(self.lm, self.rows, capacity, self)
+        slab = self.slab if capacity == self.slab.capacity else lend(self.lm, capacity, self, self.rows)
         for layer, model in zip(slab.hf.layers, like or self._layers()):
             if not layer.is_initialized:
                 shape = (self.rows, model.keys.shape[1], 0)

@@ -20,6 +20,7 @@ import time
 START = time.monotonic()  # a part's --budget counts from here, its imports and model builds included
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -238,15 +239,22 @@ def hf_greedy(lm: decoders.LM, prompt: list[int], new: int, **options) -> dict:
             "decode_tokens_per_second": (len(tokens) - 1) / (clock.times[-1] - clock.times[1]), "ids": tokens}
 
 
-def decodekit_greedy(lm: decoders.LM, prompt: list[int], new: int, graphs: bool | None = None) -> dict:
-    """decodekit's `greedy` strategy on the same prompt, as `hf_greedy` reports it; `graphs` sets `LM.cuda_graphs`
-    for the run (None: as it is)."""
+@contextlib.contextmanager
+def graphs_set(lm: decoders.LM, graphs: bool | None):
+    """`LM.cuda_graphs` set to `graphs` (None: as it is) inside the block, as it was after it."""
     before = lm.cuda_graphs
     lm.cuda_graphs = before if graphs is None else graphs
     try:
-        result = decoders.generate(lm, prompt, strategy="greedy", max_new_tokens=new)
+        yield
     finally:
         lm.cuda_graphs = before
+
+
+def decodekit_greedy(lm: decoders.LM, prompt: list[int], new: int, graphs: bool | None = None) -> dict:
+    """decodekit's `greedy` strategy on the same prompt, as `hf_greedy` reports it; `graphs` sets `LM.cuda_graphs`
+    for the run (None: as it is)."""
+    with graphs_set(lm, graphs):
+        result = decoders.generate(lm, prompt, strategy="greedy", max_new_tokens=new)
     stats = result.stats
     return {"tokens": stats.new_tokens, "seconds": stats.seconds, "ttft_seconds": stats.ttft_seconds,
             "decode_tokens_per_second": (stats.new_tokens - 1) / (stats.seconds - stats.ttft_seconds),
@@ -363,16 +371,12 @@ def batch_prompts(lm: decoders.LM, rows: int, quick: bool) -> list[list[int]]:
 def decodekit_batch(lm: decoders.LM, prompts: list[list[int]], new: int, graphs: bool) -> dict:
     """decodekit's batched `greedy` of all `prompts` at once (`LM.cuda_graphs` set to `graphs` for the run): its
     seconds, prompts included, and new tokens per second over all rows."""
-    before = lm.cuda_graphs
-    lm.cuda_graphs = graphs
-    try:
+    with graphs_set(lm, graphs):
         lm.synchronize()
         start = time.perf_counter()
         results = decoders.generate(lm, prompts, strategy="greedy", batch_size=len(prompts), max_new_tokens=new)
         lm.synchronize()
         seconds = time.perf_counter() - start
-    finally:
-        lm.cuda_graphs = before
     tokens = sum(r.stats.new_tokens for r in results)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds,
             "ids": [r.tokens for r in results]}
@@ -449,15 +453,13 @@ def part_batch(args) -> dict:
                                             for x, y in zip(ids, first)]
         result[f"rows_{rows}"] = measured
         (args.outdir / "batch.json").write_text(json.dumps({"part": "batch", "partial": True, "result": result}))
-    before = lm.cuda_graphs
     for graphs in (True, False):
-        lm.cuda_graphs = graphs
         for i, rows in enumerate(BATCHES[args.quick]):
             left = len(BATCHES[args.quick]) * (1 + graphs) - i  # curves still to measure, this one included
             share = (START + args.budget - time.monotonic()) / left
             curves = result.setdefault("curves_" + ("graphs" if graphs else "eager"), {})
-            curves[f"rows_{rows}"] = attempt(batch_curve, lm, rows, args.quick, time.monotonic() + share)
-    lm.cuda_graphs = before
+            with graphs_set(lm, graphs):
+                curves[f"rows_{rows}"] = attempt(batch_curve, lm, rows, args.quick, time.monotonic() + share)
     return result
 
 

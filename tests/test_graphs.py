@@ -22,7 +22,11 @@ from decoders.models.graphs import MIN_CAPACITY, StaticKVCache
 
 def twins(arch: str) -> tuple[decoders.LM, decoders.LM]:
     """Two LMs of one tiny model: transformers' cache, and the static one."""
-    base = tiny_lm(arch)
+    return twins_of(tiny_lm(arch))
+
+
+def twins_of(base: decoders.LM) -> tuple[decoders.LM, decoders.LM]:
+    """`twins` of the model of `base`."""
     dynamic, static = (decoders.wrap(base.model, base.tokenizer, name=f"{base.name}-{kind}")
                        for kind in ("dynamic", "static"))
     dynamic.cuda_graphs, static.cuda_graphs = False, True
@@ -217,13 +221,6 @@ def test_a_run_reserves_the_slots_it_may_need_but_not_the_whole_context():
 
 def static_draft() -> decoders.LM:
     return twins_of(tiny_lm("llama", seed=99))[1]
-
-
-def twins_of(base: decoders.LM) -> tuple[decoders.LM, decoders.LM]:
-    dynamic, static = (decoders.wrap(base.model, base.tokenizer, name=f"{base.name}-{kind}")
-                       for kind in ("dynamic", "static"))
-    dynamic.cuda_graphs, static.cuda_graphs = False, True
-    return dynamic, static
 
 
 def batch_strategies() -> list[str]:

@@ -22,6 +22,7 @@ a warning. Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import warnings
 import weakref
@@ -327,15 +328,18 @@ class StaticKVCache:
         return slab
 
 
-def lend(lm, capacity: int, cache: StaticKVCache) -> Slab:
-    """The LM's slab of `capacity`, made on first use, lent to `cache`; a private one, never captured, if another
-    live cache holds it (two runs of one model at once: they stay exact, the second runs eagerly)."""
-    slabs = lm.__dict__.setdefault("_slabs", {})
-    slab = slabs.get(capacity)
+def lend(lm, capacity: int, cache, rows: int | None = None) -> Slab | BatchSlab:
+    """The LM's slab of `capacity` (a `BatchSlab` of `rows` rows for a batch's cache), made on first use, lent to
+    `cache`; a private one, never captured, if another live cache holds it (two runs of one model at once: they stay
+    exact, the second runs eagerly)."""
+    slabs = lm.__dict__.setdefault("_slabs" if rows is None else "_batch_slabs", {})
+    key = capacity if rows is None else (rows, capacity)
+    make = functools.partial(Slab, lm, capacity) if rows is None else functools.partial(BatchSlab, lm, rows, capacity)
+    slab = slabs.get(key)
     if slab is None:
-        slab = slabs[capacity] = Slab(lm, capacity, capture=lm.device.type == "cuda")
+        slab = slabs[key] = make(capture=lm.device.type == "cuda")
     elif slab.owner is not None and slab.owner() is not None:
-        return Slab(lm, capacity, capture=False)
+        return make(capture=False)
     slab.owner = weakref.ref(cache)
     return slab
 
@@ -391,16 +395,3 @@ class BatchSlab:
                 "past": torch.zeros((), dtype=torch.long, device=device),
                 "allowed": torch.zeros(rows, width, self.capacity, dtype=torch.bool, device=device),
                 "keys": torch.zeros(rows, self.capacity, dtype=torch.long, device=device)}
-
-
-def lend_batch(lm, rows: int, capacity: int, cache) -> BatchSlab:
-    """`lend` for a batch: the LM's slab of `rows` x `capacity`, made on first use, lent to the `BatchCache` `cache`
-    (a private one, never captured, while another live batch holds it)."""
-    slabs = lm.__dict__.setdefault("_batch_slabs", {})
-    slab = slabs.get((rows, capacity))
-    if slab is None:
-        slab = slabs[rows, capacity] = BatchSlab(lm, rows, capacity, capture=lm.device.type == "cuda")
-    elif slab.owner is not None and slab.owner() is not None:
-        return BatchSlab(lm, rows, capacity, capture=False)
-    slab.owner = weakref.ref(cache)
-    return slab
