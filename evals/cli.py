@@ -85,7 +85,7 @@ def _draft(args, device: str | None):
 def cmd_list(args) -> int:
     from decoders import registry
     from decoders.models import zoo
-    from evals import peers
+    from evals import llamacpp_build, peers
 
     print("Strategies (decoders.available()):")
     for name in registry.available():
@@ -97,6 +97,10 @@ def cmd_list(args) -> int:
         print(f"  {peer.name:<16} {'needs --draft' if peer.needs_draft else '':<14} {peer.description}")
     for peer in peers.BATCH_PEERS.values():
         print(f"  {peer.name:<16} {'--batch-size':<14} {peer.description}")
+    for peer in peers.LLAMACPP_PEERS.values():
+        print(f"  {peer.name:<16} {'needs --draft' if peer.needs_draft else '':<14} {peer.description}")
+    if why := llamacpp_build.missing():
+        print(f"  {'llamacpp:...':<16} {'':<14} not available here: {why}")
     for prefix, why in peers.UNAVAILABLE.items():
         print(f"  {prefix + '...':<16} {'':<14} not available: {why}")
     print("\nZoo models (--model zoo:NAME):")
@@ -217,7 +221,7 @@ def cmd_compare(args) -> int:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_quantize=args.draft_quantize,
         chat_template=not args.no_chat_template, options=option_pairs(args.option, scoped=True),
         warmup=not args.no_warmup, progress=not args.no_progress, bandwidth_megabytes=args.bandwidth_mb,
-        batch_sizes=args.batch_size or (),
+        batch_sizes=args.batch_size or (), llamacpp=args.llamacpp,
     )
     comparison = Comparison(config, has_draft=args.draft is not None)  # suite and methods: before any model loads
     if args.threads:
@@ -354,6 +358,16 @@ def cmd_models(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------- peers
+def cmd_peers(args) -> int:
+    from evals import llamacpp_build
+
+    build = llamacpp_build.install(say=lambda line: print(line, file=sys.stderr), jobs=args.jobs)
+    print(f"llama.cpp {llamacpp_build.VERSION}: {build.server}, {build.bench}; its GGUF converter: "
+          f"{build.source / llamacpp_build.CONVERTER}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------- export-hub
 def cmd_export_hub(args) -> int:
     from evals.export_hub import export_hub
@@ -365,7 +379,7 @@ def cmd_export_hub(args) -> int:
 
 
 COMMANDS = {"list": cmd_list, "generate": cmd_generate, "compare": cmd_compare, "calibrate": cmd_calibrate,
-            "leaderboard": cmd_leaderboard, "models": cmd_models, "export-hub": cmd_export_hub}
+            "leaderboard": cmd_leaderboard, "models": cmd_models, "peers": cmd_peers, "export-hub": cmd_export_hub}
 
 
 def main(argv: list[str] | None = None) -> int:

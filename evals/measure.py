@@ -167,6 +167,18 @@ def roofline(model: torch.nn.Module, device: torch.device, megabytes: int = 256,
     }
 
 
+def with_demonstrated(line: dict, shown: dict | None) -> dict:
+    """`roofline`'s `line` at the better of its probe's read bandwidth and the rate a real decoding step `shown` on
+    the same machine ({"by": its method, "bandwidth_bytes_per_second", ...}, e.g. `evals.llamacpp.demonstrated`), and
+    which it is: `bandwidth_source` "probe" or the method's name. The probe's own figure stays beside it."""
+    probe = line["bandwidth_bytes_per_second"]
+    line = {**line, "probe_bandwidth_bytes_per_second": probe, "demonstrated": shown, "bandwidth_source": "probe"}
+    if shown and shown["bandwidth_bytes_per_second"] > probe:
+        line.update(bandwidth_bytes_per_second=shown["bandwidth_bytes_per_second"], bandwidth_source=shown["by"],
+                    limit_tokens_per_second=shown["bandwidth_bytes_per_second"] / line["bytes_per_token"])
+    return line
+
+
 def _version(name: str) -> str:
     try:
         return metadata.version(name)

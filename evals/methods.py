@@ -21,7 +21,7 @@ from typing import Any
 import decoders
 from decoders import registry
 from decoders.capabilities import check_models, check_request
-from evals import peers
+from evals import llamacpp, llamacpp_build, peers
 from evals.metrics import BASELINE
 
 
@@ -114,9 +114,16 @@ def build(name: str, options: Mapping[str, Any] | None = None) -> Method:
 
 def _construct(name: str, base: str, settings: dict[str, Any], options: Mapping[str, Any] | None) -> Method:
     if peers.is_peer(base):
-        if settings or options:
-            raise ValueError(f"method {name!r}: peers take no options")
-        return Method(name=name, base=base, options={}, peer=peers.get(base))
+        peer = peers.get(base)
+        merged = {**peer.settings, **(options or {}), **settings}
+        if (settings or options) and not peer.settings:
+            raise ValueError(f"method {name!r}: peers take no options ({base} has no settings)")
+        if unknown := sorted(set(merged) - set(peer.settings)):
+            raise ValueError(f"method {name!r}: unknown setting {', '.join(unknown)}; its settings: "
+                             f"{', '.join(f'{k}={v}' for k, v in peer.settings.items())}")
+        if peer.engine == "llamacpp":
+            llamacpp.check_settings(name, merged)
+        return Method(name=name, base=base, options=merged, peer=peer)
     merged = {**(options or {}), **settings}
     built = {k: decoders.SuffixStore() if (k, v) == ("store", "run") else v for k, v in merged.items()}
     return Method(name=name, base=base, options=merged, decoder=registry.get(base)(**built))
@@ -143,13 +150,14 @@ def batch_conflict(method: Method, batched: bool) -> str | None:
 
 
 def plan(requested: Iterable[str], has_draft: bool, options: Mapping[str, Mapping[str, Any]] | None = None,
-         batched: bool = False) -> tuple[list[Method], list[str]]:
+         batched: bool = False, llamacpp_dir: str | None = None) -> tuple[list[Method], list[str]]:
     """The methods of a compare (the baseline first) and notes on what was skipped, before any model loads.
 
     `requested` empty means every registered strategy and peer whose needs are met (`batched`, a compare with
-    --batch-size: the batched peers instead of the one-prompt ones, and only strategies that batch). `options` holds
-    each strategy's -o options ({"speculative": {"k": 4}}). An impossible explicit request raises; the default set
-    skips, with a note.
+    --batch-size: the batched peers instead of the one-prompt ones, and only strategies that batch; the llama.cpp
+    peers only when named). `options` holds each strategy's -o options ({"speculative": {"k": 4}}). `llamacpp_dir`: the
+    folder of the llama.cpp build (default: the one `decodekit peers install llamacpp` makes), which the llama.cpp
+    peers need. An impossible explicit request raises; the default set skips, with a note.
     """
     requested, options = tuple(requested), options or {}
     explicit = bool(requested)
@@ -165,6 +173,9 @@ def plan(requested: Iterable[str], has_draft: bool, options: Mapping[str, Mappin
         if method.is_peer and peers.unavailable(base):
             notes.append(f"{name}: not available ({peers.unavailable(base)})")
             continue
+        if method.is_peer and method.peer.engine == "llamacpp" and not batch_conflict(method, batched):
+            if why := llamacpp_build.missing(llamacpp_dir):
+                raise ValueError(f"{name}: {why}")
         if why := batch_conflict(method, batched):
             if explicit:
                 raise ValueError(f"{name}: {why}")

@@ -65,15 +65,20 @@ def lossless_summary(runs: list[dict], errors: int = 0) -> dict:
     """How a strategy's runs fared in the losslessness check (`errors`: runs that raised instead of finishing)."""
     verdicts = [r.get("lossless") or {"status": "unchecked"} for r in runs]
     counts = {s: sum(v["status"] == s for v in verdicts) for s in ("reference", "exact", "tie", "valid", "failed",
-                                                                 "unchecked")}
+                                                                 "differs", "unchecked")}
     failures = [(r, v) for r, v in zip(runs, verdicts) if v["status"] == "failed"]
     ties = [(r, v) for r, v in zip(runs, verdicts) if v["status"] == "tie"]
+    differences = [(r, v) for r, v in zip(runs, verdicts) if v["status"] == "differs"]
+    of = sum(v.get("of", 0) for v in verdicts)  # (only peers on their own kernels report agreement)
+    agreement = sum(v.get("agreed", 0) for v in verdicts) / of if any("of" in v for v in verdicts) and of else None
     if failures:
         status = "failed"
     elif errors:
         status = "error"
     elif counts["unchecked"]:
         status = "unchecked"
+    elif differences:
+        status = "differs"  # a peer on its own kernels (llama.cpp): agreement reported, not required
     elif ties:
         status = "tie"
     elif counts["reference"] and not counts["exact"]:
@@ -83,7 +88,8 @@ def lossless_summary(runs: list[dict], errors: int = 0) -> dict:
     else:
         status = "pass"
     first = lambda pairs: {"prompt_id": pairs[0][0]["prompt_id"], **pairs[0][1]} if pairs else None  # noqa: E731
-    return {"status": status, **counts, "errors": errors, "first_failure": first(failures), "first_tie": first(ties)}
+    return {"status": status, **counts, "errors": errors, "first_failure": first(failures), "first_tie": first(ties),
+            "first_difference": first(differences), "agreement": agreement}
 
 
 def aggregate(runs: list[dict], baseline: list[dict], errors: int = 0) -> dict:

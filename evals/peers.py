@@ -11,6 +11,9 @@ tokens), built once per model and schema, outside the timed call. Its mask admit
 text, so its tokens may differ from `guided`'s (which keeps the tokenizer's own spelling); its output is checked for
 validity against the schema instead of token equality.
 
+`llamacpp:greedy`, `llamacpp:draft` and `llamacpp:ngram` run llama.cpp's `llama-server` on a GGUF of the same weights
+(`evals.llamacpp`); they run only when named, and need a llama.cpp build (`decodekit peers install llamacpp`).
+
 `hf:batch` and `hf:continuous` run only in a batched compare (`--batch-size N`, `evals.batched`): transformers
 `generate(do_sample=False)` on left-padded batches of N prompts, and transformers' continuous batching
 (`generate_batch`, N requests in flight) where it runs on the device. The one-prompt peers run only without it.
@@ -46,6 +49,8 @@ class Peer:
     needs_tree_mask: bool = False
     draft_needs_tree_mask: bool = False
     batched: bool = False  # decodes the whole suite as one queue: runs only in a batched compare (--batch-size)
+    engine: str = "transformers"  # what runs it: "transformers" (`run_peer`) or "llamacpp" (`evals.llamacpp`)
+    settings: dict = field(default_factory=dict)  # its @settings and their defaults (none: it takes no options)
 
 
 PEERS = {
@@ -69,12 +74,24 @@ BATCH_PEERS = {  # the peers of a batched compare (--batch-size N), timed by `ev
              description="transformers continuous batching, generate_batch (N requests in flight)"),
     )
 }
+LLAMACPP_PEERS = {  # llama.cpp's llama-server on a GGUF of the same weights: run only when named in --strategies
+    peer.name: peer
+    for peer in (
+        Peer("llamacpp:greedy", engine="llamacpp", description="llama.cpp's llama-server, greedy, same weights"),
+        Peer("llamacpp:draft", needs_draft=True, source="draft", engine="llamacpp",
+             settings={"n_max": 3, "n_min": 0, "p_min": 0.0},  # llama.cpp's own defaults (common/common.h)
+             description="llama.cpp's draft-model speculation (--spec-type draft-simple) with the --draft model"),
+        Peer("llamacpp:ngram", source="lookup", engine="llamacpp",
+             settings={"n_match": 24, "n_min": 48, "n_max": 64},  # its --spec-default
+             description="llama.cpp's draft-free speculation, --spec-type ngram-mod"),
+    )
+}
 UNAVAILABLE = {} if importlib.util.find_spec("outlines") else {"outlines:": "outlines is not installed"}
 
 
 def is_peer(name: str) -> bool:
-    """True for peer names (`hf:...`, `outlines:...`)."""
-    return name.startswith(("hf:", "outlines:"))
+    """True for peer names (`hf:...`, `outlines:...`, `llamacpp:...`)."""
+    return name.startswith(("hf:", "outlines:", "llamacpp:"))
 
 
 def unavailable(name: str) -> str | None:
@@ -83,8 +100,9 @@ def unavailable(name: str) -> str | None:
 
 
 def get(name: str) -> Peer:
-    """The peer called `name` (one of PEERS or BATCH_PEERS); an unknown one raises with the known names."""
-    known = {**PEERS, **BATCH_PEERS}
+    """The peer called `name` (one of PEERS, BATCH_PEERS or LLAMACPP_PEERS); an unknown one raises with the known
+    names."""
+    known = {**PEERS, **BATCH_PEERS, **LLAMACPP_PEERS}
     if name in known:
         return known[name]
     if unavailable(name):

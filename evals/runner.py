@@ -28,8 +28,8 @@ import decoders
 import grammars
 from decoders.driver import resolve_draft
 from decoders.options import check_whole, whole
-from evals import batched, lossless, metrics, peers, suites
-from evals.measure import environment, roofline
+from evals import batched, llamacpp, llamacpp_build, lossless, metrics, peers, suites
+from evals.measure import environment, roofline, with_demonstrated
 from evals.methods import Method, check_loaded, plan
 from evals.report import SCHEMA
 from evals.timing import Run, run_decodekit
@@ -54,6 +54,7 @@ class CompareConfig:
     progress: bool = True  # tqdm bar on stderr
     bandwidth_megabytes: int = 256  # size of the roofline's bandwidth probe; 0 skips the roofline
     batch_sizes: tuple[int, ...] = ()  # empty: prompt by prompt; else the suite as one queue per batch size (sorted)
+    llamacpp: str | None = None  # the llama.cpp build the llamacpp:* peers run (--llamacpp); None: the installed one
 
     def __post_init__(self) -> None:
         check_whole(self, max_new_tokens=1, repeats=1)
@@ -132,7 +133,8 @@ class Comparison:
         everything = suites.load(config.suite)
         self.suite_size = len(everything)
         self.prompts = suites.select(everything, limit=config.limit, per_category=config.per_category)
-        self.methods, self.notes = plan(config.strategies, has_draft, config.options, batched=bool(config.batch_sizes))
+        self.methods, self.notes = plan(config.strategies, has_draft, config.options, batched=bool(config.batch_sizes),
+                                        llamacpp_dir=config.llamacpp)
 
     @property
     def takes_draft(self) -> bool:
@@ -142,7 +144,13 @@ class Comparison:
     def run(self, lm: decoders.LM, draft: decoders.LM | str | None = None,
             processes: Processes | None = None) -> dict | None:
         """Run the comparison; returns the result (see evals/README.md) on the main process, None on the others.
-        Ctrl-C during the timed runs raises `Interrupted`, with the result of the rounds measured before it."""
+        Ctrl-C during the timed runs raises `Interrupted`, with the result of the rounds measured before it. The
+        llama.cpp peers' servers are stopped when it returns or raises."""
+        with contextlib.ExitStack() as resources:
+            return self._run(lm, draft, processes, resources)
+
+    def _run(self, lm: decoders.LM, draft: decoders.LM | str | None, processes: Processes | None,
+             resources: contextlib.ExitStack) -> dict | None:
         if draft is not None and not self.has_draft:
             raise ValueError("this comparison was planned without a draft model: Comparison(config, has_draft=True)")
         if draft is None and self.takes_draft:
@@ -176,6 +184,13 @@ class Comparison:
                   f"model's context of {lm.context_length})" for p in prompts if p not in fits]
         if config.batch_sizes:
             return self._run_batched(lm, label, draft, methods, notes, fits, tokens, limit, fresh)
+        servers = None
+        if any(m.is_peer and m.peer.engine == "llamacpp" for m in methods):  # GGUFs converted here, before any run
+            context = max(len(tokens[p.id]) + limit[p.id] for p in fits) + 128  # (room for a last draft too)
+            servers = resources.enter_context(llamacpp.Servers(
+                llamacpp_build.require(config.llamacpp), lm, peer_draft, context=-(-context // 256) * 256,
+                say=lambda line: print(line, file=sys.stderr)))
+            methods = servers.prepare(methods, notes)
         mine = processes.split(fits)
 
         def runs_for(prompt: suites.Prompt) -> list[Method]:
@@ -184,6 +199,8 @@ class Comparison:
         def run(method: Method, prompt: suites.Prompt, repeat: int, max_new_tokens: int) -> Run:
             where = dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, max_new_tokens=max_new_tokens,
                          grammar=constraints[prompt.id] if method.needs_grammar else None)
+            if method.is_peer and method.peer.engine == "llamacpp":
+                return servers.run(method, tokens[prompt.id], **where)
             if method.is_peer:
                 return peers.run_peer(lm, tokens[prompt.id], method.peer, **where,
                                       draft=peer_draft if method.takes_draft else None)
@@ -229,6 +246,8 @@ class Comparison:
             interrupted = True
             del runs[done[0]:], errors[done[1]:]
         bar.close()
+        if servers is not None:
+            servers.close()  # (before the roofline's probe reads the memory bandwidth)
 
         reference = greedy_reference(lm, runs, tokens, limit, constraints)
         lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, constraints[p.id]) for p in mine})
@@ -406,7 +425,8 @@ def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, n
         result["queues"] = queues or []
         result["skipped"] = skipped or []
     if config.bandwidth_megabytes:
-        line = roofline(lm.model, lm.device, config.bandwidth_megabytes, lm.dtype)
+        line = with_demonstrated(roofline(lm.model, lm.device, config.bandwidth_megabytes, lm.dtype),
+                                 llamacpp.demonstrated(records))
         greedy = next((s for s in summary if s["strategy"] == metrics.BASELINE and s.get("batch_size", 1) == 1), None)
         speed = greedy["tokens_per_second"]["mean"] if greedy else None
         line["greedy_tokens_per_second"] = speed
