@@ -401,8 +401,10 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
     timed = not any(state.seeded for state, _ in runs)  # (seeded: widths from the calibration alone, so runs repeat)
     since = time.perf_counter()  # the last target call's end, less the prompts admitted, draft calls and chunks since
     drafters, drafted = set(), set()  # the rows that called a draft model before the last target call, and since
-    with torch.inference_mode():
-        while queue or any(rows):
+    while queue or any(rows):
+        done = []  # the round's (index, chunk, result): yielded outside inference mode, so the caller's code between
+        # chunks runs as it would (grad on), and a stream closed early leaves no mode behind
+        with torch.inference_mode():
             admitting = time.perf_counter()
             for b in range(batch.rows):
                 if rows[b] is None and queue:
@@ -410,7 +412,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
             since += time.perf_counter() - admitting
             limit = width.next(batch.slots, () if queue else [b for b, row in enumerate(rows) if row is not None])
             for b, row in enumerate(rows):
-                if row is None:
+                if row is None or row.error is not None:  # (its `start` raised: it ends this round)
                     continue
                 row.state.width, row.state.batch_tokens = limit, limit * batch.rows
                 # a second of drafting holds up every row, shared with the rows drafting beside it
@@ -450,7 +452,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                         state.verified = None
                     added = state.tokens[row.before:]
                     if not added and not state.finished and row.error is None:
-                        raise RuntimeError(f"strategy {row.decoder.name!r} made a step that accepted no token")
+                        row.error = RuntimeError(f"strategy {row.decoder.name!r} made a step that accepted no token")
                     elapsed = time.perf_counter() - row.began
                     state.stats.ttft_seconds = state.stats.ttft_seconds or elapsed
                     state.stats.seconds = elapsed
@@ -465,13 +467,19 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                         state.finish_reason = "error"
                     if state.finished:
                         if row.error is None:
-                            row.decoder.finish(state)
+                            try:
+                                row.decoder.finish(state)
+                            except Exception as error:  # noqa: BLE001  (as a step's: its tokens kept, the others go on)
+                                row.error, state.finish_reason = error, "error"
                         batch.clear(b)
                         width.forget(b)
                         rows[b] = None
-                    paused = time.perf_counter()  # (the caller's time with the chunk is not the batch's)
-                    yield row.index, chunk, Decoding(state, row.decoder).result(row.error) if state.finished else None
-                    since += time.perf_counter() - paused
+                    done.append((row.index, chunk,
+                                 Decoding(state, row.decoder).result(row.error) if state.finished else None))
+        for item in done:
+            paused = time.perf_counter()  # (the caller's time with the chunk is not the batch's)
+            yield item
+            since += time.perf_counter() - paused
 
 
 def one_at_a_time(runs: list[tuple[DecodeState, Decoder]], with_text: bool = True
@@ -481,11 +489,16 @@ def one_at_a_time(runs: list[tuple[DecodeState, Decoder]], with_text: bool = Tru
     for index, (state, decoder) in enumerate(runs):
         run, error = Decoding(state, decoder), None
         chunks = run.chunks(with_text)
+        streamed, text = len(state.tokens), ""  # what its chunks held so far
         while not state.finished:
             try:
                 chunk = next(chunks)
             except Exception as raised:  # noqa: BLE001  (as a batch's row: the later runs go on)
-                chunk, error, state.finish_reason = Chunk([], "", [], index), raised, "error"
+                error, state.finish_reason = raised, "error"
+                added = state.tokens[streamed:]  # accepted before the raise (a `finish` that raised: its last step)
+                piece = state.lm.decode(state.new_tokens)[len(text):] if with_text else ""
+                chunk = Chunk(added, piece, state.sources[len(state.sources) - len(added):])
+            streamed, text = len(state.tokens), text + chunk.text
             yield index, replace(chunk, index=index), run.result(error) if state.finished else None
 
 
@@ -496,8 +509,11 @@ def admit(batch: BatchCache, b: int, index: int, run: tuple[DecodeState, Decoder
     began = time.perf_counter()
     batch.prefill(b, state.tokens[:-1])
     state.cache, state.batch_tokens = batch.row(b), batch.rows  # (its strategy starts knowing it is in a batch)
-    row = Row(index, state, decoder, began)
-    decoder.start(state)
+    row = Row(index, state, decoder, began, before=len(state.tokens))  # (a row whose `start` raised added nothing)
+    try:
+        decoder.start(state)
+    except Exception as error:  # noqa: BLE001  (where drafters are built: as a step's, the row ends with it)
+        row.error = error
     return row
 
 

@@ -1,0 +1,126 @@
+"""Issue 69's defects at the batch's edges, each reproduced as a reviewer met it: a row whose strategy raises in
+`start` or `finish`, the caller's loop body of a batch stream in inference mode, empty lists of prompts and of stop
+strings, a draft model on another device, a `compile_calls` torch.compile does not take."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import defaultdict
+
+import pytest
+import torch
+
+import decoders
+from conftest import DEVICE, PROMPTS, tiny_lm, tiny_model, tiny_tokenizer
+from decoders.base import Decoder
+from test_batch import MAX_NEW, assert_same_row, mixed_prompts, reference
+
+
+@pytest.fixture
+def registered():
+    """Register test strategies; unregistered after the test."""
+    names = []
+
+    def register(name, cls):
+        decoders.register(name)(cls)
+        names.append(name)
+        return name
+
+    yield register
+    for name in names:
+        decoders.unregister(name)
+
+
+# ------------------------------------------------------------------------------ a row raising in start() or finish()
+
+
+@dataclasses.dataclass(frozen=True)
+class FragileOptions:
+    bad: tuple = ()  # the prompt whose run raises
+    where: str = "start"  # ... in its strategy's `start` or `finish`; "step": its step accepts no token
+
+
+class Fragile(Decoder):
+    """greedy, except that one prompt's `start` (where drafters are built) or `finish` raises, or its third step
+    accepts no token (a strategy's bug the loop reports)."""
+
+    Options = FragileOptions
+
+    def _bad(self, state, where: str) -> bool:
+        return self.options.where == where and tuple(state.tokens[: state.prompt_len]) == self.options.bad
+
+    def start(self, state):
+        if self._bad(state, "start"):
+            raise RuntimeError("boom in start")
+
+    def finish(self, state):
+        if self._bad(state, "finish"):
+            raise RuntimeError("boom in finish")
+
+    def steps(self, state):
+        logits = yield state.call()
+        if not (self._bad(state, "step") and len(state.new_tokens) == 2):
+            state.accept([state.choose(logits[-1])], ["target"], rows=logits[-1:])
+
+
+ERRORS = {"start": "RuntimeError: boom in start", "finish": "RuntimeError: boom in finish",
+          "step": "RuntimeError: strategy 'reliability_test_fragile' made a step that accepted no token"}
+
+
+@pytest.mark.parametrize("batch_size", [3, 1])
+@pytest.mark.parametrize("where", list(ERRORS))
+def test_a_row_raising_in_start_or_finish_ends_with_an_error_and_the_others_go_on(registered, where, batch_size):
+    name = registered("reliability_test_fragile", Fragile)
+    lm = tiny_lm("llama")
+    prompts = mixed_prompts(lm)
+    bad = 2  # in the middle of the queue: rows are refilled after it
+    options = dict(bad=tuple(lm.encode(prompts[bad])), where=where)
+    results = decoders.generate(lm, prompts, strategy=name, batch_size=batch_size, max_new_tokens=MAX_NEW, **options)
+    for i, (prompt, got) in enumerate(zip(prompts, results)):
+        want = reference(lm, prompt)
+        if i == bad:
+            assert got.finish_reason == "error" and got.error == ERRORS[where]
+            kept = {"start": 0, "step": 2, "finish": len(want.tokens)}[where]
+            assert got.tokens == want.tokens[:kept]  # what it generated is kept
+            assert got.text == lm.decode(got.tokens) and len(got.sources) == len(got.tokens)
+        else:
+            assert_same_row(got, want, i, name)
+    streamed = defaultdict(list)
+    for chunk in decoders.stream(lm, prompts, strategy=name, batch_size=batch_size, max_new_tokens=MAX_NEW, **options):
+        streamed[chunk.index].extend(chunk.tokens)
+    assert [streamed[i] for i in range(len(prompts))] == [r.tokens for r in results]
+
+
+# --------------------------------------------------------------------------- a batch stream and the caller's loop
+
+
+def test_the_callers_loop_body_of_a_batch_stream_runs_outside_inference_mode():
+    lm = tiny_lm("llama")
+    weight = torch.ones(3, requires_grad=True)
+    chunks = 0
+    for chunk in decoders.stream(lm, [PROMPTS[0], PROMPTS[1], PROMPTS[2]], batch_size=2, max_new_tokens=4):
+        assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
+        (weight * 2).sum().backward()  # a training step between chunks
+        chunks += 1
+    assert chunks >= 3 and weight.grad is not None
+    assert not torch.is_inference_mode_enabled()
+
+
+def test_two_interleaved_batch_streams_the_first_closed_early_leave_the_thread_as_it_was():
+    lm = tiny_lm("llama")
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    with torch.inference_mode(False):  # (a leak stays inside this test)
+        first = decoders.stream(lm, prompts, batch_size=2, max_new_tokens=6)
+        second = decoders.stream(lm, prompts, batch_size=2, max_new_tokens=6)
+        got = defaultdict(list)
+        next(first)
+        chunk = next(second)
+        got[chunk.index].extend(chunk.tokens)
+        assert not torch.is_inference_mode_enabled()
+        first.close()
+        for chunk in second:
+            assert not torch.is_inference_mode_enabled()
+            got[chunk.index].extend(chunk.tokens)
+        assert not torch.is_inference_mode_enabled()
+    assert [got[i] for i in range(3)] == [reference(lm, p, max_new_tokens=6).tokens for p in prompts]
