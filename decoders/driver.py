@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from numbers import Integral
 from collections.abc import Iterable, Iterator, Sequence
@@ -37,8 +38,9 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
     Args:
         lm: the target model (`decoders.load` or `decoders.wrap`).
         prompt: text or one sequence of token ids; or a list of those, decoded together (`decoders.batch`) into a list
-            of `Result`s in order, each row exactly its own run's. A row whose own step raises ends with finish_reason
-            "error" and the error in `result.error`; the other rows go on.
+            of `Result`s in order, each row exactly its own run's (an empty list: []). A row whose strategy raises (in
+            a step, `start` or `finish`) ends with finish_reason "error" and the error in `result.error`; the other
+            rows go on.
         batch_size: with a list of prompts, the most rows in flight at once (default BATCH_SIZE); 1: each alone.
         strategy: a registered name (`decoders.available()`) or a `Decoder` instance. Default "greedy".
         max_new_tokens: the most tokens to add (> 0). Default 128.
@@ -46,8 +48,8 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
         temperature, top_k, top_p, min_p: sampling settings; temperature 0 (the default) is greedy.
         seed: seeds the sampling generator; with a list of prompts an int s seeds row i with s + i, a list each row.
         grammar: a `grammars` constraint; with a list of prompts, one for all or a list of one per prompt (or None).
-        stop: stop strings (EOS always stops); with a list of prompts, a string or a list of strings applies to every
-            row, a list of one entry per prompt (None or a list of strings) gives each its own.
+        stop: stop strings (EOS always stops; [] none); with a list of prompts, a string or a list of strings applies
+            to every row, a list of one entry per prompt (None or a list of strings) gives each its own.
         **options: the strategy's options (e.g. k=5).
     """
     if is_batch(prompt):
@@ -129,15 +131,7 @@ def _prepare(
     **options,
 ) -> tuple[DecodeState, Decoder]:
     """Validate every argument up front and build the run's state."""
-    if not isinstance(lm, LM):
-        raise TypeError(f"expected a decoders.LM (from decoders.load or decoders.wrap), got {type(lm).__name__}")
-    if isinstance(strategy, Decoder):
-        if options:
-            raise TypeError("pass strategy options either to the Decoder instance or as keywords, not both")
-        decoder = strategy
-    else:
-        decoder = registry.get(strategy)(**options)
-    max_new_tokens = whole("max_new_tokens", max_new_tokens)
+    decoder, max_new_tokens = _settings(lm, strategy, max_new_tokens, options)
     if seed is not None:
         seed = whole("seed", seed, 0, 2**64)  # (what a torch.Generator takes)
     tokens = _prompt_tokens(lm, prompt)
@@ -177,9 +171,23 @@ def _prepare(
     return state, decoder
 
 
+def _settings(lm: LM, strategy: str | Decoder, max_new_tokens: int, options: dict) -> tuple[Decoder, int]:
+    """The checks that need no prompt: the model, the strategy with its options, and max_new_tokens."""
+    if not isinstance(lm, LM):
+        raise TypeError(f"expected a decoders.LM (from decoders.load or decoders.wrap), got {type(lm).__name__}")
+    if isinstance(strategy, Decoder):
+        if options:
+            raise TypeError("pass strategy options either to the Decoder instance or as keywords, not both")
+        decoder = strategy
+    else:
+        decoder = registry.get(strategy)(**options)
+    return decoder, whole("max_new_tokens", max_new_tokens)
+
+
 def is_batch(prompt) -> bool:
-    """Whether `prompt` is a list of prompts (strings or sequences of ids), not one prompt."""
-    return isinstance(prompt, list | tuple) and len(prompt) > 0 and all(
+    """Whether `prompt` is a list of prompts (strings or sequences of ids), not one prompt; an empty list is one of
+    no prompts."""
+    return isinstance(prompt, list | tuple) and all(
         isinstance(p, str) or (isinstance(p, Iterable) and not isinstance(p, bytes)) for p in prompt)
 
 
@@ -194,16 +202,23 @@ def _per_row(value, count: int, name: str, rows: bool) -> list:
 
 def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, seed=None, grammar=None, stop=None,
                with_text: bool = True, **kwargs):
-    """Check every prompt (an error names its index) before any runs, then decode them batched (`decoders.batch`)."""
+    """Check every prompt (an error names its index) before any runs, then decode them batched (`decoders.batch`).
+    No prompts: nothing runs, but what needs no prompt is checked."""
     from decoders import batch
 
     batch_size = whole("batch_size", batch_size)
+    if not prompts:  # nothing to decode, but a wrong strategy, option or max_new_tokens is still refused
+        request = inspect.signature(_prepare).bind(lm, None, **kwargs)
+        request.apply_defaults()
+        _settings(lm, *(request.arguments[name] for name in ("strategy", "max_new_tokens", "options")))
+        return
     many = isinstance(seed, list | tuple)
     seeds = _per_row(seed, len(prompts), "seed", many)
     if not many and seed is not None:
         seeds = [whole("seed", seed, 0, 2**64 - len(prompts)) + i for i in range(len(prompts))]
     grammars = _per_row(grammar, len(prompts), "grammar", isinstance(grammar, list | tuple))
-    per_row_stop = isinstance(stop, list | tuple) and all(s is None or isinstance(s, list | tuple) for s in stop)
+    per_row_stop = isinstance(stop, list | tuple) and len(stop) > 0 and all(  # (an empty list: no stop strings)
+        s is None or isinstance(s, list | tuple) for s in stop)
     stops = _per_row(stop, len(prompts), "stop", per_row_stop)
     runs = []
     for i, prompt in enumerate(prompts):

@@ -73,7 +73,7 @@ def test_stop_string_ends_at_the_token_that_completes_it():
     "kwargs, message",
     [
         (dict(prompt=""), "prompt is empty"),
-        (dict(prompt=[]), "prompt is empty"),
+        (dict(prompt=torch.tensor([], dtype=torch.long)), "prompt is empty"),  # ([]: a list of no prompts)
         (dict(prompt=[1, 99999]), "token ids must be integers"),
         (dict(max_new_tokens=0), "max_new_tokens must be"),
         (dict(max_new_tokens=-3), "max_new_tokens must be"),

@@ -124,3 +124,45 @@ def test_two_interleaved_batch_streams_the_first_closed_early_leave_the_thread_a
             got[chunk.index].extend(chunk.tokens)
         assert not torch.is_inference_mode_enabled()
     assert [got[i] for i in range(3)] == [reference(lm, p, max_new_tokens=6).tokens for p in prompts]
+
+
+# --------------------------------------------------------------------------------------------------- empty lists
+
+
+@pytest.mark.parametrize("stop", [[], ()], ids=["list", "tuple"])
+def test_an_empty_stop_list_means_no_stop_strings_for_a_list_of_prompts_too(stop):
+    lm = tiny_lm("llama")
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    alone = decoders.generate(lm, prompts[0], stop=stop, max_new_tokens=MAX_NEW)
+    assert alone.tokens == reference(lm, prompts[0]).tokens
+    results = decoders.generate(lm, prompts, stop=stop, batch_size=2, max_new_tokens=MAX_NEW)
+    for i, (prompt, got) in enumerate(zip(prompts, results)):
+        assert_same_row(got, reference(lm, prompt), i, "greedy")
+    streamed = [t for c in decoders.stream(lm, prompts, stop=stop, max_new_tokens=MAX_NEW) if c.index == 1
+                for t in c.tokens]
+    assert streamed == results[1].tokens
+
+
+@pytest.mark.parametrize("prompts", [[], ()], ids=["list", "tuple"])
+def test_an_empty_list_of_prompts_decodes_nothing(prompts):
+    lm = tiny_lm("llama")
+    assert decoders.generate(lm, prompts, max_new_tokens=4) == []
+    assert list(decoders.stream(lm, prompts, max_new_tokens=4)) == []
+    # what needs no prompt is still checked, naming the argument
+    with pytest.raises(ValueError, match="unknown strategy"):
+        decoders.generate(lm, prompts, strategy="no_such_strategy")
+    with pytest.raises(TypeError, match="unknown option"):
+        decoders.generate(lm, prompts, strategy="greedy", k=3)
+    with pytest.raises(ValueError, match="batch_size"):
+        decoders.generate(lm, prompts, batch_size=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        decoders.generate(lm, prompts, max_new_tokens=0)
+
+
+def test_an_empty_prompt_is_still_refused():
+    lm = tiny_lm("llama")
+    for prompt in ("", torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            decoders.generate(lm, prompt, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt 1\b.*empty"):
+        decoders.generate(lm, [PROMPTS[0], []], max_new_tokens=4)
