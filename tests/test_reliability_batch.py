@@ -166,3 +166,32 @@ def test_an_empty_prompt_is_still_refused():
             decoders.generate(lm, prompt, max_new_tokens=4)
     with pytest.raises(ValueError, match=r"prompt 1\b.*empty"):
         decoders.generate(lm, [PROMPTS[0], []], max_new_tokens=4)
+
+
+# --------------------------------------------------------------------------------------- a draft on another device
+
+
+def meta_drafts():
+    """A draft built on the meta device, and one moved there after it was wrapped."""
+    built = decoders.wrap(tiny_model("llama", seed=99).to("meta"), tiny_tokenizer(), name="meta-built")
+    moved = decoders.wrap(copy.deepcopy(tiny_lm("llama", seed=99).model), tiny_tokenizer(), name="meta-moved")
+    moved.model.to("meta")
+    return {"built": built, "moved": moved}
+
+
+@pytest.mark.parametrize("how", ["built", "moved"])
+@pytest.mark.parametrize("strategy", ["speculative", "threshold", "staged", "auto"])
+@pytest.mark.parametrize("batch", [False, True], ids=["one", "batch"])
+def test_a_draft_on_another_device_is_refused_before_the_run_naming_both_devices(strategy, how, batch, monkeypatch):
+    lm = tiny_lm("llama")
+    draft = meta_drafts()[how]
+
+    def no_call(*args, **kwargs):
+        raise AssertionError("a model was called before the draft's device was checked")
+
+    monkeypatch.setattr(decoders.LM, "forward", no_call)
+    target = str(next(lm.model.parameters()).device)
+    prompt = [PROMPTS[0], PROMPTS[1]] if batch else PROMPTS[0]
+    with pytest.raises(ValueError, match=rf"draft.* on meta.*target.* on {target}\b") as raised:
+        decoders.generate(lm, prompt, strategy=strategy, draft=draft, max_new_tokens=4)
+    assert "\n" not in str(raised.value)
