@@ -195,3 +195,26 @@ def test_a_draft_on_another_device_is_refused_before_the_run_naming_both_devices
     with pytest.raises(ValueError, match=rf"draft.* on meta.*target.* on {target}\b") as raised:
         decoders.generate(lm, prompt, strategy=strategy, draft=draft, max_new_tokens=4)
     assert "\n" not in str(raised.value)
+
+
+# ------------------------------------------------------------------------------------------------ compile_calls
+
+
+@pytest.mark.parametrize("value", ["bogus-mode", "", "max_autotune", 1, None, 0.5])
+def test_compile_calls_refuses_what_torch_compile_does_not_take(value):
+    lm = decoders.wrap(tiny_model("llama"), tiny_tokenizer())
+    with pytest.raises(ValueError, match=r"compile_calls.*True, False.*reduce-overhead") as raised:
+        lm.compile_calls = value
+    assert repr(value) in str(raised.value)
+    assert lm.compile_calls is False  # left as it was
+
+
+@pytest.mark.parametrize("value", [True, False, "default", "reduce-overhead", "max-autotune",
+                                   "max-autotune-no-cudagraphs"])
+def test_compile_calls_takes_true_false_and_torch_compiles_modes(value):
+    lm = decoders.wrap(tiny_model("llama"), tiny_tokenizer())
+    lm.compile_calls = value
+    assert lm.compile_calls == value
+    if DEVICE.type == "cpu":  # (no graphs on a CPU: the setting is kept for a CUDA model, the run unchanged)
+        assert decoders.generate(lm, PROMPTS[0], max_new_tokens=4).tokens == reference(
+            tiny_lm("llama"), PROMPTS[0], max_new_tokens=4).tokens

@@ -100,6 +100,23 @@ class LM:
     def __repr__(self) -> str:
         return f"LM({self.name!r}, {type(self.model).__name__}, dtype={self.dtype}, device={self.device})"
 
+    @property
+    def compile_calls(self) -> bool | str:
+        return self._compile_calls
+
+    @compile_calls.setter
+    def compile_calls(self, value: bool | str) -> None:
+        """True, False, or one of torch.compile's modes; anything else is refused now, not at a CUDA model's first
+        captured call."""
+        if not isinstance(value, bool):
+            from torch._inductor import list_mode_options  # (seconds to import: only where a mode is named)
+
+            modes = ["default", *(m for m in list_mode_options() if m != "default")]
+            if value not in modes:
+                raise ValueError(f"compile_calls takes True, False or a torch.compile mode ({', '.join(modes)}), got "
+                                 f"{value!r}")
+        self._compile_calls = value
+
     def synchronize(self) -> None:
         """Wait for this model's device (CUDA kernels run asynchronously), before reading a clock."""
         synchronize(self.device)
