@@ -198,7 +198,8 @@ def _check_writable(option: str, path: str, folder: bool = False) -> None:
         raise UsageError(f"{option} {path}: cannot write there ({error.strerror or error})") from None
     finally:
         if not existed:
-            probe.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # (no probe made: a file in the path)
+                probe.unlink()
         for created in made:
             with contextlib.suppress(OSError):  # (another process of the run may be probing it too)
                 created.rmdir()

@@ -36,6 +36,20 @@ def test_an_output_that_cannot_be_written_stops_compare_before_any_run(model_dir
     assert not ok.exists()  # the check leaves no file behind
 
 
+@pytest.mark.parametrize("option, below", [("--out", "x.json"), ("--html", "x.html"), ("--markdown", "x.md"),
+                                           ("--plots", "plots"), ("--plots", "deep/plots")])
+def test_an_output_under_a_regular_file_is_one_clear_line(model_dir, tmp_path, option, below, capsys):
+    """The probe's clean-up meets the same "Not a directory" as the probe: the clear error stands."""
+    regular = tmp_path / "a-file"
+    regular.write_text("x")
+    where = regular / below
+    args = ["compare", "--model", model_dir, *QUICK, option, str(where)]
+    assert cli.main(args + (["--out", str(tmp_path / "fine.json")] if option != "--out" else [])) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"decodekit: error: {option} {where}: cannot write there (Not a directory)\n"
+    assert regular.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_the_check_leaves_the_outputs_as_they_were(model_dir, tmp_path, capsys):
     kept = tmp_path / "old.md"
     kept.write_text("old")
