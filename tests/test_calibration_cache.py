@@ -115,6 +115,9 @@ WRONG = {  # what a file holds -> how it is wrong
     "seconds as strings": cost_field("seconds", lambda seconds: [str(s) for s in seconds]),
     "seconds of 0": cost_field("seconds", lambda seconds: [0.0] * len(seconds)),
     "NaN seconds": cost_field("seconds", lambda seconds: [math.nan, *seconds[1:]]),
+    # a curve falling as tokens rise: the last segment, extended, predicts negative seconds for wider calls
+    "seconds falling": lambda data: {**data, "cost": {**data["cost"], "sizes": [1, 2], "seconds": [1e-3, 1e-9]}},
+    "seconds falling at one knot": cost_field("seconds", lambda seconds: [*seconds[:-1], seconds[-2] / 2]),
     "no per_position": cost_field("per_position", None),
     "a negative per_position": cost_field("per_position", -1.0),
     "a scale of 0": cost_field("scale", 0.0),

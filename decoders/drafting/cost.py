@@ -141,9 +141,13 @@ class CallCost:
         if not isinstance(samples, list | tuple) or not all(
                 isinstance(s, list | tuple) and len(s) == 3 and _whole(s[0]) and _whole(s[1]) for s in samples):
             raise ValueError("samples are not [tokens, context, seconds] each")
+        seconds = tuple(_number(s, "seconds", positive=True) for s in seconds)
+        if any(b < a for a, b in zip(seconds, seconds[1:])):  # (`fit` never writes one: hand-edited or damaged)
+            raise ValueError(f"seconds are {list(seconds)}, falling as the tokens rise: extended, the curve would "
+                             "predict negative seconds for wider calls")
         optional = {name: None if data.get(name) is None else _number(data[name], name)
                     for name in ("measured", "noise")}
-        return cls(tuple(sizes), tuple(_number(s, "seconds", positive=True) for s in seconds),
+        return cls(tuple(sizes), seconds,
                    _number(data.get("per_position"), "per_position"),
                    _number(data.get("per_position_per_token", 0.0), "per_position_per_token"),
                    _number(data.get("scale", 1.0), "scale", positive=True),
