@@ -22,13 +22,15 @@ import torch
 
 import decoders
 from evals import batched, peers, suites
+from evals.cli_parser import batch_sizes
 from evals.runner import WARMUP_TOKENS
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default="greedy,suffix")
-    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--batch-sizes", type=batch_sizes, default="1,8", help="as compare's --batch-size: each "
+                        "size once, ascending")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--draft", help="a draft model for the strategies that take one (loaded in bfloat16)")
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     draft = decoders.load(args.draft, dtype="bfloat16", quantize=args.draft_quantize) if args.draft else None
     prompts = ([p.prompt for p in suites.load("bench") + suites.load("mixed")][:8]
                + [p.prompt for p in suites.load("agentic")][::2][:8])[: args.prompts]
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sizes = list(args.batch_sizes)
     warm = ["def f(x):", "Hello"]  # the untimed warm-up queue's prompts
     reference = [None if args.no_reference else decoders.generate(lm, p, max_new_tokens=args.tokens).tokens
                  for p in prompts]

@@ -14,8 +14,10 @@ import decoders
 from decoders.base import DecodeState, Steps
 from decoders.strategies.greedy import Greedy
 from evals import cli, metrics, report
+from evals.cli_parser import build_parser
 from evals.methods import plan
 from evals.peers import BATCH_PEERS, PEERS
+from evals.runner import CompareConfig
 
 SUITE = [
     {"id": "fib", "category": "code", "prompt": "def fibonacci(n):"},
@@ -149,6 +151,14 @@ def test_a_bad_batch_size_is_a_usage_error(value, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["compare", "--model", "unused", "--batch-size", value])
     assert exit_.value.code == 2 and "--batch-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, sizes", [("4,4", (4,)), ("4,1,4", (1, 4)), ("16, 4,04", (4, 16))])
+def test_a_batch_size_given_twice_runs_once(value, sizes):
+    """Duplicates are dropped, the sizes sorted: a sweep runs each size once (README, `--batch-size`)."""
+    args = build_parser().parse_args(["compare", "--model", "unused", "--batch-size", value])
+    assert args.batch_size == sizes
+    assert CompareConfig(batch_sizes=(4, 4, 1)).batch_sizes == (1, 4)
 
 
 def test_the_default_set_of_a_batched_compare():
