@@ -23,7 +23,6 @@ import contextlib
 import ctypes
 import http.client
 import json
-import os
 import pathlib
 import signal
 import socket
@@ -74,10 +73,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+try:  # resolved here, not in the forked child, where loading a library could wait on a lock another thread held
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:
-    """In the server's process before exec (Linux): be killed when decodekit dies, even by SIGKILL."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """In the server's process before exec (Linux): be sent SIGTERM when decodekit dies, even by SIGKILL."""
+    _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Server:
@@ -102,7 +106,7 @@ class Server:
         self.port = _free_port()
         command = [str(self.build.server), *self.args, "--host", HOST, "--port", str(self.port)]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent if os.name == "posix" else None)
+                                        preexec_fn=_die_with_parent if _PRCTL else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
