@@ -152,7 +152,7 @@ def install(say: Callable[[str], None] = print, jobs: int | None = None) -> Buil
         tools = {"cmake": shutil.which("cmake"), "a C++ compiler": shutil.which("c++") or shutil.which("g++")
                  or shutil.which("clang++")}
         if absent := [name for name, path in tools.items() if path is None]:
-            raise OSError(f"building llama.cpp needs {' and '.join(absent)} (e.g. apt-get install cmake g++ ninja-build)")
+            raise OSError(f"building llama.cpp needs {' and '.join(absent)} (apt-get install cmake g++ ninja-build)")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         say(f"building {', '.join(TARGETS)} in {build_dir} (several minutes)")
         _run(["cmake", "-S", source, "-B", build_dir, *generator, *CMAKE_FLAGS], say)

@@ -322,8 +322,9 @@ def _verdict_part(result: dict, category: str | None = None, batch_size: int | N
 
 def verdict(result: dict) -> str | None:
     """One line: the fastest lossless strategy overall and per category, with its speed-up over greedy and over the
-    fastest lossless transformers peer (speed-ups are over greedy on the same prompts, so their ratio compares the
-    two). In a batched compare: at each batch size, by throughput over the whole suite."""
+    fastest lossless peer (a llama.cpp peer where it reproduced greedy's tokens; speed-ups are over greedy on the same
+    prompts, so their ratio compares the two). In a batched compare: at each batch size, by throughput over the whole
+    suite."""
     if is_batched(result):
         parts = [f"batch {n}: {part}" for n in result["config"]["batch_sizes"]
                  if (part := _verdict_part(result, batch_size=n)) is not None]

@@ -205,7 +205,8 @@ def test_a_llamacpp_run_is_counted_like_every_peers_with_its_own_timings_and_agr
     runs = [r for r in result["runs"] if r["strategy"] == "llamacpp:greedy"]
     greedy = {r["prompt_id"]: r for r in result["runs"] if r["strategy"] == "greedy"}
     for run in runs:
-        assert run["kind"] == "peer" and run["new_tokens"] == len(run["tokens"]) == 6 and run["finish_reason"] == "length"
+        assert run["kind"] == "peer" and run["new_tokens"] == len(run["tokens"]) == 6
+        assert run["finish_reason"] == "length"
         assert run["prompt_tokens"] == greedy[run["prompt_id"]]["prompt_tokens"] and run["prompt_id"] in prompts
         assert 0 <= run["ttft_seconds"] <= run["seconds"] and run["tokens_per_second"] == 6 / run["seconds"]
         assert run["extra"]["llamacpp"]["predicted_ms"] == 1e-6 and run["extra"]["llamacpp"]["prompt_ms"] == 2.0
@@ -220,14 +221,15 @@ def test_a_llamacpp_run_is_counted_like_every_peers_with_its_own_timings_and_agr
 def test_the_roofline_takes_llama_cpps_demonstrated_rate_where_it_is_better_and_says_so(
         fake, model_dir, tmp_path, capsys):
     status, result = compare(model_dir, tmp_path, "--strategies", "greedy,llamacpp:greedy", "--bandwidth-mb", "1")
+    assert status == 0
     roof = result["roofline"]
     shown = roof["demonstrated"]
     assert shown["by"] == "llamacpp:greedy" and shown["bytes_per_token"] == FAKE_BYTES_PER_TOKEN
     assert shown["seconds_per_token"] == pytest.approx(2 * 1e-9 / (2 * 5))  # predicted_ms over 5 steps a run
     assert roof["bandwidth_source"] == "llamacpp:greedy"  # (the fake's canned step is implausibly fast)
-    assert roof["bandwidth_bytes_per_second"] == shown["bandwidth_bytes_per_second"] > roof[
-        "probe_bandwidth_bytes_per_second"]
-    assert roof["limit_tokens_per_second"] == pytest.approx(roof["bandwidth_bytes_per_second"] / roof["bytes_per_token"])
+    bandwidth = roof["bandwidth_bytes_per_second"]
+    assert bandwidth == shown["bandwidth_bytes_per_second"] > roof["probe_bandwidth_bytes_per_second"]
+    assert roof["limit_tokens_per_second"] == pytest.approx(bandwidth / roof["bytes_per_token"])
     assert "llamacpp:greedy's decoding step on the same weights, demonstrated here" in capsys.readouterr().out
 
 
