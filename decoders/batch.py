@@ -31,7 +31,7 @@ from decoders.drafting.cost import CallCost, calibrate
 from decoders.drafting.tree import shared_length
 from decoders.driver import Decoding
 from decoders.models.cache import KVCache
-from decoders.models.graphs import BUCKETS, MIN_CAPACITY, lend
+from decoders.models.graphs import BUCKETS, MIN_CAPACITY, StaticKVCache, lend
 from decoders.models.lm import LM
 
 
@@ -164,12 +164,12 @@ class BatchCache:
         """Row `b` now holds exactly `tokens` (a prompt), in its first slots: scored in a call of their own, so that no
         other row's call is padded to a prompt's length. Where they begin with SHARED or more of a kept prompt's
         tokens, those positions are copied from its cache and only the rest is scored."""
-        tokens, prefix = list(tokens), KVCache()  # (transformers' cache, copied from below)
+        tokens, prefix = list(tokens), self.lm.new_cache(len(tokens))  # (a run's own cache, copied from below)
         shared, source = max(((shared_length(tokens, seen), cache) for seen, cache in self.kept),
                              default=(0, None), key=lambda pair: pair[0])
         if shared >= SHARED:
-            for i, layer in enumerate(source.hf.layers):
-                prefix.hf.update(layer.keys[:, :, :shared], layer.values[:, :, :shared], i)
+            prefix.fill([layer.keys[:, :, :shared] for layer in source.hf.layers],
+                        [layer.values[:, :, :shared] for layer in source.hf.layers])
         else:
             shared = 0
         if len(tokens) > shared:
@@ -182,19 +182,24 @@ class BatchCache:
     def feed(self, b: int, tokens: Sequence[int]) -> None:
         """Append `tokens` to row `b`'s, scored in a call of their own on a copy of the row (a draft's catch-up after
         steps it did not draft), so that no other row's call is padded to their length."""
-        slots, row = self.valid[b].nonzero()[:, 0], KVCache()
-        for i, layer in enumerate(self._layers()):
-            row.hf.update(layer.keys[b:b + 1, :, slots], layer.values[b:b + 1, :, slots], i)
+        slots = self.valid[b].nonzero()[:, 0]
+        row = self.lm.new_cache(len(slots) + len(tokens))
+        row.fill([layer.keys[b:b + 1, :, slots] for layer in self._layers()],
+                 [layer.values[b:b + 1, :, slots] for layer in self._layers()])
         self.lm.forward(list(tokens), row, keep=1)
         self._store(b, self.slots, row, len(slots))
 
-    def _store(self, b: int, at: int, cache: KVCache, held: int) -> None:
+    def _store(self, b: int, at: int, cache: KVCache | StaticKVCache, held: int) -> None:
         """Row `b`'s slots from `at` on now hold `cache`'s positions from `held` on (a one-row cache run alone)."""
-        n = len(cache) - held
+        end = len(cache)
+        n = end - held
+        if n <= 0:
+            return
         self._grow(at + n, cache)
-        for layer, source in zip(self._layers(), cache.hf.layers):
-            layer.keys[b, :, at:at + n] = source.keys[0, :, held:]
-            layer.values[b, :, at:at + n] = source.values[0, :, held:]
+        with torch.inference_mode():  # (a slab's buffers are inference tensors, whoever calls)
+            for layer, source in zip(self._layers(), cache.hf.layers):
+                layer.keys[b, :, at:at + n] = source.keys[0, :, held:end]
+                layer.values[b, :, at:at + n] = source.values[0, :, held:end]
         self.valid[b, at:at + n] = True
         self.positions[b, at:at + n] = torch.arange(held, held + n)
 

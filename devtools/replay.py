@@ -57,6 +57,7 @@ def take_over(replayed: decoders.LM, lm: decoders.LM) -> None:
     (`decoders.drafting.cost.calibration_key`): a replay never measures a replayed model."""
     replayed.__dict__.update({k: v for k, v in vars(lm).items() if k not in ("_tree_mask_ok", "_self_drafts", "_slabs")})
     replayed.cuda_graphs = False  # (its cache holds token ids, not a model's keys)
+    replayed.native = None
 
 
 class ReplayLM(decoders.LM):

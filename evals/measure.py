@@ -14,16 +14,19 @@ from importlib import metadata
 
 import torch
 
-from decoders.models import packed
+from decoders.models import linear
 from decoders.models.lm import cpu_model, synchronize
 
 
 class ForwardMeter:
     """Counts a model's forward calls, the input tokens they scored and the seconds spent in them, via torch's public
-    module hooks."""
+    module hooks, and the calls of an LM's native step (`decoders.models.native`, which runs no module) that `natives`
+    name."""
 
-    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module] | None, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module] | None, device: torch.device,
+                 natives: Sequence = ()) -> None:
         self.models = [] if model is None else [model] if isinstance(model, torch.nn.Module) else list(model)
+        self.natives = [n for n in natives if n is not None]
         self.device = device
         self.calls, self.tokens, self.seconds = 0, 0, 0.0
         self._handles: list = []
@@ -40,18 +43,30 @@ class ForwardMeter:
         self.calls += 1
         self.seconds += time.perf_counter() - self._started
 
+    _before.decodekit_meter = _after.decodekit_meter = True  # (a native step still runs under these hooks)
+
+    def counted(self, tokens: int, seconds: float) -> None:
+        """A native step's call of `tokens` tokens took `seconds`."""
+        self.calls += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
     def __enter__(self) -> ForwardMeter:
         for model in self.models:
             self._handles += [
                 model.register_forward_pre_hook(self._before, with_kwargs=True),
                 model.register_forward_hook(self._after),
             ]
+        for native in self.natives:
+            native.meters.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for native in self.natives:
+            native.meters.remove(self)
 
 
 class PeakMemory:
@@ -126,15 +141,17 @@ def read_bandwidth(device: torch.device, megabytes: int = 256, dtype: torch.dtyp
 
     A batch-1 decoding step only reads its weights, through one such product per weight matrix (a linear layer of one
     row), so this kernel over a buffer larger than the last-level cache is the rate a step can reach; a copy also
-    writes, in another kernel, and overstates it. Where a model's layers may hold their weights packed for oneDNN
-    (`decoders.models.packed`, bfloat16 on a CPU), the faster of the plain and the packed product counts."""
+    writes, in another kernel, and overstates it. Where the native kernel runs (`decoders.models.native`, bfloat16 on
+    a CPU), the faster of torch's and its product counts."""
     rows = max(1, megabytes * 2**20 // (PROBE_COLUMNS * dtype.itemsize))
     layer = torch.nn.Linear(PROBE_COLUMNS, rows, bias=False, device="meta")  # [rows, PROBE_COLUMNS] of ones
     layer.weight = torch.nn.Parameter(torch.ones(rows, PROBE_COLUMNS, dtype=dtype, device=device), requires_grad=False)
     vector = torch.ones(1, PROBE_COLUMNS, dtype=dtype, device=device)
     layers = [layer]
-    if device.type == "cpu" and dtype == torch.bfloat16 and packed.available():
-        layers.append(packed.PackedLinear(layer))
+    if device.type == "cpu" and dtype == torch.bfloat16 and linear.available():
+        from decoders.models.kernel import library
+
+        layers.append(linear.NativeLinear(layer, library(), native_rows=1))
     with torch.inference_mode():
         seconds = min(_best_seconds(device, lambda: probe(vector), repeats) for probe in layers)
     return layer.weight.numel() * layer.weight.element_size() / seconds

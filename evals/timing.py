@@ -78,10 +78,11 @@ class Stopwatch:
         # the draft's calls, and those of the int8 copies kept with the draft and the target (`LM.self_draft`), which
         # `auto` may draft with instead; a draft that is the target itself (a test setup) cannot be told apart by
         # hooks: not metered
-        drafts = {id(m.model): m.model for m in ([draft] if draft is not None else []) + [
+        drafts = {id(m.model): m for m in ([draft] if draft is not None else []) + [
             copy for model in (lm, draft) if model is not None for copy in model.copies]}
         drafts.pop(id(lm.model), None)
-        self.draft = ForwardMeter(list(drafts.values()), lm.device)
+        self.draft = ForwardMeter([m.model for m in drafts.values()], lm.device,
+                                  natives=[m.native for m in drafts.values()])
         self.draft_metered = bool(drafts)
         self.marks: list[tuple[float, int]] = []
         self.start = self.seconds = 0.0

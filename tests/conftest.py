@@ -107,6 +107,16 @@ def tiny_lm(arch: str, seed: int = 0) -> decoders.LM:
     return decoders.wrap(tiny_model(arch, seed), tiny_tokenizer(), name=f"tiny-{arch}-{seed}")
 
 
+@functools.cache
+def transformers_lm(arch: str, seed: int = 0) -> decoders.LM:
+    """`tiny_lm` on transformers' calls, never the native step (`decoders.models.native`): for tests whose choices
+    lean on the cost of a call being about the same whatever its tokens, as a tiny model's is there (per-call
+    overhead), not on the native step, where a tiny model's call costs in proportion to its tokens."""
+    lm = decoders.wrap(tiny_model(arch, seed), tiny_tokenizer(), name=f"tiny-{arch}-{seed}-transformers")
+    lm.native = None
+    return lm
+
+
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def arch(request) -> str:
     return request.param

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import tiny_lm
+from conftest import transformers_lm
 
 import decoders
 from decoders.drafting.cost import TARGET_SIZES, CallCost
@@ -29,7 +29,7 @@ def text(seed: int, phrases: int) -> list[int]:
 def suite():
     """A tiny model and three prompts with made-up greedy outputs: the replay's target gives whatever output it is
     told is greedy's, so the outputs can be ones a suffix index drafts well."""
-    return tiny_lm("llama"), [(f"p{i}", "c", [1 + i, 2, 3, *text(100 + i, 3)], text(i, 16)) for i in range(3)]
+    return transformers_lm("llama"), [(f"p{i}", "c", [1 + i, 2, 3, *text(100 + i, 3)], text(i, 16)) for i in range(3)]
 
 
 def test_the_regimes_plan_with_the_curve_they_cost_by_but_stale():

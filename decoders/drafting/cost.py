@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from decoders.models.lm import cpu_model
-from decoders.models.packed import packed_count
+from decoders.models.linear import native_count
 
 VERSION = 7  # of the cache file format and what it measures: files of another version are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # the target's measured n; dense, as its curve need not be convex
@@ -296,8 +296,8 @@ def machine(device: torch.device) -> str:
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
-    """What a calibration depends on: role, name, model, attention, packed layers, dtype, `machine`, threads, torch
-    and sizes."""
+    """What a calibration depends on: role, name, model, attention, the native step or layers, dtype, `machine`,
+    threads, torch and sizes."""
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)
@@ -309,7 +309,8 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
     fingerprint = hashlib.sha256("\n".join([type(model).__name__, config, *tensors]).encode()).hexdigest()[:16]
     attention = getattr(model.config, "_attn_implementation", None)
     return {"role": role, "name": lm.name, "model": fingerprint, "attention": attention,
-            "packed": packed_count(model), "dtype": str(lm.dtype),
+            "native": getattr(lm, "native", None) is not None, "native_layers": native_count(model),
+            "dtype": str(lm.dtype),
             "device": machine(lm.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "sizes": list(sizes)}
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from decoders.models.packed import unpacked
+from decoders.models.linear import plain
 
 try:  # (transformers' interfaces for attention functions of one's own; without them models keep their own)
     from transformers import AttentionInterface, AttentionMaskInterface
@@ -66,9 +66,9 @@ def use_grouped(model) -> bool:
 @contextlib.contextmanager
 def stock(*models) -> Iterator[None]:
     """Within: each of `models` that `use_grouped` switched runs transformers' own "sdpa", and plain linear layers
-    (`models.packed`): peers as users get them."""
+    (`models.linear`): peers as users get them."""
     switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == NAME]
-    with restored(*switched), unpacked(*models):
+    with restored(*switched), plain(*models):
         for model in switched:
             model.set_attn_implementation("sdpa")
         yield

@@ -47,3 +47,8 @@ class KVCache:
             where = index.to(layer.keys.device)
             layer.keys = layer.keys.index_select(-2, where)
             layer.values = layer.values.index_select(-2, where)
+
+    def fill(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Hold these positions (an empty cache): per layer keys and values [1, heads, n, head_dim]."""
+        for i, (k, v) in enumerate(zip(keys, values)):
+            self.hf.update(k, v, i)

@@ -125,6 +125,29 @@ class Slab:
         return lm.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
                         **{lm.cache_keyword: self.hf}).logits
 
+    def native(self, lm, ids, positions, past: int, tree, wide, keep: int) -> torch.Tensor:
+        """`call` run by `lm`'s native step (`models.native`, a CPU): logits [keep or T, vocab]. `tree` None: causal."""
+        length = ids.shape[1]
+        keys, values = self.layers(lm)
+        allowed = None
+        if tree is not None:
+            slot = torch.arange(self.capacity)
+            relative = slot - past  # [capacity]: a slot's place among the new tokens, < 0 in the prefix
+            new = (relative >= 0) & (relative < length)
+            cached = relative < 0 if wide is None else (relative < 0) & wide
+            allowed = (tree[:, relative.clamp(0, length - 1)] & new) | cached  # [T, capacity]
+            allowed = allowed[None]
+        return lm.native.call(ids, positions, past, keys, values, allowed, keep)[0]
+
+    def layers(self, lm) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's keys and values [1, kv_heads, capacity, head_dim], allocated for `lm`'s native step."""
+        step = lm.native
+        for layer in self.hf.layers:
+            if not layer.is_initialized or layer.keys.dtype != step.dtype:  # (a model cast: its keys are cast too)
+                empty = torch.empty(1, step.kv_heads, 0, step.head_dim, dtype=step.dtype)
+                layer.lazy_initialization(empty, empty)
+        return [layer.keys for layer in self.hf.layers], [layer.values for layer in self.hf.layers]
+
     def replay(self, lm, ids, positions, past: int, tree, wide) -> torch.Tensor:
         """`call` through the graph of the smallest bucket that holds T tokens, captured on first use: [T, vocab].
         `tree` None: causal."""
@@ -280,6 +303,17 @@ class StaticKVCache:
                         layer.values[:, :, first:len(index)] = layer.values.index_select(2, where)
         self.length = len(index)
 
+    def fill(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Hold these positions (an empty cache): per layer keys and values [1, heads, n, head_dim]."""
+        n = keys[0].shape[2] if keys else 0
+        slab = self._slab_for(n)
+        with torch.inference_mode():
+            for layer, k, v in zip(slab.hf.layers, keys, values):
+                if not layer.is_initialized:
+                    layer.lazy_initialization(k, v)
+                layer.keys[:, :, :n], layer.values[:, :, :n] = k, v
+        self.length = slab.hf.length = n
+
     def resize(self, length: int) -> None:
         """Hold `length` positions whatever their keys (a timing's context): the slots past the end as they are."""
         self._slab_for(length)
@@ -304,6 +338,9 @@ class StaticKVCache:
             logits = slab.replay(lm, ids, positions, past, tree, wide) if graphed and slab.capture else None
             if logits is not None:
                 logits = logits.clone()
+            elif lm.native is not None and lm.native.ready():
+                logits = slab.native(lm, ids, positions, past, tree, wide, keep)
+                keep = 0
             else:
                 if tree is None:
                     tree = torch.ones(length, length, dtype=torch.bool, device=device).tril()
@@ -365,10 +402,14 @@ class BatchSlab:
                         **{lm.cache_keyword: self.hf}).logits
 
     def forward(self, ids, positions, past: int, allowed, keys) -> torch.Tensor:
-        """`call`, replayed as the CUDA graph of its width (a bucket, captured on first use) where the slab captures:
-        logits [rows, W, vocab], the caller's to keep."""
+        """`call`, replayed as the CUDA graph of its width (a bucket, captured on first use) where the slab captures,
+        run by the LM's native step on a CPU: logits [rows, W, vocab], the caller's to keep."""
         lm, device, width = self.lm, self.lm.device, ids.shape[1]
         self.hf.length = past
+        if lm.native is not None and lm.native.ready() and all(layer.is_initialized for layer in self.hf.layers):
+            layers = self.hf.layers
+            return lm.native.call(ids, positions, past, [layer.keys for layer in layers],
+                                  [layer.values for layer in layers], allowed, width)
         with torch.inference_mode():
             if self.capture and width in BUCKETS:
                 key = width, lm.compile_calls

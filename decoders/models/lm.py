@@ -20,7 +20,8 @@ import torch
 from decoders.models.attention import use_grouped
 from decoders.models.cache import KVCache
 from decoders.models.graphs import StaticKVCache
-from decoders.models.packed import pack
+from decoders.models.native import NativeStep, attach
+from decoders.models.linear import use_native
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -79,7 +80,6 @@ class LM:
             raise ValueError("an LM needs its tokenizer: decoders.wrap(model, tokenizer)")
         self.model = model.eval()
         use_grouped(model)  # its attention on "sdpa" with grouped heads: the same, without copying keys per query head
-        pack(model)  # on a CPU in bfloat16, its linear layers' weights prepacked for oneDNN where that is faster
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.config = model.config.get_text_config(decoder=True)
@@ -96,6 +96,11 @@ class LM:
         self.cuda_graphs = self.device.type == "cuda"
         # torch.compile the graph-captured calls (CUDA); a string is torch.compile's mode
         self.compile_calls: bool | str = False
+        # on a CPU, the native step (`models.native`) runs every call on a static cache where it runs this model; None:
+        # transformers' calls (in bfloat16, their linear layers' few-row products on the native kernel, `models.linear`)
+        self.native: NativeStep | None = attach(self)
+        if self.native is None:
+            use_native(model)
 
     def __repr__(self) -> str:
         return f"LM({self.name!r}, {type(self.model).__name__}, dtype={self.dtype}, device={self.device})"
@@ -122,8 +127,10 @@ class LM:
         synchronize(self.device)
 
     def static_cache_ok(self) -> bool:
-        """Whether this LM's calls run on a static cache (graph-captured on CUDA): `cuda_graphs` on and the model
-        scoring on one as on transformers' cache (probed once; warned of if not)."""
+        """Whether this LM's calls run on a static cache: the native step's (CPU), or graph-captured (CUDA) where
+        `cuda_graphs` is on and the model scores on one as on transformers' cache (probed once; warned of if not)."""
+        if self.native is not None:
+            return True
         if self.cuda_graphs and getattr(self, "_static_ok", None) is None:
             self._static_ok = _probe_static_cache(self)
             if self._static_ok is not True:

@@ -1,0 +1,248 @@
+"""The native CPU step: a model call of a Llama-family decoder (Llama, Mistral, Qwen2 and their kin) run by one native
+function (`csrc/step.cpp`), compiled on first use with the machine's C++ compiler and cached.
+
+A transformers call on a CPU spends most of a small model's step dispatching operators and oneDNN's setup per
+matrix product, and a large model's reading weights more slowly than the memory allows. The native step runs every
+layer in one call on two threads, reading each weight row once per call straight from the model's own parameters
+(no copy: a weight edited in place, replaced or moved is what the next call reads). Its products compute each output
+element the same way whatever the call's rows and tokens, so scoring tokens in one call gives exactly the logits of
+scoring them one by one: in bfloat16 too, every strategy returns greedy's tokens.
+
+`attach(lm)` is the step, or None with one notice of the reason (`why_not(lm)`): no compiler, a CPU without AVX-512
+BF16 for a bfloat16 model (the portable build is slower than transformers there), a model of another shape, or a probe
+whose logits differ from the model's own. Where it is None, calls run through transformers as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from decoders.models.kernel import DTYPES, DkCall, DkModel, library, why_not_here
+
+PER_LAYER = 12  # pointers per layer, in csrc/step.cpp's order
+MAX_HEAD_DIM = 512  # (the native attention's accumulator)
+
+def _rmsnorm(module) -> bool:
+    """A plain RMSNorm: weight * x / rms(x) (not Gemma's 1 + weight)."""
+    return (type(module).__name__.endswith("RMSNorm") and "Gemma" not in type(module).__name__
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and isinstance(getattr(module, "variance_epsilon", getattr(module, "eps", None)), float))
+
+
+def _linear(module, bias: bool | None = None) -> bool:
+    """An `nn.Linear` (or subclass) whose bias is as asked (None: either)."""
+    return isinstance(module, nn.Linear) and (bias is None or (module.bias is not None) == bias)
+
+
+def _shape_of(lm) -> str | None:
+    """None if `lm`'s model has the structure the native step runs, else what differs."""
+    model, config = lm.model, lm.config
+    body = getattr(model, "model", None)
+    layers = getattr(body, "layers", None)
+    if body is None or layers is None or not len(layers):
+        return f"{type(model).__name__} has no decoder layers at .model.layers"
+    if not isinstance(getattr(body, "embed_tokens", None), nn.Embedding) or not _rmsnorm(getattr(body, "norm", None)):
+        return "its embeddings or final norm are not an nn.Embedding and an RMSNorm"
+    if getattr(body, "rotary_emb", None) is None or not _linear(getattr(model, "lm_head", None), bias=False):
+        return "it has no rotary embedding module or no plain lm_head"
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "embedding_multiplier", None):
+        return f"its activation is {getattr(config, 'hidden_act', None)!r}, not silu"
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if getattr(config, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types):
+        return "it has sliding-window attention"
+    for layer in layers:
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attention is None or mlp is None:
+            return "a layer has no self_attn or mlp"
+        if not all(_linear(getattr(attention, n, None)) for n in ("q_proj", "k_proj", "v_proj")) or not _linear(
+                getattr(attention, "o_proj", None), bias=False):
+            return "its attention is not q/k/v/o linear projections"
+        if any(getattr(attention, n, None) is not None for n in ("q_norm", "k_norm")):
+            return "its attention normalizes queries and keys"
+        if not all(_linear(getattr(mlp, n, None), bias=False) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "its MLP is not gate/up/down linear projections"
+        if not (_rmsnorm(getattr(layer, "input_layernorm", None))
+                and _rmsnorm(getattr(layer, "post_attention_layernorm", None))):
+            return "its layers' norms are not plain RMSNorms"
+        if set(dict(layer.named_children())) - {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+            return f"its layers hold more modules ({', '.join(sorted(dict(layer.named_children())))})"
+    return None
+
+
+class NativeStep:
+    """The native step for one LM: its model's dimensions, and its parameters' addresses read anew at every call."""
+
+    def __init__(self, lm, lib: ctypes.CDLL) -> None:
+        self.lm, self.lib = lm, lib
+        body, config = lm.model.model, lm.config
+        attention = body.layers[0].self_attn
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = float(getattr(attention, "scaling", self.head_dim ** -0.5))
+        self.eps = float(getattr(body.norm, "variance_epsilon", getattr(body.norm, "eps", 1e-6)))
+        self.body = body
+        # where each parameter lives: (module's _parameters dict, name), so a replaced parameter is seen
+        places = []
+        for layer in body.layers:
+            a, m = layer.self_attn, layer.mlp
+            for module, name in ((layer.input_layernorm, "weight"), (a.q_proj, "weight"), (a.q_proj, "bias"),
+                                 (a.k_proj, "weight"), (a.k_proj, "bias"), (a.v_proj, "weight"), (a.v_proj, "bias"),
+                                 (a.o_proj, "weight"), (layer.post_attention_layernorm, "weight"),
+                                 (m.gate_proj, "weight"), (m.up_proj, "weight"), (m.down_proj, "weight")):
+                places.append((module._parameters, name))
+        places += [(body.norm._parameters, "weight"), (lm.model.lm_head._parameters, "weight")]
+        self.places = places
+        self.seen: list | None = None  # the parameters the last call checked, and the model struct built from them
+        self.struct: DkModel | None = None
+        # the model's forward-hook dicts: a hook someone registers must see the calls, which transformers' then run
+        self.hooks = [d for m in lm.model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.meters: list = []  # call meters (`evals.measure.ForwardMeter`): told each call's tokens and seconds
+
+    def __deepcopy__(self, memo: dict) -> NativeStep:
+        return self  # (a handle on a library and on the model's parameters: a deep copy of a module tree that holds
+        # it, e.g. through a meter's hook, shares it)
+
+    def _model(self) -> DkModel | None:
+        """The model's struct for its parameters as they are now; None if they no longer suit the step (moved off
+        the CPU, cast to another dtype, or of mixed dtypes)."""
+        params = [where.get(name) for where, name in self.places]
+        current = [id(p) for p in params] + [p.data_ptr() if p is not None and p.device.type == "cpu" else -1
+                                             for p in params]  # (ids and addresses: ints, compared as ints)
+        if current == self.seen:
+            return self.struct
+        self.seen, self.struct = current, None
+        present = [p for p in params if p is not None]
+        dtype = present[0].dtype
+        if any(p.device.type != "cpu" or p.dtype != dtype or not p.is_contiguous() for p in present):
+            return None
+        if dtype not in DTYPES:
+            return None
+        addresses = current[len(params):]
+        pointers = (ctypes.c_void_p * (len(params) - 2))(*[max(a, 0) for a in addresses[:-2]])
+        config = self.lm.config
+        self.struct = DkModel(
+            layers=len(self.body.layers), hidden=config.hidden_size, heads=self.heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, intermediate=config.intermediate_size,
+            vocab=self.lm.model.lm_head.out_features, dtype=DTYPES[dtype], eps=self.eps, scale=self.scale,
+            final_norm=addresses[-2], lm_head=addresses[-1], weights=pointers)
+        self.struct._pointers = pointers  # (kept alive with the struct)
+        self.dtype = dtype
+        return self.struct
+
+    def ready(self) -> bool:
+        """Whether the native step runs the next call: the model's parameters, as they are now, suit it, and no
+        forward hook (but decodekit's own meters) waits to see the model's modules run."""
+        return self._model() is not None and not self.hooked()
+
+    def hooked(self) -> bool:
+        hooks = [h for d in (*self.hooks, torch.nn.modules.module._global_forward_hooks,
+                             torch.nn.modules.module._global_forward_pre_hooks) if d for h in d.values()]
+        return any(not getattr(hook, "decodekit_meter", False) for hook in hooks)
+
+    @torch.inference_mode()
+    def call(self, ids: torch.Tensor, positions: torch.Tensor, past: int, keys: list[torch.Tensor],
+             values: list[torch.Tensor], allowed: torch.Tensor | None = None, keep: int = 0) -> torch.Tensor:
+        """Score `ids` [rows, W] at `positions` [rows, W] against the rows' cached slots, writing their keys and
+        values at slots past .. past + W of `keys` / `values` (per layer [rows, kv_heads, capacity, head_dim]).
+        `allowed` [rows, W, capacity] bool: which slots each query sees (None: every slot before its own, and it).
+        Returns float32 logits [rows, keep or W, vocab] of each row's last tokens."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError(f"{self.lm.name}: its parameters no longer suit the native step")
+        rows, width = ids.shape
+        capacity = keys[0].shape[2]
+        if past + width > capacity:
+            raise ValueError(f"a call of {width} tokens after {past} slots overflows a cache of {capacity}")
+        keep = keep or width
+        embeddings = self.body.embed_tokens(ids).to(self.dtype).contiguous()  # [rows, W, hidden]
+        cos, sin = self.body.rotary_emb(torch.empty(0), positions)  # [rows, W, head_dim] in float32
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        if allowed is not None:
+            allowed = allowed.to(torch.bool).contiguous()
+        for cache in (*keys, *values):
+            if cache.dtype != self.dtype or not cache.is_contiguous():
+                raise ValueError("the cache's layers must be contiguous and of the model's dtype")
+        logits = torch.empty(rows, keep, model.vocab, dtype=torch.float32)
+        layers = len(keys)
+        call = DkCall(rows=rows, width=width, past=past, capacity=capacity, keep=keep,
+                      threads=torch.get_num_threads(), embeddings=embeddings.data_ptr(), cos=cos.data_ptr(),
+                      sin=sin.data_ptr(), allowed=allowed.data_ptr() if allowed is not None else None,
+                      keys=(ctypes.c_void_p * layers)(*[t.data_ptr() for t in keys]),
+                      values=(ctypes.c_void_p * layers)(*[t.data_ptr() for t in values]), logits=logits.data_ptr())
+        started = time.perf_counter() if self.meters else 0.0
+        self.lib.dk_forward(ctypes.byref(model), ctypes.byref(call))
+        for meter in self.meters:
+            meter.counted(rows * width, time.perf_counter() - started)
+        return logits
+
+
+def why_not(lm) -> str | None:
+    """None if the native step can run `lm`'s calls on this machine, else why not."""
+    if lm.device.type != "cpu":
+        return f"it runs on {lm.device.type}, not a CPU"
+    if any(not isinstance(m, nn.Linear) and hasattr(m, "weight_int8") for m in lm.model.modules()):
+        return "its linear layers are int8"
+    if lm.dtype not in DTYPES:
+        return f"its dtype is {lm.dtype}, not float32 or bfloat16"
+    shape = _shape_of(lm)
+    if shape is not None:
+        return shape
+    heads = lm.config.num_attention_heads
+    if heads % (getattr(lm.config, "num_key_value_heads", None) or 1):
+        return "its query heads are not a multiple of its key/value heads"
+    if (getattr(lm.config, "head_dim", None) or lm.config.hidden_size // heads) > MAX_HEAD_DIM:
+        return f"its heads are wider than {MAX_HEAD_DIM}"
+    return why_not_here(lm.dtype)
+
+
+@functools.cache
+def _notice(reason: str) -> None:
+    """One warning per reason and process."""
+    warnings.warn(f"the native CPU step does not run this model ({reason}); its calls run through transformers",
+                  stacklevel=4)
+
+
+def attach(lm) -> NativeStep | None:
+    """The native step for `lm`, if it runs here and scores a probe as the model itself does; else None (with one
+    notice per reason where the model is a Llama-family model on a CPU that the step could have run)."""
+    if lm.device.type != "cpu" or lm.dtype not in DTYPES:
+        return None
+    reason = why_not(lm)
+    if reason == "its linear layers are int8":
+        return None  # (an int8 copy, a draft: its calls stay transformers', which it was built for; no notice)
+    if reason is None:
+        path = NativeStep(lm, library())
+        reason = _probe(lm, path)
+        if reason is None:
+            return path
+    _notice(reason)
+    return None
+
+
+def _probe(lm, path: NativeStep) -> str | None:
+    """None if the native step's logits for a short text match the model's own call (within the dtype's rounding: a
+    model of another shape misses by far more), else how far off they are."""
+    prompt = [(7 + 31 * i) % lm.vocab_size for i in range(16)]  # (ids, not text: a wrapped model's tokenizer may
+    ids = torch.tensor([prompt])  # be a stand-in that cannot encode)
+    layers = lm.config.num_hidden_layers
+    shape = (1, path.kv_heads, len(prompt), path.head_dim)
+    keys = [torch.zeros(shape, dtype=lm.dtype) for _ in range(layers)]
+    values = [torch.zeros(shape, dtype=lm.dtype) for _ in range(layers)]
+    with torch.inference_mode():
+        try:
+            native = path.call(ids, torch.arange(len(prompt))[None], 0, keys, values)[0]
+        except Exception as error:  # noqa: BLE001 - any failure means "not this model", reported once
+            return f"its probe raised {type(error).__name__}: {error}"
+        expected = lm.model(input_ids=ids, use_cache=False).logits[0].float()
+    error = float((native - expected).norm() / expected.norm())
+    tolerance = 1e-3 if lm.dtype == torch.float32 else 5e-2
+    if not error <= tolerance:
+        return f"its probe's logits differ from the model's by {error:.2g} of their norm"
+    return None
