@@ -305,22 +305,25 @@ def demonstrated(records: list[dict], name: str = "llamacpp:greedy") -> dict | N
 
 
 def step_ms(model: str, dtype: str | torch.dtype = "bfloat16", *, tokens: int = 64, depth: int = 0,
-            threads: int | None = None, repetitions: int = 5, llamacpp: str | None = None) -> dict:
+            threads: int | None = None, repetitions: int = 5, llamacpp: str | None = None,
+            prompt: int = 0) -> dict:
     """llama.cpp's batch-1 decoding step on `model` (a zoo name `zoo:NAME` or a folder) converted to `dtype`:
     `llama-bench -p 0 -n tokens -d depth -r repetitions` (one-token steps after `depth` tokens of context, timed by
     llama.cpp itself, after its own warm-up run: no HTTP, no sampling). Returns ms per step (mean, std, best of the
-    repetitions), the GGUF's bytes read per step and the bandwidth that shows."""
+    repetitions), the GGUF's bytes read per step and the bandwidth that shows. `prompt` > 0: its prefill instead
+    (`-p prompt -n 0`), ms per prompt token."""
     build = builds.require(llamacpp)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     gguf = builds.convert(build, builds.model_folder(model), dtype)
     threads = threads or torch.get_num_threads()
-    command = [str(build.bench), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-d", str(depth), "-t", str(threads),
-               "-r", str(repetitions), "-o", "json"]
+    generated = 0 if prompt else tokens
+    command = [str(build.bench), "-m", str(gguf), "-p", str(prompt), "-n", str(generated), "-d", str(depth),
+               "-t", str(threads), "-r", str(repetitions), "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise LlamaCppError(f"llama-bench failed (status {done.returncode}): {done.stderr.strip()[-600:]}")
-    test = next(t for t in json.loads(done.stdout) if t.get("n_gen"))
-    per = 1e6 * test["n_gen"]  # ns per run -> ms per step
+    test = next(t for t in json.loads(done.stdout) if t.get("n_prompt" if prompt else "n_gen"))
+    per = 1e6 * (test["n_prompt"] if prompt else test["n_gen"])  # ns per run -> ms per token
     weights = builds.bytes_per_token(gguf)
     best = min(test.get("samples_ns") or [test["avg_ns"]]) / per
     return {"ms_per_token": test["avg_ns"] / per, "std_ms": test["stddev_ns"] / per, "best_ms_per_token": best,
