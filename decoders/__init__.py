@@ -8,7 +8,7 @@ strategies/ holds one file per strategy, proposers/ one per source of guesses, d
 machinery, models/ the model wrapper, cache, zoo and quantization; batch.py runs many prompts in shared calls.
 """
 
-from decoders.base import Chunk, DecodeState, Decoder, Result, Stats
+from decoders.base import Chunk, Decoder, DecodeState, Result, Stats
 from decoders.drafting import Draft, DraftVerify
 from decoders.drafting.suffix_index import SuffixStore
 from decoders.driver import generate, stream

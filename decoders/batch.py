@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.cache_utils import DynamicCache
 
-from decoders.base import Call, Chunk, DecodeState, Decoder, Result
+from decoders.base import Call, Chunk, Decoder, DecodeState, Result
 from decoders.drafting.chooser import ChooserOptions
 from decoders.drafting.cost import CallCost, calibrate
 from decoders.drafting.tree import shared_length
@@ -33,7 +33,6 @@ from decoders.driver import Decoding
 from decoders.models.cache import KVCache
 from decoders.models.graphs import BUCKETS, MIN_CAPACITY, StaticKVCache, lend
 from decoders.models.lm import LM
-
 
 PROMPTS_KEPT = 4  # the last prompts' caches a newcomer's prefill starts from where it shares their beginning
 SHARED = 16  # the fewest tokens shared with a kept prompt worth copying (agentic turns share hundreds)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import inspect
 import time
-from numbers import Integral
 from collections.abc import Iterable, Iterator, Sequence
+from numbers import Integral
 
 import torch
 
 from decoders import registry
-from decoders.base import Chunk, DecodeState, Decoder, Result
+from decoders.base import Chunk, Decoder, DecodeState, Result
 from decoders.capabilities import check_models, check_request
 from decoders.models.lm import LM, load
 from decoders.options import whole

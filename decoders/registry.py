@@ -44,8 +44,9 @@ def _load_entry_points() -> None:
     for point in entry_points(group="decodekit.strategies"):
         try:
             point.load()  # importing the module runs its @register
-        except Exception as error:  # a broken plugin must not take the built-in strategies down with it
-            warnings.warn(f"decodekit: could not load strategy plugin {point.name!r} ({point.value}): {error}")
+        except Exception as error:  # noqa: BLE001 - a broken plugin must not take the built-in strategies down
+            warnings.warn(f"decodekit: could not load strategy plugin {point.name!r} ({point.value}): {error}",
+                          stacklevel=1)
 
 
 def available() -> list[str]:

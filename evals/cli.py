@@ -280,8 +280,8 @@ def cmd_calibrate(args) -> int:
     import torch
 
     from decoders.drafting import cost
-    from decoders.driver import resolve_draft
     from decoders.drafting.copies import drafting_model
+    from decoders.driver import resolve_draft
 
     _check_draft_arguments(args)
     if args.threads:

@@ -153,7 +153,7 @@ def read_bandwidth(device: torch.device, megabytes: int = 256, dtype: torch.dtyp
 
         layers.append(linear.NativeLinear(layer, library(), native_rows=1))
     with torch.inference_mode():
-        seconds = min(_best_seconds(device, lambda: probe(vector), repeats) for probe in layers)
+        seconds = min(_best_seconds(device, lambda probe=probe: probe(vector), repeats) for probe in layers)
     return layer.weight.numel() * layer.weight.element_size() / seconds
 
 

@@ -24,7 +24,6 @@ from decoders.capabilities import check_models, check_request
 from evals import llamacpp, llamacpp_build, peers
 from evals.metrics import BASELINE
 
-
 PYTHON_WORDS = {"True": True, "False": False, "None": None}  # what a Python user types for JSON's true, false, null
 
 

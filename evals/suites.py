@@ -21,9 +21,10 @@ from __future__ import annotations
 import difflib
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jsonschema
 

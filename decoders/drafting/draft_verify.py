@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from decoders.base import DecodeState, Decoder, Steps
+from decoders.base import Decoder, DecodeState, Steps
 from decoders.drafting.draft import Draft, Drafter, drafting
 from decoders.drafting.grammar import restrict_to_grammar
 from decoders.drafting.tree import depth, keep_path, tree_call

@@ -204,7 +204,7 @@ def replayed(owner, graphs: dict, key, lm, call, args: tuple, what: str) -> torc
             graph, logits = capture(owner, lm, call, args)
         except Exception as error:  # noqa: BLE001 - any failure: this call runs eagerly from now on
             warnings.warn(f"{lm.name}: its {what} could not be captured as a CUDA graph ({type(error).__name__}: "
-                          f"{error}); they run eagerly")
+                          f"{error}); they run eagerly", stacklevel=1)
             graphs[key] = (False, static, None)
             return None
         graphs[key] = (graph, static, logits)

@@ -80,7 +80,8 @@ def _native_rows(layer: NativeLinear) -> int:
         with torch.inference_mode():
             for rows in ROWS:
                 x = torch.zeros(rows, layer.in_features, dtype=torch.bfloat16)
-                if _seconds(lambda: layer.native(x, rows)) > _seconds(lambda: nn.functional.linear(x, layer.weight)):
+                if _seconds(lambda x=x, rows=rows: layer.native(x, rows)) > _seconds(
+                        lambda x=x: nn.functional.linear(x, layer.weight)):
                     break
                 _crossovers[key] = rows
     return _crossovers[key]

@@ -20,8 +20,8 @@ import torch
 from decoders.models.attention import use_grouped
 from decoders.models.cache import KVCache
 from decoders.models.graphs import StaticKVCache
-from decoders.models.native import NativeStep, attach
 from decoders.models.linear import use_native
+from decoders.models.native import NativeStep, attach
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,

@@ -28,7 +28,6 @@ from decoders.proposers.lookup import lookup
 from decoders.proposers.suffix import SuffixProposer, summarize
 from samplers.verify import verify_greedy, verify_sampling
 
-
 LOWER_STAGES = ("suffix", "lookup")
 WIDE_CALL = 0.05  # a second leaf per draft call pays where it adds less than this to the call (see StagedOptions)
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from decoders.base import DecodeState, Decoder, Steps
+from decoders.base import Decoder, DecodeState, Steps
 from decoders.registry import register
 
 
