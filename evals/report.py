@@ -267,10 +267,14 @@ def notes(result: dict) -> list[str]:
     for run in result["runs"]:
         check = run.get("lossless") or {}
         if check.get("status") in ("failed", "tie"):
-            figures = "" if check.get("margin") is None else (
-                f" (top-2 margin {check['margin']:.3g}, gap {check['gap']:.3g} vs tolerance {check['tolerance']:.3g}"
-                + ("" if check.get("greedy_gap") is None else f", gap in greedy's scoring {check['greedy_gap']:.3g}")
-                + ("" if check.get("float32_gap") is None else f", gap in float32 {check['float32_gap']:.3g}") + ")")
+            figures = ""
+            if check.get("margin") is not None:
+                gaps = [f"gap {check['gap']:.3g} vs tolerance {check['tolerance']:.3g}"]
+                if check.get("greedy_gap") is not None:
+                    gaps.append(f"gap in greedy's scoring {check['greedy_gap']:.3g}")
+                if check.get("float32_gap") is not None:
+                    gaps.append(f"gap in float32 {check['float32_gap']:.3g}")
+                figures = f" (top-2 margin {check['margin']:.3g}, {', '.join(gaps)})"
             where = "" if check.get("position") is None else f" at token {check['position']}"
             batch = f"batch {run['batch_size']}, " if run.get("batch_size") else ""
             out.append(f"{run['strategy']} on {run['prompt_id']} ({batch}repeat {run['repeat']}): "
