@@ -28,6 +28,23 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
 from decoders import strategies  # noqa: E402,F401  isort: skip  (the built-in strategies register on import)
 
 __all__ = [
-    "LM", "KVCache", "Decoder", "DecodeState", "Result", "Stats", "Chunk", "Draft", "DraftVerify", "Proposer",
-    "SuffixStore", "load", "wrap", "quantize", "available", "register", "unregister", "generate", "stream",
+    "LM",
+    "KVCache",
+    "Decoder",
+    "DecodeState",
+    "Result",
+    "Stats",
+    "Chunk",
+    "Draft",
+    "DraftVerify",
+    "Proposer",
+    "SuffixStore",
+    "load",
+    "wrap",
+    "quantize",
+    "available",
+    "register",
+    "unregister",
+    "generate",
+    "stream",
 ]

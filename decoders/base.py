@@ -178,7 +178,7 @@ class DecodeState:
 
     @property
     def new_tokens(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def expected_length(self) -> int:
@@ -191,7 +191,7 @@ class DecodeState:
 
     def uncached(self) -> list[int]:
         """The tokens the target has not seen yet (at least the last accepted one)."""
-        return self.tokens[len(self.cache):]
+        return self.tokens[len(self.cache) :]
 
     def call(self, extra: Sequence[int] = ()) -> Call:
         """The target call on the uncached tokens plus `extra`; its logits row i scores what follows extra[:i]."""
@@ -200,8 +200,9 @@ class DecodeState:
     def forward(self, call: Call) -> torch.Tensor:
         """Run `call` alone: on this run's target cache, or a draft model's call on the draft's cache."""
         if call.lm is not None:  # (counted where it is made, `DraftModel.forward`)
-            return call.lm.forward(call.tokens, call.cache, positions=call.positions, tree_mask=call.tree_mask,
-                                   keep=call.keep)
+            return call.lm.forward(
+                call.tokens, call.cache, positions=call.positions, tree_mask=call.tree_mask, keep=call.keep
+            )
         self.stats.target_calls += 1
         return self.lm.forward(call.tokens, self.cache, call.positions, call.tree_mask, call.keep)
 

@@ -73,8 +73,10 @@ class RowCache:
 
     @property
     def hf(self):
-        raise TypeError("a batched run's cache is shared by its rows: its calls run in the batch's forward (the "
-                        "target's own int8 copy drafts on a batch cache of its own in a batch)")
+        raise TypeError(
+            "a batched run's cache is shared by its rows: its calls run in the batch's forward (the "
+            "target's own int8 copy drafts on a batch cache of its own in a batch)"
+        )
 
 
 class BatchCache:
@@ -133,8 +135,10 @@ class BatchCache:
                 layers = self._layers()
             for layer in layers:
                 pad = lambda t: t.new_zeros(t.shape[0], t.shape[1], extra, t.shape[3])  # noqa: E731
-                layer.keys, layer.values = torch.cat([layer.keys, pad(layer.keys)], 2), torch.cat(
-                    [layer.values, pad(layer.values)], 2)
+                layer.keys, layer.values = (
+                    torch.cat([layer.keys, pad(layer.keys)], 2),
+                    torch.cat([layer.values, pad(layer.values)], 2),
+                )
         self.valid = torch.cat([self.valid, torch.zeros(self.rows, extra, dtype=torch.bool)], 1)
         self.positions = torch.cat([self.positions, torch.zeros(self.rows, extra, dtype=torch.long)], 1)
 
@@ -150,12 +154,14 @@ class BatchCache:
         for layer, model in zip(slab.hf.layers, like or self._layers()):
             if not layer.is_initialized:
                 shape = (self.rows, model.keys.shape[1], 0)
-                layer.lazy_initialization(model.keys.new_empty(*shape, model.keys.shape[-1]),
-                                          model.values.new_empty(*shape, model.values.shape[-1]))
+                layer.lazy_initialization(
+                    model.keys.new_empty(*shape, model.keys.shape[-1]),
+                    model.values.new_empty(*shape, model.values.shape[-1]),
+                )
         if slab is not self.slab:
             for mine, theirs in zip(slab.hf.layers, self._layers()):
-                mine.keys[:, :, :self.slots] = theirs.keys[:, :, :self.slots]
-                mine.values[:, :, :self.slots] = theirs.values[:, :, :self.slots]
+                mine.keys[:, :, : self.slots] = theirs.keys[:, :, : self.slots]
+                mine.values[:, :, : self.slots] = theirs.values[:, :, : self.slots]
             self.slab.owner = None
             self.slab, self.hf = slab, slab.hf
 
@@ -164,11 +170,16 @@ class BatchCache:
         other row's call is padded to a prompt's length. Where they begin with SHARED or more of a kept prompt's
         tokens, those positions are copied from its cache and only the rest is scored."""
         tokens, prefix = list(tokens), self.lm.new_cache(len(tokens))  # (a run's own cache, copied from below)
-        shared, source = max(((shared_length(tokens, seen), cache) for seen, cache in self.kept),
-                             default=(0, None), key=lambda pair: pair[0])
+        shared, source = max(
+            ((shared_length(tokens, seen), cache) for seen, cache in self.kept),
+            default=(0, None),
+            key=lambda pair: pair[0],
+        )
         if shared >= SHARED:
-            prefix.fill([layer.keys[:, :, :shared] for layer in source.hf.layers],
-                        [layer.values[:, :, :shared] for layer in source.hf.layers])
+            prefix.fill(
+                [layer.keys[:, :, :shared] for layer in source.hf.layers],
+                [layer.values[:, :, :shared] for layer in source.hf.layers],
+            )
         else:
             shared = 0
         if len(tokens) > shared:
@@ -183,8 +194,10 @@ class BatchCache:
         steps it did not draft), so that no other row's call is padded to their length."""
         slots = self.valid[b].nonzero()[:, 0]
         row = self.lm.new_cache(len(slots) + len(tokens))
-        row.fill([layer.keys[b:b + 1, :, slots] for layer in self._layers()],
-                 [layer.values[b:b + 1, :, slots] for layer in self._layers()])
+        row.fill(
+            [layer.keys[b : b + 1, :, slots] for layer in self._layers()],
+            [layer.values[b : b + 1, :, slots] for layer in self._layers()],
+        )
         self.lm.forward(list(tokens), row, keep=1)
         self._store(b, self.slots, row, len(slots))
 
@@ -197,10 +210,10 @@ class BatchCache:
         self._grow(at + n, cache)
         with torch.inference_mode():  # (a slab's buffers are inference tensors, whoever calls)
             for layer, source in zip(self._layers(), cache.hf.layers):
-                layer.keys[b, :, at:at + n] = source.keys[0, :, held:end]
-                layer.values[b, :, at:at + n] = source.values[0, :, held:end]
-        self.valid[b, at:at + n] = True
-        self.positions[b, at:at + n] = torch.arange(held, held + n)
+                layer.keys[b, :, at : at + n] = source.keys[0, :, held:end]
+                layer.values[b, :, at : at + n] = source.values[0, :, held:end]
+        self.valid[b, at : at + n] = True
+        self.positions[b, at : at + n] = torch.arange(held, held + n)
 
     def compact(self) -> None:
         """Gather each row's slots to the front and drop the rest (rejected drafts, finished rows, padding)."""
@@ -250,32 +263,39 @@ class BatchCache:
             n, cached = len(call.tokens), int(self.valid[b].sum())
             pad = width - n
             ids[b, pad:] = torch.as_tensor(call.tokens)
-            positions[b, pad:] = (torch.as_tensor(call.positions) if call.positions is not None else
-                                  torch.arange(cached, cached + n))
+            positions[b, pad:] = (
+                torch.as_tensor(call.positions) if call.positions is not None else torch.arange(cached, cached + n)
+            )
             own = torch.ones(n, n, dtype=torch.bool).tril() if call.tree_mask is None else call.tree_mask.bool()
             if own.shape[1] > n:  # [n, cached + n]: which of the row's cached positions each sees (a draft's tree)
                 allowed[b, pad:, self.valid[b].nonzero()[:, 0]] = own[:, :cached]
             else:
                 allowed[b, pad:, :past] = self.valid[b]
-            allowed[b, pad:, past + pad:past + width] = own[:, own.shape[1] - n:]
+            allowed[b, pad:, past + pad : past + width] = own[:, own.shape[1] - n :]
         key_positions = torch.cat([self.positions, positions], 1)  # [rows, past + width]
         if self.slab is not None:
             keys = torch.zeros(self.rows, total, dtype=torch.long)
-            keys[:, :past + width] = key_positions
+            keys[:, : past + width] = key_positions
             out, keep = self.slab.forward(ids, positions, past, allowed, keys), width
         else:
             mask = lm.attention_masks(allowed, key_positions, positions)
             keep = max(call.keep or len(call.tokens) for call in calls.values())
-            out = lm.model(input_ids=ids.to(device), position_ids=positions.to(device), attention_mask=mask,
-                           use_cache=True, logits_to_keep=keep, **{lm.cache_keyword: self.hf}).logits
+            out = lm.model(
+                input_ids=ids.to(device),
+                position_ids=positions.to(device),
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=keep,
+                **{lm.cache_keyword: self.hf},
+            ).logits
         self.valid = torch.cat([self.valid, torch.zeros(self.rows, width, dtype=torch.bool)], 1)
         self.positions = key_positions
         logits = {}
         for b, call in calls.items():
             n = len(call.tokens)
-            self.valid[b, past + width - n:] = True
+            self.valid[b, past + width - n :] = True
             want = call.keep or n
-            logits[b] = out[b, keep - want:].float()  # [want, vocab], as `LM.forward`'s
+            logits[b] = out[b, keep - want :].float()  # [want, vocab], as `LM.forward`'s
         return logits
 
 
@@ -298,7 +318,7 @@ class Width:
         self.lm, self.rows, self.cost = lm, rows, cost
         prior = ChooserOptions()  # (auto's prior: each drafted level accepted with prior_mean, as prior_strength steps)
         self.steps = dict.fromkeys(WIDTHS, prior.prior_strength)  # decayed steps counted
-        self.gained = {w: prior.prior_strength * sum(prior.prior_mean ** i for i in range(w)) for w in WIDTHS}
+        self.gained = {w: prior.prior_strength * sum(prior.prior_mean**i for i in range(w)) for w in WIDTHS}
         # (decayed tokens a row's step gained at each width)
         self.prior = dict(self.steps), dict(self.gained)
         self.rows_seen: dict[int, tuple[dict[int, float], dict[int, float]]] = {}  # row -> its own steps, gained
@@ -383,8 +403,9 @@ class Row:
     text: str = ""  # the text streamed so far
 
 
-def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_text: bool = True
-        ) -> Iterator[tuple[int, Chunk, Result | None]]:
+def run(
+    lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_text: bool = True
+) -> Iterator[tuple[int, Chunk, Result | None]]:
     """Decode `runs` (checked, ready states and their strategies) with at most `batch_size` in flight; yields (the
     run's index, the chunk a step added (its text only `with_text`), its `Result` once finished) as rows step."""
     if min(batch_size, len(runs)) == 1:
@@ -392,8 +413,10 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
         return
     for _, decoder in runs:
         if not decoder.batchable():
-            raise TypeError(f"strategy {decoder.name!r} implements `step` only and cannot run batched; implement "
-                            "`steps` (see decoders.base.Decoder) or decode its prompts one at a time")
+            raise TypeError(
+                f"strategy {decoder.name!r} implements `step` only and cannot run batched; implement "
+                "`steps` (see decoders.base.Decoder) or decode its prompts one at a time"
+            )
     try:  # (rows of several lengths in one call need masks of their own)
         lm.check_tree_mask()
     except TypeError as error:
@@ -431,8 +454,9 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                 drafters, drafted = drafted, set()
             answers: dict[int, torch.Tensor] = {}
             for cache in (batch, *batch.drafts):  # one forward per model: the target's, each draft model's
-                calls = {b: call for b, call in served.items()
-                         if (batch if call.lm is None else call.cache.batch) is cache}
+                calls = {
+                    b: call for b, call in served.items() if (batch if call.lm is None else call.cache.batch) is cache
+                }
                 if calls:
                     began = time.perf_counter()
                     answers.update(cache.forward(calls))
@@ -454,7 +478,7 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                     if state.verified is not None:
                         width.observe(*state.verified, row=b)
                         state.verified = None
-                    added = state.tokens[row.before:]
+                    added = state.tokens[row.before :]
                     if not added and not state.finished and row.error is None:
                         row.error = RuntimeError(f"strategy {row.decoder.name!r} made a step that accepted no token")
                     elapsed = time.perf_counter() - row.began
@@ -465,8 +489,8 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                         full = state.lm.decode(state.new_tokens)
                         if full.endswith("\ufffd") and not state.finished and row.error is None:
                             full = full[:-1]  # an incomplete UTF-8 character: streamed with the next step
-                        piece, row.text = full[len(row.text):], full
-                    chunk = Chunk(added, piece, state.sources[len(state.sources) - len(added):], row.index)
+                        piece, row.text = full[len(row.text) :], full
+                    chunk = Chunk(added, piece, state.sources[len(state.sources) - len(added) :], row.index)
                     if row.error is not None:
                         state.finish_reason = "error"
                     if state.finished:
@@ -478,16 +502,18 @@ def run(lm: LM, runs: list[tuple[DecodeState, Decoder]], batch_size: int, with_t
                         batch.clear(b)
                         width.forget(b)
                         rows[b] = None
-                    done.append((row.index, chunk,
-                                 Decoding(state, row.decoder).result(row.error) if state.finished else None))
+                    done.append(
+                        (row.index, chunk, Decoding(state, row.decoder).result(row.error) if state.finished else None)
+                    )
         for item in done:
             paused = time.perf_counter()  # (the caller's time with the chunk is not the batch's)
             yield item
             since += time.perf_counter() - paused
 
 
-def one_at_a_time(runs: list[tuple[DecodeState, Decoder]], with_text: bool = True
-                  ) -> Iterator[tuple[int, Chunk, Result | None]]:
+def one_at_a_time(
+    runs: list[tuple[DecodeState, Decoder]], with_text: bool = True
+) -> Iterator[tuple[int, Chunk, Result | None]]:
     """`run` with one row in flight: each run alone on its own cache, as `decoders.generate` runs one prompt (a batch
     of one shares no call: its masks, slots and widths would only cost)."""
     for index, (state, decoder) in enumerate(runs):
@@ -500,8 +526,8 @@ def one_at_a_time(runs: list[tuple[DecodeState, Decoder]], with_text: bool = Tru
             except Exception as raised:  # noqa: BLE001  (as a batch's row: the later runs go on)
                 error, state.finish_reason = raised, "error"
                 added = state.tokens[streamed:]  # accepted before the raise (a `finish` that raised: its last step)
-                piece = state.lm.decode(state.new_tokens)[len(text):] if with_text else ""
-                chunk = Chunk(added, piece, state.sources[len(state.sources) - len(added):])
+                piece = state.lm.decode(state.new_tokens)[len(text) :] if with_text else ""
+                chunk = Chunk(added, piece, state.sources[len(state.sources) - len(added) :])
             streamed, text = len(state.tokens), text + chunk.text
             yield index, replace(chunk, index=index), run.result(error) if state.finished else None
 
@@ -537,4 +563,3 @@ def _advance(row: Row, logits: torch.Tensor | None) -> None:
     except Exception as error:  # noqa: BLE001  (its strategy's, grammar's or drafter's: the other rows go on)
         row.steps = row.pending = None
         row.error = error
-

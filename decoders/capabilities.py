@@ -12,11 +12,15 @@ def check_request(strategy: type[Decoder] | Decoder, has_draft: bool, has_gramma
     `has_grammar=None`: not known yet (e.g. a suite decides per prompt)."""
     name = strategy.name
     if strategy.needs_draft and not has_draft:
-        raise ValueError(f"strategy {name!r} needs a draft model: pass draft=<LM, model name or 'self:int8'> "
-                         "(--draft on the command line)")
+        raise ValueError(
+            f"strategy {name!r} needs a draft model: pass draft=<LM, model name or 'self:int8'> "
+            "(--draft on the command line)"
+        )
     if has_draft and not (strategy.takes_draft or strategy.needs_draft):
-        raise ValueError(f"strategy {name!r} takes no draft model, but one was given; drop draft= (--draft), or "
-                         "pick a strategy that drafts with a model (speculative, threshold, staged ...)")
+        raise ValueError(
+            f"strategy {name!r} takes no draft model, but one was given; drop draft= (--draft), or "
+            "pick a strategy that drafts with a model (speculative, threshold, staged ...)"
+        )
     if strategy.needs_grammar and has_grammar is False:
         raise ValueError(
             f"strategy {name!r} needs a grammar: pass grammar=grammars.json_schema(...), grammars.regex(...), "
@@ -32,15 +36,19 @@ def check_models(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = N
         # where the weights are now, not where they were when wrapped (a model may have been moved since)
         ours, theirs = (next(m.model.parameters()).device for m in (lm, draft))
         if ours != theirs:
-            raise ValueError(f"the draft model {draft.name!r} is on {theirs}, the target on {ours}: load or wrap both "
-                             f"on one device (decoders.load(..., device=\"{ours}\"))")
+            raise ValueError(
+                f"the draft model {draft.name!r} is on {theirs}, the target on {ours}: load or wrap both "
+                f'on one device (decoders.load(..., device="{ours}"))'
+            )
     if draft is not None and strategy.draft_needs_tree_mask:
         try:
             lm.check_draft(draft)
         except ValueError as error:
-            raise ValueError(f"{error} for strategy {strategy.name!r}, which grows token trees in the draft's own "
-                             "vocabulary; speculative, threshold and auto take a draft of another tokenizer "
-                             "(they translate its drafts through text)") from error
+            raise ValueError(
+                f"{error} for strategy {strategy.name!r}, which grows token trees in the draft's own "
+                "vocabulary; speculative, threshold and auto take a draft of another tokenizer "
+                "(they translate its drafts through text)"
+            ) from error
     if strategy.needs_tree_mask:
         lm.check_tree_mask()  # the error names it the target
     if draft is not None and strategy.draft_needs_tree_mask:

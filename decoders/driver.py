@@ -98,16 +98,22 @@ class Decoding:
                 full = state.lm.decode(state.new_tokens)
                 if full.endswith("\ufffd") and not state.finished:
                     full = full[:-1]  # an incomplete UTF-8 character: emit it with the next step
-                piece, text = full[len(text):], full
-            yield Chunk(tokens=added, text=piece, sources=state.sources[len(state.sources) - len(added):])
+                piece, text = full[len(text) :], full
+            yield Chunk(tokens=added, text=piece, sources=state.sources[len(state.sources) - len(added) :])
 
     def result(self, error: Exception | None = None) -> Result:
         """The run's outcome (what it has so far, if `chunks()` was not run to the end); `error`: what ended it."""
         state = self.state
-        return Result(text=state.lm.decode(state.new_tokens), tokens=state.new_tokens, sources=state.sources,
-                      stats=state.stats, finish_reason=state.finish_reason,
-                      prompt_tokens=state.tokens[: state.prompt_len], strategy=self.decoder.name,
-                      error=None if error is None else f"{type(error).__name__}: {error}")
+        return Result(
+            text=state.lm.decode(state.new_tokens),
+            tokens=state.new_tokens,
+            sources=state.sources,
+            stats=state.stats,
+            finish_reason=state.finish_reason,
+            prompt_tokens=state.tokens[: state.prompt_len],
+            strategy=self.decoder.name,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+        )
 
 
 def prepare(lm: LM, prompt: Prompt, **kwargs) -> Decoding:
@@ -188,7 +194,8 @@ def is_batch(prompt) -> bool:
     """Whether `prompt` is a list of prompts (strings or sequences of ids), not one prompt; an empty list is one of
     no prompts."""
     return isinstance(prompt, list | tuple) and all(
-        isinstance(p, str) or (isinstance(p, Iterable) and not isinstance(p, bytes)) for p in prompt)
+        isinstance(p, str) or (isinstance(p, Iterable) and not isinstance(p, bytes)) for p in prompt
+    )
 
 
 def _per_row(value, count: int, name: str, rows: bool) -> list:
@@ -200,8 +207,16 @@ def _per_row(value, count: int, name: str, rows: bool) -> list:
     return list(value)
 
 
-def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, seed=None, grammar=None, stop=None,
-               with_text: bool = True, **kwargs):
+def _run_batch(
+    lm: LM,
+    prompts: Sequence[Prompt],
+    batch_size: int = BATCH_SIZE,
+    seed=None,
+    grammar=None,
+    stop=None,
+    with_text: bool = True,
+    **kwargs,
+):
     """Check every prompt (an error names its index) before any runs, then decode them batched (`decoders.batch`).
     No prompts: nothing runs, but what needs no prompt is checked."""
     from decoders import batch
@@ -217,8 +232,13 @@ def _run_batch(lm: LM, prompts: Sequence[Prompt], batch_size: int = BATCH_SIZE, 
     if not many and seed is not None:
         seeds = [whole("seed", seed, 0, 2**64 - len(prompts)) + i for i in range(len(prompts))]
     grammars = _per_row(grammar, len(prompts), "grammar", isinstance(grammar, list | tuple))
-    per_row_stop = isinstance(stop, list | tuple) and len(stop) > 0 and all(  # (an empty list: no stop strings)
-        s is None or isinstance(s, list | tuple) for s in stop)
+    per_row_stop = (
+        isinstance(stop, list | tuple)
+        and len(stop) > 0
+        and all(  # (an empty list: no stop strings)
+            s is None or isinstance(s, list | tuple) for s in stop
+        )
+    )
     stops = _per_row(stop, len(prompts), "stop", per_row_stop)
     runs = []
     for i, prompt in enumerate(prompts):
@@ -251,12 +271,15 @@ def _prompt_tokens(lm: LM, prompt: Prompt) -> list[int]:
     else:
         shape = tuple(getattr(prompt, "shape", ()))
         if len(shape) > 2 or (len(shape) == 2 and shape[0] != 1):
-            raise ValueError(f"got a batch of prompts (shape {list(shape)}): pass one sequence of token ids, or a list "
-                             "of prompts to decode them together")
+            raise ValueError(
+                f"got a batch of prompts (shape {list(shape)}): pass one sequence of token ids, or a list "
+                "of prompts to decode them together"
+            )
         tokens = prompt.reshape(-1).tolist() if shape else list(prompt)
         if any(isinstance(t, (list, tuple)) or getattr(t, "ndim", 0) for t in tokens):
-            raise ValueError("got a nested sequence inside one prompt; a list of prompts is a list of strings or of "
-                             "token-id lists")
+            raise ValueError(
+                "got a nested sequence inside one prompt; a list of prompts is a list of strings or of token-id lists"
+            )
     if not tokens:
         raise ValueError("the prompt is empty; give some text or token ids to continue")
     bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < lm.vocab_size]

@@ -41,8 +41,12 @@ from decoders.models.attention import restored
 from decoders.models.lm import LM
 
 # The logits warpers decodekit's sampling reproduces, in the order both apply them, and the setting each carries.
-_WARPERS = ((TemperatureLogitsWarper, "temperature"), (TopKLogitsWarper, "top_k"), (TopPLogitsWarper, "top_p"),
-            (MinPLogitsWarper, "min_p"))
+_WARPERS = (
+    (TemperatureLogitsWarper, "temperature"),
+    (TopKLogitsWarper, "top_k"),
+    (TopPLogitsWarper, "top_p"),
+    (MinPLogitsWarper, "min_p"),
+)
 # Processors transformers adds for a generate argument, by class name: named in the error that refuses them.
 _PROCESSOR_ARGUMENTS = {
     "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
@@ -75,8 +79,9 @@ _UNSUPPORTED_FIELDS = {
     **dict.fromkeys(("num_beams", "num_beam_groups", "num_return_sequences"), (None, 1)),
     "penalty_alpha": (None, 0, 0.0),
     **dict.fromkeys(("dola_layers", "prompt_lookup_num_tokens", "assistant_early_exit"), (None,)),
-    **dict.fromkeys(("token_healing", "output_scores", "output_logits", "output_attentions", "output_hidden_states"),
-                    (None, False)),
+    **dict.fromkeys(
+        ("token_healing", "output_scores", "output_logits", "output_attentions", "output_hidden_states"), (None, False)
+    ),
 }
 _CACHE_INPUTS = ("cache", "past_key_values")  # generate's KV cache input: `cache` from transformers 5.24 on
 _OWN_ARGUMENTS = ("strategy", "draft", "seed", "grammar", "tokenizer")  # besides the strategies' options
@@ -95,8 +100,10 @@ class TokenIds:
     eos_token_id = None
 
     def __call__(self, text: str, **kwargs):
-        raise TypeError("this run has no tokenizer (transformers does not pass tokenizer= to a custom_generate "
-                        "callable); give token ids, not text")
+        raise TypeError(
+            "this run has no tokenizer (transformers does not pass tokenizer= to a custom_generate "
+            "callable); give token ids, not text"
+        )
 
     def get_vocab(self) -> dict[str, int]:
         return {}
@@ -116,18 +123,31 @@ class CustomGenerate:
     def __signature__(self) -> inspect.Signature:
         _, *named, rest = inspect.signature(CustomGenerate.__call__).parameters.values()  # (self, model, ..., **kwargs)
         keyword = inspect.Parameter.KEYWORD_ONLY
-        ours = [inspect.Parameter("strategy", keyword, default="greedy"),
-                *(inspect.Parameter(name, keyword, default=None) for name in (*_OWN_ARGUMENTS[1:], *_option_names()))]
+        ours = [
+            inspect.Parameter("strategy", keyword, default="greedy"),
+            *(inspect.Parameter(name, keyword, default=None) for name in (*_OWN_ARGUMENTS[1:], *_option_names())),
+        ]
         named = [p.replace(annotation=inspect.Parameter.empty) for p in named]
         return inspect.Signature([*named, *ours, rest.replace(name="model_kwargs")])
 
-    def __call__(self, model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
-                 generation_config: GenerationConfig | None = None, synced_gpus: bool = False, streamer=None,
-                 assistant_model=None, **kwargs) -> torch.Tensor | DecodekitOutput:
+    def __call__(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        logits_processor=None,
+        stopping_criteria=None,
+        generation_config: GenerationConfig | None = None,
+        synced_gpus: bool = False,
+        streamer=None,
+        assistant_model=None,
+        **kwargs,
+    ) -> torch.Tensor | DecodekitOutput:
         """Run `strategy` on a prepared `generate` call and return what `generate` returns."""
         if generation_config is None:
-            raise TypeError("decoders.hf.custom_generate is called by model.generate: "
-                            "model.generate(**inputs, custom_generate=custom_generate, strategy=...)")
+            raise TypeError(
+                "decoders.hf.custom_generate is called by model.generate: "
+                "model.generate(**inputs, custom_generate=custom_generate, strategy=...)"
+            )
         if synced_gpus:
             raise ValueError("synced_gpus=True is not supported by decodekit's custom_generate (one process)")
         options = {name: kwargs.pop(name) for name in _option_names() if name in kwargs}
@@ -139,27 +159,41 @@ class CustomGenerate:
         assistant_model = assistant_model if assistant_model is not None else call_assistant
         kept = _check_call(input_ids, generation_config, kwargs)  # [B, T] bool: the prompts' own tokens
         if input_ids.shape[0] > 1 and streamer is not None:
-            raise ValueError(f"streamer= with a batch of {input_ids.shape[0]} prompts is not supported by decodekit's "
-                             "custom_generate: its rows advance at their own pace, not one token per row per step; "
-                             "stream one prompt at a time, or use decoders.stream(lm, prompts)")
+            raise ValueError(
+                f"streamer= with a batch of {input_ids.shape[0]} prompts is not supported by decodekit's "
+                "custom_generate: its rows advance at their own pace, not one token per row per step; "
+                "stream one prompt at a time, or use decoders.stream(lm, prompts)"
+            )
         sampling = _sampling(generation_config, list(logits_processor or ()))
         if sampling["temperature"] and seed is None:
             seed = int(torch.randint(0, 2**62, ()))  # from torch's global RNG, as transformers samples
         if grammar is not None and tokenizer is None:
-            raise ValueError("grammar= needs the tokenizer, which transformers does not pass to a custom_generate "
-                             "callable: export a folder (decodekit export-hub DIR) and call model.generate(..., "
-                             "custom_generate='DIR', trust_remote_code=True, tokenizer=tok, grammar=...), or use "
-                             "decoders.generate")
+            raise ValueError(
+                "grammar= needs the tokenizer, which transformers does not pass to a custom_generate "
+                "callable: export a folder (decodekit export-hub DIR) and call model.generate(..., "
+                "custom_generate='DIR', trust_remote_code=True, tokenizer=tok, grammar=...), or use "
+                "decoders.generate"
+            )
         with restored(model, assistant_model):  # LM sets eval mode and may switch the attention
             lm, draft = _models(model, tokenizer, generation_config, assistant_model, draft)
             try:
-                check_request(strategy if isinstance(strategy, Decoder) else registry.get(strategy),
-                              has_draft=draft is not None, has_grammar=grammar is not None)
+                check_request(
+                    strategy if isinstance(strategy, Decoder) else registry.get(strategy),
+                    has_draft=draft is not None,
+                    has_grammar=grammar is not None,
+                )
             except ValueError as error:
                 raise ValueError(f"{error} (in model.generate, the draft model is assistant_model=)") from error
             prompts = [row[keep.to(row.device)].tolist() for row, keep in zip(input_ids, kept)]
-            arguments = dict(strategy=strategy, max_new_tokens=generation_config.max_length - input_ids.shape[1],
-                             draft=draft, seed=seed, grammar=grammar, **sampling, **options)
+            arguments = dict(
+                strategy=strategy,
+                max_new_tokens=generation_config.max_length - input_ids.shape[1],
+                draft=draft,
+                seed=seed,
+                grammar=grammar,
+                **sampling,
+                **options,
+            )
             if len(prompts) == 1:
                 run = prepare(lm, prompts[0], **arguments)
                 sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
@@ -193,8 +227,7 @@ def hub_generate(model, *args, **kwargs) -> torch.Tensor | DecodekitOutput:
 def _option_names() -> list[str]:
     """Every option of every registered strategy that can be a `generate` keyword (a generation-config field cannot)."""
     defaults = GenerationConfig()
-    names = {field.name for name in registry.available()
-             for field in dataclasses.fields(registry.get(name).Options)}
+    names = {field.name for name in registry.available() for field in dataclasses.fields(registry.get(name).Options)}
     return sorted(n for n in names if n not in _OWN_ARGUMENTS and not hasattr(defaults, n))
 
 
@@ -216,8 +249,12 @@ def _row_stats(result: Result, new: int) -> dict:
     """A row's `decodekit_stats` for the `new` tokens the output kept (finish reason "stop" if a criterion cut it)."""
     result.stats.new_tokens = new
     whole_run = result.finish_reason is not None and new == len(result.tokens)
-    return {**result.stats.as_dict(), "strategy": result.strategy,
-            "finish_reason": result.finish_reason if whole_run else "stop", "sources": result.sources[:new]}
+    return {
+        **result.stats.as_dict(),
+        "strategy": result.strategy,
+        "finish_reason": result.finish_reason if whole_run else "stop",
+        "sources": result.sources[:new],
+    }
 
 
 def _pad_id(generation_config: GenerationConfig) -> int:
@@ -269,8 +306,9 @@ def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch
     return sequence[:, :length].clone()
 
 
-def _emit_batch(lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: int, stopping_criteria,
-                **arguments) -> tuple[torch.Tensor, list[Result], list[int]]:
+def _emit_batch(
+    lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: int, stopping_criteria, **arguments
+) -> tuple[torch.Tensor, list[Result], list[int]]:
     """Decode the rows together, the stopping criteria checked on each row's own sequence [1, T + n] after every
     token; returns the sequences [B, T + longest] padded with `pad`, the rows' results and the new tokens each kept."""
     width, device = input_ids.shape[1], input_ids.device
@@ -281,8 +319,9 @@ def _emit_batch(lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: 
     for index, chunk, result in _run_batch(lm, prompts, batch_size=len(prompts), with_text=False, **arguments):
         for token in [] if stopped[index] else chunk.tokens:
             new[index].append(token)
-            if stopping_criteria is not None and bool(stopping_criteria(
-                    torch.tensor([padded[index] + new[index]], device=device), None).any()):
+            if stopping_criteria is not None and bool(
+                stopping_criteria(torch.tensor([padded[index] + new[index]], device=device), None).any()
+            ):
                 stopped[index] = True
                 break
         if result is not None:
@@ -293,14 +332,18 @@ def _emit_batch(lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: 
     sequences = torch.full((len(prompts), width + max(map(len, new))), pad, dtype=torch.long, device=device)
     sequences[:, :width] = input_ids
     for index, tokens in enumerate(new):
-        sequences[index, width: width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        sequences[index, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     return sequences, results, [len(tokens) for tokens in new]
 
 
 def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
     """decodekit's sampling settings from the logits warpers (greedy unless do_sample); other processors are refused."""
-    settings: dict[str, Any] = {"temperature": 1.0 if generation_config.do_sample else 0.0,
-                                "top_k": None, "top_p": None, "min_p": None}
+    settings: dict[str, Any] = {
+        "temperature": 1.0 if generation_config.do_sample else 0.0,
+        "top_k": None,
+        "top_p": None,
+        "min_p": None,
+    }
     last = -1
     for processor in processors:
         name = type(processor).__name__
@@ -310,13 +353,20 @@ def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
                 continue  # renormalize_logits: a log-softmax leaves the distribution as it is
             argument = _PROCESSOR_ARGUMENTS.get(name)
             cause = f"{argument} (adds {name})" if argument else f"logits_processor=[{name}(...)]"
-            raise ValueError(f"{cause} is not supported by decodekit's custom_generate: its strategies sample from "
-                             "the model's distribution after temperature, top_k, top_p and min_p only; drop it")
-        if index <= last or getattr(processor, "min_tokens_to_keep", 1) != 1 \
-                or getattr(processor, "filter_value", float("-inf")) != float("-inf"):
-            raise ValueError(f"logits_processor: {name} as given is not supported by decodekit's custom_generate: "
-                             "temperature, top_k, top_p and min_p apply once each, in that order, dropping tokens "
-                             "to -inf and keeping at least one; set them as generate arguments instead")
+            raise ValueError(
+                f"{cause} is not supported by decodekit's custom_generate: its strategies sample from "
+                "the model's distribution after temperature, top_k, top_p and min_p only; drop it"
+            )
+        if (
+            index <= last
+            or getattr(processor, "min_tokens_to_keep", 1) != 1
+            or getattr(processor, "filter_value", float("-inf")) != float("-inf")
+        ):
+            raise ValueError(
+                f"logits_processor: {name} as given is not supported by decodekit's custom_generate: "
+                "temperature, top_k, top_p and min_p apply once each, in that order, dropping tokens "
+                "to -inf and keeping at least one; set them as generate arguments instead"
+            )
         last = index
         if generation_config.do_sample:  # in greedy mode a warper never changes the argmax
             field = _WARPERS[index][1]
@@ -330,9 +380,11 @@ def _left_padding(mask: torch.Tensor) -> torch.Tensor:
     counts = kept.sum(1)
     left = torch.arange(kept.shape[1])[None, :] >= (kept.shape[1] - counts)[:, None]  # zeros first, then ones
     if not torch.equal(kept, left) or bool((counts == 0).any()):
-        raise ValueError("attention_mask with right padding (or zeros between ones, or an empty row) is not supported "
-                         "by decodekit's custom_generate: pad prompts on the left (tokenizer padding_side='left'), as "
-                         "transformers' generate expects")
+        raise ValueError(
+            "attention_mask with right padding (or zeros between ones, or an empty row) is not supported "
+            "by decodekit's custom_generate: pad prompts on the left (tokenizer padding_side='left'), as "
+            "transformers' generate expects"
+        )
     return kept
 
 
@@ -341,21 +393,32 @@ def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, mo
     for field, allowed in _UNSUPPORTED_FIELDS.items():  # first: beams and return sequences also widen the batch
         value = getattr(generation_config, field, None)
         if value not in allowed:
-            raise ValueError(f"{field}={value!r} is not supported by decodekit's custom_generate "
-                             f"(it runs one decodekit strategy and returns sequences and decodekit_stats); drop it")
+            raise ValueError(
+                f"{field}={value!r} is not supported by decodekit's custom_generate "
+                f"(it runs one decodekit strategy and returns sequences and decodekit_stats); drop it"
+            )
     mask = model_kwargs.get("attention_mask")
     kept = torch.ones(input_ids.shape, dtype=torch.bool) if mask is None else _left_padding(mask)
     for name, value in model_kwargs.items():
         if value is None or name in ("use_cache", "logits_to_keep", "cache_position", "attention_mask"):
             continue
-        if name == "position_ids" and value.numel() == input_ids.numel() and all(
+        if (
+            name == "position_ids"
+            and value.numel() == input_ids.numel()
+            and all(
                 torch.equal(row[keep], torch.arange(int(keep.sum())))
-                for row, keep in zip(value.reshape(input_ids.shape).cpu(), kept)):
+                for row, keep in zip(value.reshape(input_ids.shape).cpu(), kept)
+            )
+        ):
             continue
         if name in _CACHE_INPUTS and getattr(value, "get_seq_length", lambda: 1)() == 0:
             continue  # the empty cache transformers made
-        why = {"position_ids": "position_ids other than 0..n-1 over each prompt's own tokens",
-               **{cache: f"a prefilled {cache} cache" for cache in _CACHE_INPUTS}}.get(name, f"the model input {name}=")
-        raise ValueError(f"{why} is not supported by decodekit's custom_generate: it decodes the prompts of "
-                         "input_ids (left padding dropped by attention_mask), from scratch")
+        why = {
+            "position_ids": "position_ids other than 0..n-1 over each prompt's own tokens",
+            **{cache: f"a prefilled {cache} cache" for cache in _CACHE_INPUTS},
+        }.get(name, f"the model input {name}=")
+        raise ValueError(
+            f"{why} is not supported by decodekit's custom_generate: it decodes the prompts of "
+            "input_ids (left padding dropped by attention_mask), from scratch"
+        )
     return kept

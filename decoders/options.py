@@ -9,8 +9,12 @@ import numbers
 
 def whole(name: str, value, least: int = 1, below: int | None = None) -> int:
     """`value` as an int if a whole number >= `least` (and < `below`; numpy ints count, bools not), else ValueError."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least
-            or (below is not None and value >= below)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < least
+        or (below is not None and value >= below)
+    ):
         bound = f">= {least}" if below is None else f"in [{least}, {below})"
         raise ValueError(f"{name} must be a whole number {bound}, got {value!r}")
     return int(value)
@@ -18,8 +22,13 @@ def whole(name: str, value, least: int = 1, below: int | None = None) -> int:
 
 def probability(name: str, value, high_open: bool = False) -> float:
     """`value` if it is a real number in [0, 1] (or [0, 1) when `high_open`), else a ValueError naming `name`."""
-    inside = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-              and 0 <= value and (value < 1 if high_open else value <= 1))
+    inside = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value
+        and (value < 1 if high_open else value <= 1)
+    )
     if not inside:
         raise ValueError(f"{name} must be a probability in [0, 1{')' if high_open else ']'}, got {value!r}")
     return float(value)

@@ -45,8 +45,9 @@ def _load_entry_points() -> None:
         try:
             point.load()  # importing the module runs its @register
         except Exception as error:  # noqa: BLE001 - a broken plugin must not take the built-in strategies down
-            warnings.warn(f"decodekit: could not load strategy plugin {point.name!r} ({point.value}): {error}",
-                          stacklevel=1)
+            warnings.warn(
+                f"decodekit: could not load strategy plugin {point.name!r} ({point.value}): {error}", stacklevel=1
+            )
 
 
 def available() -> list[str]:

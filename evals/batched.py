@@ -89,27 +89,76 @@ def row_tokens(generated: list[int], eos: frozenset[int], limit: int) -> list[in
     return tokens if end is None else tokens[: end + 1]
 
 
-def _run(lm: decoders.LM, request: Request, strategy: str, kind: str, repeat: int, batch_size: int, tokens: list[int],
-         seconds: float, ttft: float, timeline: list[tuple[float, int]], peak: int | None, **counters: Any) -> Run:
+def _run(
+    lm: decoders.LM,
+    request: Request,
+    strategy: str,
+    kind: str,
+    repeat: int,
+    batch_size: int,
+    tokens: list[int],
+    seconds: float,
+    ttft: float,
+    timeline: list[tuple[float, int]],
+    peak: int | None,
+    **counters: Any,
+) -> Run:
     """The `Run` of one request of a queue (counters a method cannot report default to None)."""
     finish = "eos" if tokens and tokens[-1] in lm.eos_token_ids else "length"
-    fields = dict(target_calls=None, draft_calls=None, drafted=None, accepted=None, accepted_by_position=[],
-                  drafted_by_position=[], draft_seconds=None, sources=["target"] * len(tokens), finish_reason=finish)
-    return Run(strategy=strategy, kind=kind, prompt_id=request.prompt.id, category=request.prompt.category,
-               repeat=repeat, prompt_tokens=len(request.tokens), max_new_tokens=request.limit,
-               new_tokens=len(tokens), seconds=seconds, ttft_seconds=ttft, peak_memory_bytes=peak,
-               tokens=list(tokens), pieces=pieces(lm, tokens), timeline=timeline, batch_size=batch_size,
-               **{**fields, **counters})
+    fields = dict(
+        target_calls=None,
+        draft_calls=None,
+        drafted=None,
+        accepted=None,
+        accepted_by_position=[],
+        drafted_by_position=[],
+        draft_seconds=None,
+        sources=["target"] * len(tokens),
+        finish_reason=finish,
+    )
+    return Run(
+        strategy=strategy,
+        kind=kind,
+        prompt_id=request.prompt.id,
+        category=request.prompt.category,
+        repeat=repeat,
+        prompt_tokens=len(request.tokens),
+        max_new_tokens=request.limit,
+        new_tokens=len(tokens),
+        seconds=seconds,
+        ttft_seconds=ttft,
+        peak_memory_bytes=peak,
+        tokens=list(tokens),
+        pieces=pieces(lm, tokens),
+        timeline=timeline,
+        batch_size=batch_size,
+        **{**fields, **counters},
+    )
 
 
 def _error(request: Request, strategy: str, kind: str, repeat: int, batch_size: int, error: str) -> dict:
-    return {"strategy": strategy, "kind": kind, "prompt_id": request.prompt.id, "category": request.prompt.category,
-            "repeat": repeat, "batch_size": batch_size, "error": error}
+    return {
+        "strategy": strategy,
+        "kind": kind,
+        "prompt_id": request.prompt.id,
+        "category": request.prompt.category,
+        "repeat": repeat,
+        "batch_size": batch_size,
+        "error": error,
+    }
 
 
 # ------------------------------------------------------------------------------------------------------- decodekit
-def decodekit_queue(lm: decoders.LM, requests: list[Request], decoder: decoders.Decoder, *, batch_size: int,
-                    name: str, repeat: int, draft: decoders.LM | None = None) -> Done:
+def decodekit_queue(
+    lm: decoders.LM,
+    requests: list[Request],
+    decoder: decoders.Decoder,
+    *,
+    batch_size: int,
+    name: str,
+    repeat: int,
+    draft: decoders.LM | None = None,
+) -> Done:
     """Time `decoder` over the queue, continuously batched with at most `batch_size` rows in flight: what
     `decoders.generate(lm, prompts, batch_size=...)` runs (`driver.prepare` per prompt, then `decoders.batch.run`),
     all inside the clock, with each prompt's own max_new_tokens."""
@@ -117,11 +166,13 @@ def decodekit_queue(lm: decoders.LM, requests: list[Request], decoder: decoders.
     results: dict[int, decoders.Result] = {}
     arrivals: dict[int, list[tuple[float, int]]] = {}  # per request: (seconds since the queue began, tokens so far)
     with watch:
-        prepared = [driver.prepare(lm, r.tokens, strategy=decoder, max_new_tokens=r.limit, draft=draft)
-                    for r in requests]
+        prepared = [
+            driver.prepare(lm, r.tokens, strategy=decoder, max_new_tokens=r.limit, draft=draft) for r in requests
+        ]
         for index, _, result in batch.run(lm, [(p.state, p.decoder) for p in prepared], batch_size):
             arrivals.setdefault(index, []).append(
-                (time.perf_counter() - watch.start, len(prepared[index].state.new_tokens)))
+                (time.perf_counter() - watch.start, len(prepared[index].state.new_tokens))
+            )
             if result is not None:
                 results[index] = result
     runs, errors = [], []
@@ -133,16 +184,43 @@ def decodekit_queue(lm: decoders.LM, requests: list[Request], decoder: decoders.
         stats = result.stats
         admitted = arrivals[index][-1][0] - stats.seconds  # the driver's clock of the row began at its admission
         lengths = list(stats.draft_lengths)
-        runs.append(_run(
-            lm, request, name, "decodekit", repeat, batch_size, result.tokens, stats.seconds, stats.ttft_seconds,
-            [(t - admitted, n) for t, n in arrivals[index]], watch.peak_bytes, target_calls=stats.target_calls,
-            draft_calls=stats.draft_calls, drafted=stats.drafted, accepted=stats.accepted,
-            accepted_by_position=list(stats.accepted_by_position),
-            drafted_by_position=[sum(n > depth for n in lengths) for depth in range(max(lengths, default=0))],
-            sources=list(result.sources), finish_reason=result.finish_reason, argmax_gaps=list(stats.argmax_gaps),
-            extra={"driver_seconds": stats.seconds, "driver_ttft_seconds": stats.ttft_seconds, **stats.details}))
-    queue = Queue(name, "decodekit", batch_size, repeat, len(requests), sum(r.new_tokens for r in runs), watch.seconds,
-                  watch.target.calls, watch.draft.seconds if watch.draft_metered else None, watch.peak_bytes)
+        runs.append(
+            _run(
+                lm,
+                request,
+                name,
+                "decodekit",
+                repeat,
+                batch_size,
+                result.tokens,
+                stats.seconds,
+                stats.ttft_seconds,
+                [(t - admitted, n) for t, n in arrivals[index]],
+                watch.peak_bytes,
+                target_calls=stats.target_calls,
+                draft_calls=stats.draft_calls,
+                drafted=stats.drafted,
+                accepted=stats.accepted,
+                accepted_by_position=list(stats.accepted_by_position),
+                drafted_by_position=[sum(n > depth for n in lengths) for depth in range(max(lengths, default=0))],
+                sources=list(result.sources),
+                finish_reason=result.finish_reason,
+                argmax_gaps=list(stats.argmax_gaps),
+                extra={"driver_seconds": stats.seconds, "driver_ttft_seconds": stats.ttft_seconds, **stats.details},
+            )
+        )
+    queue = Queue(
+        name,
+        "decodekit",
+        batch_size,
+        repeat,
+        len(requests),
+        sum(r.new_tokens for r in runs),
+        watch.seconds,
+        watch.target.calls,
+        watch.draft.seconds if watch.draft_metered else None,
+        watch.peak_bytes,
+    )
     return Done(queue, runs, errors)
 
 
@@ -163,8 +241,9 @@ class _Steps(BaseStreamer):
         pass
 
 
-def hf_batch_queue(lm: decoders.LM, requests: list[Request], *, batch_size: int, repeat: int,
-                   name: str = "hf:batch") -> Done:
+def hf_batch_queue(
+    lm: decoders.LM, requests: list[Request], *, batch_size: int, repeat: int, name: str = "hf:batch"
+) -> Done:
     """Time transformers `generate(do_sample=False)` over the queue in left-padded batches of `batch_size` prompts,
     one batch after another (each up to its longest max_new_tokens)."""
     pad, device = peers.pad_token_id(lm), lm.device
@@ -172,27 +251,56 @@ def hf_batch_queue(lm: decoders.LM, requests: list[Request], *, batch_size: int,
     rows = []  # (request, generated tokens, its batch's start, its batch's step times)
     with watch:
         for start in range(0, len(requests), batch_size):
-            share = requests[start: start + batch_size]
+            share = requests[start : start + batch_size]
             width = max(len(r.tokens) for r in share)
             ids = torch.full((len(share), width), pad, dtype=torch.long)  # [B, T], left-padded
             mask = torch.zeros_like(ids)
             for i, request in enumerate(share):
-                ids[i, width - len(request.tokens):] = torch.tensor(request.tokens)
-                mask[i, width - len(request.tokens):] = 1
+                ids[i, width - len(request.tokens) :] = torch.tensor(request.tokens)
+                mask[i, width - len(request.tokens) :] = 1
             steps = _Steps()
             began = time.perf_counter()
-            output = peers.quiet_generate(lm.model, input_ids=ids.to(device), attention_mask=mask.to(device),
-                                          max_new_tokens=max(r.limit for r in share), streamer=steps,
-                                          **peers.greedy_arguments(lm))
+            output = peers.quiet_generate(
+                lm.model,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max(r.limit for r in share),
+                streamer=steps,
+                **peers.greedy_arguments(lm),
+            )
             rows += [(r, output[i, width:].tolist(), began, steps.times) for i, r in enumerate(share)]
     runs = []
     for request, generated, began, times in rows:
         tokens = row_tokens(generated, lm.eos_token_ids, request.limit)
         marks = [(t - began, n + 1) for n, t in enumerate(times[: len(tokens)])]
-        runs.append(_run(lm, request, name, "peer", repeat, batch_size, tokens, marks[-1][0], marks[0][0], marks,
-                         watch.peak_bytes, target_calls=len(tokens)))  # one batched call per step of the row
-    queue = Queue(name, "peer", batch_size, repeat, len(requests), sum(r.new_tokens for r in runs), watch.seconds,
-                  watch.target.calls, None, watch.peak_bytes)
+        runs.append(
+            _run(
+                lm,
+                request,
+                name,
+                "peer",
+                repeat,
+                batch_size,
+                tokens,
+                marks[-1][0],
+                marks[0][0],
+                marks,
+                watch.peak_bytes,
+                target_calls=len(tokens),
+            )
+        )  # one batched call per step of the row
+    queue = Queue(
+        name,
+        "peer",
+        batch_size,
+        repeat,
+        len(requests),
+        sum(r.new_tokens for r in runs),
+        watch.seconds,
+        watch.target.calls,
+        None,
+        watch.peak_bytes,
+    )
     return Done(queue, runs, [])
 
 
@@ -204,26 +312,37 @@ def generate_batch(lm: decoders.LM, inputs: list[list[int]], batch_size: int, ma
     longest = max(len(tokens) for tokens in inputs) + max_new_tokens
     settings = peers.greedy_arguments(lm)
     config = transformers.GenerationConfig(max_new_tokens=max_new_tokens, **settings)
-    page = "page_size" if "page_size" in inspect.signature(transformers.ContinuousBatchingConfig).parameters else \
-        "block_size"  # (its name in older transformers, e.g. 5.17)
+    page = (
+        "page_size"
+        if "page_size" in inspect.signature(transformers.ContinuousBatchingConfig).parameters
+        else "block_size"
+    )  # (its name in older transformers, e.g. 5.17)
     paged = transformers.ContinuousBatchingConfig(
-        **{page: PAGE_SIZE}, max_requests_per_batch=batch_size,
-        num_blocks=2 * batch_size * math.ceil(longest / PAGE_SIZE))  # (not 90% of free memory: room for N requests)
+        **{page: PAGE_SIZE},
+        max_requests_per_batch=batch_size,
+        num_blocks=2 * batch_size * math.ceil(longest / PAGE_SIZE),
+    )  # (not 90% of free memory: room for N requests)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity(transformers.logging.CRITICAL)  # its failures come back as our error
     try:
         # (it prints when its thread dies: stdout carries the report; it runs transformers' own attention only)
         with contextlib.redirect_stdout(sys.stderr), stock(lm.model):
-            outputs = lm.model.generate_batch(inputs, generation_config=config, continuous_batching_config=paged,
-                                              record_timestamps=True, progress_bar=False)
+            outputs = lm.model.generate_batch(
+                inputs,
+                generation_config=config,
+                continuous_batching_config=paged,
+                record_timestamps=True,
+                progress_bar=False,
+            )
     finally:
         transformers.logging.set_verbosity(verbosity)
     found = list(outputs.values())
     failed = sorted({o.error for o in found if o.error is not None})
     if len(found) != len(inputs) or failed:
         why = "; ".join(failed) or "its generation thread ended early"
-        raise RuntimeError(f"transformers generate_batch finished {len(found) - len(failed)} of {len(inputs)} "
-                           f"requests: {why}")
+        raise RuntimeError(
+            f"transformers generate_batch finished {len(found) - len(failed)} of {len(inputs)} requests: {why}"
+        )
     return found
 
 
@@ -238,8 +357,9 @@ def continuous_problem(lm: decoders.LM, prompt: list[int]) -> str | None:
     return None
 
 
-def continuous_queue(lm: decoders.LM, requests: list[Request], *, batch_size: int, repeat: int,
-                     name: str = "hf:continuous") -> Done:
+def continuous_queue(
+    lm: decoders.LM, requests: list[Request], *, batch_size: int, repeat: int, name: str = "hf:continuous"
+) -> Done:
     """Time transformers' `generate_batch` over the queue, `batch_size` requests per batch. The queue's `seconds`
     run from the requests' submission to the last one's end by transformers' own request timestamps: the manager
     that each call sets up (its paged cache, CUDA-graph warm-up) and tears down is left out, as a server keeps one;
@@ -254,11 +374,35 @@ def continuous_queue(lm: decoders.LM, requests: list[Request], *, batch_size: in
         stamps = (output.timestamps or [])[: len(tokens)] or [output.lifespan[1]]
         marks = [(t - scheduled, n + 1) for n, t in enumerate(stamps)]
         last = max(last, stamps[-1])
-        runs.append(_run(lm, request, name, "peer", repeat, batch_size, tokens, marks[-1][0], marks[0][0], marks,
-                         watch.peak_bytes))
+        runs.append(
+            _run(
+                lm,
+                request,
+                name,
+                "peer",
+                repeat,
+                batch_size,
+                tokens,
+                marks[-1][0],
+                marks[0][0],
+                marks,
+                watch.peak_bytes,
+            )
+        )
     first = min(o.created_time for o in outputs)
-    queue = Queue(name, "peer", batch_size, repeat, len(requests), sum(r.new_tokens for r in runs), last - first,
-                  None, None, watch.peak_bytes, call_seconds=watch.seconds)
+    queue = Queue(
+        name,
+        "peer",
+        batch_size,
+        repeat,
+        len(requests),
+        sum(r.new_tokens for r in runs),
+        last - first,
+        None,
+        None,
+        watch.peak_bytes,
+        call_seconds=watch.seconds,
+    )
     return Done(queue, runs, [])
 
 

@@ -106,8 +106,18 @@ SCHEMAS = {
     "order": (Order, "Give me an example online shop order with two items, as JSON."),
 }
 MODELS = ("smollm2-135m", "qwen2.5-coder-1.5b")
-COLUMNS = ["model", "schema", "method", "tokens", "forced", "model calls", "tokens/s ↑", "chars/s ↑",
-           "vs outlines (tok/s) ↑", "valid"]
+COLUMNS = [
+    "model",
+    "schema",
+    "method",
+    "tokens",
+    "forced",
+    "model calls",
+    "tokens/s ↑",
+    "chars/s ↑",
+    "vs outlines (tok/s) ↑",
+    "valid",
+]
 
 
 def methods(strategies: list[str], has_draft: bool) -> list[Method]:
@@ -120,8 +130,14 @@ def methods(strategies: list[str], has_draft: bool) -> list[Method]:
     return chosen
 
 
-def timed(lm: decoders.LM, method: Method, prompt: list[int], constraint: grammars.JsonSchema, limit: int,
-          draft: decoders.LM | None) -> Run:
+def timed(
+    lm: decoders.LM,
+    method: Method,
+    prompt: list[int],
+    constraint: grammars.JsonSchema,
+    limit: int,
+    draft: decoders.LM | None,
+) -> Run:
     """One run of `method` under `constraint`, timed as `compare` times it."""
     where = dict(max_new_tokens=limit, grammar=constraint, draft=draft if method.takes_draft else None)
     if method.is_peer:
@@ -129,8 +145,16 @@ def timed(lm: decoders.LM, method: Method, prompt: list[int], constraint: gramma
     return run_decodekit(lm, prompt, method.decoder, name=method.name, **where)
 
 
-def bench_model(name: str, schemas: list[str], max_new_tokens: int, repeats: int, dtype: str, chosen: list[Method],
-                draft_name: str | None = None, progress: bool = True) -> list[dict]:
+def bench_model(
+    name: str,
+    schemas: list[str],
+    max_new_tokens: int,
+    repeats: int,
+    dtype: str,
+    chosen: list[Method],
+    draft_name: str | None = None,
+    progress: bool = True,
+) -> list[dict]:
     """Time every method on one model; returns one row per (schema, method)."""
     lm = decoders.load(_zoo(name), dtype=dtype)
     draft = decoders.load(_zoo(draft_name), dtype=dtype) if draft_name else None
@@ -151,27 +175,44 @@ def bench_model(name: str, schemas: list[str], max_new_tokens: int, repeats: int
             rows.append(_row(lm, name, key, method, timed_runs, schema, constraint))
             if progress:
                 row = rows[-1]
-                print(f"  {name} {key} {method}: {row['tokens']} tokens in {row['seconds']:.2f}s, "
-                      f"forced {row['forced']:.0%}, valid {row['valid']}", file=sys.stderr, flush=True)
+                print(
+                    f"  {name} {key} {method}: {row['tokens']} tokens in {row['seconds']:.2f}s, "
+                    f"forced {row['forced']:.0%}, valid {row['valid']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     del lm, draft
     gc.collect()
     return rows
 
 
-def _row(lm: decoders.LM, model: str, schema_name: str, method: str, runs: list[Run], schema: dict,
-         constraint: grammars.JsonSchema) -> dict:
+def _row(
+    lm: decoders.LM,
+    model: str,
+    schema_name: str,
+    method: str,
+    runs: list[Run],
+    schema: dict,
+    constraint: grammars.JsonSchema,
+) -> dict:
     """The figures of one (schema, method): median time over the repeats, counts of the last run."""
     seconds = statistics.median(r.seconds for r in runs)
     last = runs[-1]
     text = "".join(last.pieces)
     verdicts = [lossless.validity(lm, r, schema, constraint) for r in runs]
     return {
-        "model": model, "schema": schema_name, "method": method, "tokens": last.new_tokens, "chars": len(text),
-        "seconds": seconds, "tokens_per_second": last.new_tokens / seconds if seconds else 0.0,
+        "model": model,
+        "schema": schema_name,
+        "method": method,
+        "tokens": last.new_tokens,
+        "chars": len(text),
+        "seconds": seconds,
+        "tokens_per_second": last.new_tokens / seconds if seconds else 0.0,
         "chars_per_second": len(text) / seconds if seconds else 0.0,
         "forced": last.sources.count("grammar") / last.new_tokens if last.new_tokens else 0.0,
         "model_calls": last.target_calls,
-        "valid": all(v["status"] == "valid" and v["complete"] for v in verdicts), "text": text,
+        "valid": all(v["status"] == "valid" and v["complete"] for v in verdicts),
+        "text": text,
     }
 
 
@@ -186,24 +227,40 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         ref = base.get((r["model"], r["schema"]))
         ratio = r["tokens_per_second"] / ref["tokens_per_second"] if ref and ref["tokens_per_second"] else None
-        cells.append([r["model"], r["schema"], r["method"], r["tokens"], f"{r['forced']:.0%}", r["model_calls"],
-                      report.fmt(r["tokens_per_second"], ".1f"), report.fmt(r["chars_per_second"], ".1f"),
-                      report.fmt(ratio) + ("x" if ratio is not None else ""), "yes" if r["valid"] else "NO"])
+        cells.append(
+            [
+                r["model"],
+                r["schema"],
+                r["method"],
+                r["tokens"],
+                f"{r['forced']:.0%}",
+                r["model_calls"],
+                report.fmt(r["tokens_per_second"], ".1f"),
+                report.fmt(r["chars_per_second"], ".1f"),
+                report.fmt(ratio) + ("x" if ratio is not None else ""),
+                "yes" if r["valid"] else "NO",
+            ]
+        )
     return report.make_table(COLUMNS, cells)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its tables; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m evals.bench_grammars", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="examples:\n  python -m evals.bench_grammars\n"
-                                            "  python -m evals.bench_grammars --models smollm2-135m --schemas "
-                                            "character --repeats 3\n")
+    parser = argparse.ArgumentParser(
+        prog="python -m evals.bench_grammars",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m evals.bench_grammars\n"
+        "  python -m evals.bench_grammars --models smollm2-135m --schemas "
+        "character --repeats 3\n",
+    )
     parser.add_argument("--models", type=names, default=",".join(MODELS), help="comma-separated zoo names")
-    parser.add_argument("--schemas", type=names, default=",".join(SCHEMAS),
-                        help=f"comma-separated, from {', '.join(SCHEMAS)}")
-    parser.add_argument("--strategies", type=names, default="guided,greedy",
-                        help="decodekit strategies to time with the grammar")
+    parser.add_argument(
+        "--schemas", type=names, default=",".join(SCHEMAS), help=f"comma-separated, from {', '.join(SCHEMAS)}"
+    )
+    parser.add_argument(
+        "--strategies", type=names, default="guided,greedy", help="decodekit strategies to time with the grammar"
+    )
     parser.add_argument("--draft", help="zoo name of a draft model, for strategies that need one")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
@@ -218,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in schemas if s not in SCHEMAS]
     if unknown:
         parser.error(f"unknown schema {unknown[0]!r}; choose from {', '.join(SCHEMAS)}")
-    print(f"# evals.bench_grammars: torch {torch.__version__}, transformers {version('transformers')}, "
-          f"outlines {version('outlines')}, outlines-core {version('outlines_core')}, {args.dtype}, "
-          f"{torch.get_num_threads()} threads, max_new_tokens={args.max_new_tokens}, repeats={args.repeats}\n")
+    print(
+        f"# evals.bench_grammars: torch {torch.__version__}, transformers {version('transformers')}, "
+        f"outlines {version('outlines')}, outlines-core {version('outlines_core')}, {args.dtype}, "
+        f"{torch.get_num_threads()} threads, max_new_tokens={args.max_new_tokens}, repeats={args.repeats}\n"
+    )
     rows = []
     try:
         chosen = methods(args.strategies, has_draft=args.draft is not None)

@@ -139,8 +139,10 @@ def cmd_generate(args) -> int:
 
     method = build(args.strategy, option_pairs(args.option, scoped=False))
     if method.is_peer:
-        raise UsageError(f"{args.strategy!r} is a peer: peers run in `decodekit compare`; generate runs decodekit "
-                         "strategies (decodekit list)")
+        raise UsageError(
+            f"{args.strategy!r} is a peer: peers run in `decodekit compare`; generate runs decodekit "
+            "strategies (decodekit list)"
+        )
     check_request(method.decoder, has_draft=args.draft is not None, has_grammar=args.json_schema is not None)
     _check_draft_arguments(args)
     schema = None
@@ -151,15 +153,26 @@ def cmd_generate(args) -> int:
             raise UsageError(f"--json-schema {args.json_schema}: cannot read a JSON schema ({error})") from None
     prompt_text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt_text.strip():
-        raise UsageError("the prompt is empty" + (" (nothing on stdin)" if args.prompt == "-" else "")
-                         + "; give some text to continue")
+        raise UsageError(
+            "the prompt is empty"
+            + (" (nothing on stdin)" if args.prompt == "-" else "")
+            + "; give some text to continue"
+        )
     lm = _load(args.model, args, args.device)
     draft = _draft(args, args.device) if args.draft else None
     tokens = suites.render(lm, suites.Prompt("cli", "cli", prompt_text), chat_template=not args.no_chat_template)
     result = decoders.generate(
-        lm, tokens, strategy=method.decoder, max_new_tokens=args.max_new_tokens, draft=draft,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        grammar=grammar_for(schema), stop=args.stop or None,
+        lm,
+        tokens,
+        strategy=method.decoder,
+        max_new_tokens=args.max_new_tokens,
+        draft=draft,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        grammar=grammar_for(schema),
+        stop=args.stop or None,
     )
     if args.json:
         record = dataclasses.asdict(result)
@@ -170,12 +183,16 @@ def cmd_generate(args) -> int:
     shown = sorted(set(result.sources) & set(ANSI)) if color or args.show_sources else []
     print(_marked(pieces(lm, result.tokens), result.sources, color, args.show_sources) if shown else result.text)
     s = result.stats
-    legend = " · ".join(f"{ANSI[k] if color else ''}{f'[{k}:...]' if args.show_sources else k}{RESET if color else ''}"
-                        for k in shown)
+    legend = " · ".join(
+        f"{ANSI[k] if color else ''}{f'[{k}:...]' if args.show_sources else k}{RESET if color else ''}" for k in shown
+    )
     acceptance = f" · acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted})" if s.drafted else ""
-    print(f"{s.new_tokens} tokens · {s.tokens_per_second:.1f} tok/s · {s.target_calls} target calls · "
-          f"{s.mean_accepted:.2f} tokens/call{acceptance} · finish: {result.finish_reason}"
-          + (f" · sources: {legend}" if legend else ""), file=sys.stderr)
+    print(
+        f"{s.new_tokens} tokens · {s.tokens_per_second:.1f} tok/s · {s.target_calls} target calls · "
+        f"{s.mean_accepted:.2f} tokens/call{acceptance} · finish: {result.finish_reason}"
+        + (f" · sources: {legend}" if legend else ""),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -185,8 +202,9 @@ def _check_writable(option: str, path: str, folder: bool = False) -> None:
     one in the folder, for appending, then remove whatever this made."""
     target = Path(path)
     if target.exists() and target.is_dir() != folder:
-        raise UsageError(f"{option} {path}: is a {'file' if folder else 'folder'}; give a "
-                         f"{'folder' if folder else 'file'} name")
+        raise UsageError(
+            f"{option} {path}: is a {'file' if folder else 'folder'}; give a {'folder' if folder else 'file'} name"
+        )
     made = [p for p in (target, *target.parents) if not p.exists()] if folder else []  # deepest first
     probe = target / ".decodekit-write-check" if folder else target
     existed = probe.exists()
@@ -218,11 +236,20 @@ def cmd_compare(args) -> int:
     if args.plots:
         _check_writable("--plots", args.plots, folder=True)
     config = CompareConfig(
-        strategies=args.strategies or (), suite=args.suite, limit=args.limit, per_category=args.per_category,
-        max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_quantize=args.draft_quantize,
-        chat_template=not args.no_chat_template, options=option_pairs(args.option, scoped=True),
-        warmup=not args.no_warmup, progress=not args.no_progress, bandwidth_megabytes=args.bandwidth_mb,
-        batch_sizes=args.batch_size or (), llamacpp=args.llamacpp,
+        strategies=args.strategies or (),
+        suite=args.suite,
+        limit=args.limit,
+        per_category=args.per_category,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        draft_quantize=args.draft_quantize,
+        chat_template=not args.no_chat_template,
+        options=option_pairs(args.option, scoped=True),
+        warmup=not args.no_warmup,
+        progress=not args.no_progress,
+        bandwidth_megabytes=args.bandwidth_mb,
+        batch_sizes=args.batch_size or (),
+        llamacpp=args.llamacpp,
     )
     comparison = Comparison(config, has_draft=args.draft is not None)  # suite and methods: before any model loads
     if args.threads:
@@ -241,8 +268,10 @@ def cmd_compare(args) -> int:
     except Interrupted as interrupted:  # Ctrl-C: write what was measured, then end as an interrupt does
         if interrupted.result is not None:
             _write_compare(args, interrupted.result)
-            print("decodekit: interrupted; the report covers the prompts measured so far (\"partial\": true)",
-                  file=sys.stderr)
+            print(
+                'decodekit: interrupted; the report covers the prompts measured so far ("partial": true)',
+                file=sys.stderr,
+            )
         return processes.exit(130)
     return processes.exit(0 if result is None else _write_compare(args, result))  # (None: not the main process)
 
@@ -267,8 +296,11 @@ def _write_compare(args, result: dict) -> int:
     if written:
         print("wrote " + ", ".join(written), file=sys.stderr)
     if failed := len(result["errors"]):
-        print(f"decodekit: {failed} of {failed + len(result['runs'])} timed runs raised (the ERROR rows; the notes "
-              "say why)", file=sys.stderr)
+        print(
+            f"decodekit: {failed} of {failed + len(result['runs'])} timed runs raised (the ERROR rows; the notes "
+            "say why)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -288,18 +320,31 @@ def cmd_calibrate(args) -> int:
         torch.set_num_threads(args.threads)
     lm = _load(args.model, args, args.device)
     draft = resolve_draft(lm, _draft(args, args.device)) if args.draft else None
-    print("measuring ..." if args.refresh else "measuring (or reading this machine's cached costs) ...",
-          file=sys.stderr)
+    print(
+        "measuring ..." if args.refresh else "measuring (or reading this machine's cached costs) ...", file=sys.stderr
+    )
     costs = cost.calibrate(lm, draft, refresh=args.refresh)
     curves = [("target", lm.name, costs.target)] + ([("draft", args.draft, costs.draft)] if draft else [])
     drafting = drafting_model(lm, draft, CONTEXT)  # what auto drafts with: an int8 copy where it pays
     if drafting is not None and drafting is not draft:
         curves.append(("auto's draft", drafting.name, cost.call_cost(drafting, "draft")))
-    print(f"device: {cost.machine(lm.device)} · dtype: {str(lm.dtype).removeprefix('torch.')}"
-          f" · threads: {torch.get_num_threads()} · torch {torch.__version__}\n")
-    rows = [[role, name, str(n), str(context), f"{seconds * 1e3:.2f}", f"{curve.fitted(n, context) * 1e3:.2f}",
-             f"{curve.fitted(n, context) / curve.fitted(1, context):.2f}"]
-            for role, name, curve in curves for n, context, seconds in curve.samples]
+    print(
+        f"device: {cost.machine(lm.device)} · dtype: {str(lm.dtype).removeprefix('torch.')}"
+        f" · threads: {torch.get_num_threads()} · torch {torch.__version__}\n"
+    )
+    rows = [
+        [
+            role,
+            name,
+            str(n),
+            str(context),
+            f"{seconds * 1e3:.2f}",
+            f"{curve.fitted(n, context) * 1e3:.2f}",
+            f"{curve.fitted(n, context) / curve.fitted(1, context):.2f}",
+        ]
+        for role, name, curve in curves
+        for n, context, seconds in curve.samples
+    ]
     print(report.make_table(["role", "model", "tokens", "context", "measured ms ↓", "fit ms ↓", "× 1 token ↓"], rows))
 
     def measured(curve) -> str:  # how old and how noisy a curve is: one measured on a busy machine misleads auto
@@ -308,17 +353,23 @@ def cmd_calibrate(args) -> int:
         hours = (time.time() - curve.measured) / 3600
         age = f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.1f} h" if hours < 48 else f"{hours / 24:.0f} days"
         noise = "not recorded" if curve.noise is None else f"{curve.noise:.0%}"
-        return (f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(curve.measured))} ({age} ago), noise "
-                f"{noise} (how much slower than its fastest a size's typical call ran; --refresh measures it again)")
+        return (
+            f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(curve.measured))} ({age} ago), noise "
+            f"{noise} (how much slower than its fastest a size's typical call ran; --refresh measures it again)"
+        )
 
     for role, _, curve in curves:
         knots = ", ".join(f"{n}: {seconds * 1e3:.2f}" for n, seconds in zip(curve.sizes, curve.seconds))
-        print(f"\n{role}: ms by tokens scored ({knots}) + {curve.per_position * 1e6:.2f} µs per cached position, "
-              f"{curve.per_position_per_token * 1e6:.2f} µs more for each token scored past the first")
+        print(
+            f"\n{role}: ms by tokens scored ({knots}) + {curve.per_position * 1e6:.2f} µs per cached position, "
+            f"{curve.per_position_per_token * 1e6:.2f} µs more for each token scored past the first"
+        )
         print(f"{role}: {measured(curve)}")
-    print(f"\nauto drafts with: {drafting.name if drafting is not None else 'no model (guesses from the context)'}, "
-          f"as measured here after {CONTEXT} tokens (the int8 copy of the draft, or without one of the target, where "
-          "its calls are cheap enough)")
+    print(
+        f"\nauto drafts with: {drafting.name if drafting is not None else 'no model (guesses from the context)'}, "
+        f"as measured here after {CONTEXT} tokens (the int8 copy of the draft, or without one of the target, where "
+        "its calls are cheap enough)"
+    )
     if args.plot:
         from evals import plots
 
@@ -364,8 +415,10 @@ def cmd_peers(args) -> int:
     from evals import llamacpp_build
 
     build = llamacpp_build.install(say=lambda line: print(line, file=sys.stderr), jobs=args.jobs)
-    print(f"llama.cpp {llamacpp_build.VERSION}: {build.server}, {build.bench}; its GGUF converter: "
-          f"{build.source / llamacpp_build.CONVERTER}")
+    print(
+        f"llama.cpp {llamacpp_build.VERSION}: {build.server}, {build.bench}; its GGUF converter: "
+        f"{build.source / llamacpp_build.CONVERTER}"
+    )
     return 0
 
 
@@ -374,13 +427,23 @@ def cmd_export_hub(args) -> int:
     from evals.export_hub import export_hub
 
     folder = export_hub(args.directory, strategy=args.strategy)
-    print(f"wrote {folder / 'custom_generate'}; use it as "
-          f"model.generate(**inputs, custom_generate={str(folder)!r}, trust_remote_code=True)")
+    print(
+        f"wrote {folder / 'custom_generate'}; use it as "
+        f"model.generate(**inputs, custom_generate={str(folder)!r}, trust_remote_code=True)"
+    )
     return 0
 
 
-COMMANDS = {"list": cmd_list, "generate": cmd_generate, "compare": cmd_compare, "calibrate": cmd_calibrate,
-            "leaderboard": cmd_leaderboard, "models": cmd_models, "peers": cmd_peers, "export-hub": cmd_export_hub}
+COMMANDS = {
+    "list": cmd_list,
+    "generate": cmd_generate,
+    "compare": cmd_compare,
+    "calibrate": cmd_calibrate,
+    "leaderboard": cmd_leaderboard,
+    "models": cmd_models,
+    "peers": cmd_peers,
+    "export-hub": cmd_export_hub,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,20 +148,29 @@ def _version() -> str:
 
 def _model_arguments(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
     parser.add_argument("--model", required=True, help="zoo:NAME, a local folder, a .gguf file or a hub id")
-    parser.add_argument("--draft", help="draft model for strategies that take one, or self:int8 for the model's own "
-                        "int8 copy; speculative, threshold and auto take one of another tokenizer too (translated "
-                        "through text), the tree strategies (staged ...) need the --model's vocabulary")
-    parser.add_argument("--draft-quantize", choices=["int8"],
-                        help="load the --draft model quantized (int8 linear layers)")
+    parser.add_argument(
+        "--draft",
+        help="draft model for strategies that take one, or self:int8 for the model's own "
+        "int8 copy; speculative, threshold and auto take one of another tokenizer too (translated "
+        "through text), the tree strategies (staged ...) need the --model's vocabulary",
+    )
+    parser.add_argument(
+        "--draft-quantize", choices=["int8"], help="load the --draft model quantized (int8 linear layers)"
+    )
     parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float16 or float32")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-    parser.add_argument("--cuda-graphs", choices=["on", "off", "compiled"], default="on",
-                        help="on CUDA: model calls of up to 32 tokens replayed as CUDA graphs over a static cache (on), "
-                        "transformers' eager calls (off), or graphs of torch.compile'd calls (compiled: fewer kernels, "
-                        "tens of seconds of compiling first)")
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=["on", "off", "compiled"],
+        default="on",
+        help="on CUDA: model calls of up to 32 tokens replayed as CUDA graphs over a static cache (on), "
+        "transformers' eager calls (off), or graphs of torch.compile'd calls (compiled: fewer kernels, "
+        "tens of seconds of compiling first)",
+    )
     if prompts:
-        parser.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the chat "
-                            "template")
+        parser.add_argument(
+            "--no-chat-template", action="store_true", help="feed prompts raw, without the chat template"
+        )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (loading weights, runs)")
 
 
@@ -169,20 +178,34 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command tree; `args.command` names the subcommand."""
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="decodekit", description="Fast, lossless decoding strategies for Hugging Face causal LMs.",
-        epilog=MAIN_EPILOG, formatter_class=formatter)
+        prog="decodekit",
+        description="Fast, lossless decoding strategies for Hugging Face causal LMs.",
+        epilog=MAIN_EPILOG,
+        formatter_class=formatter,
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sub.add_parser("list", help="strategies, peers, zoo models and prompt suites", formatter_class=formatter,
-                   epilog="examples:\n  decodekit list\n")
+    sub.add_parser(
+        "list",
+        help="strategies, peers, zoo models and prompt suites",
+        formatter_class=formatter,
+        epilog="examples:\n  decodekit list\n",
+    )
 
-    gen = sub.add_parser("generate", help="decode one prompt and show where each token came from",
-                         epilog=GENERATE_EPILOG, formatter_class=formatter)
+    gen = sub.add_parser(
+        "generate",
+        help="decode one prompt and show where each token came from",
+        epilog=GENERATE_EPILOG,
+        formatter_class=formatter,
+    )
     _model_arguments(gen)
     gen.add_argument("prompt", help="the prompt text, or - to read it from stdin")
-    gen.add_argument("--strategy", default=BASELINE, help="a registered strategy (decodekit list), settings as "
-                     f"STRATEGY@KEY=VALUE; default {BASELINE}")
+    gen.add_argument(
+        "--strategy",
+        default=BASELINE,
+        help=f"a registered strategy (decodekit list), settings as STRATEGY@KEY=VALUE; default {BASELINE}",
+    )
     gen.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
     gen.add_argument("--max-new-tokens", type=_positive, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -190,70 +213,124 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)")
-    gen.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
-                     help="a strategy option, e.g. -o k=4 (repeatable)")
+    gen.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a strategy option, e.g. -o k=4 (repeatable)",
+    )
     gen.add_argument("--json", action="store_true", help="print the whole Result as JSON")
-    gen.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                     help="color token sources (auto: when stdout is a terminal); plain text otherwise")
+    gen.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="color token sources (auto: when stdout is a terminal); plain text otherwise",
+    )
     gen.add_argument("--show-sources", action="store_true", help="mark token sources as [draft:...] in the text")
 
-    cmp = sub.add_parser("compare", help="run strategies and peers side by side on a prompt suite",
-                         epilog=COMPARE_EPILOG, formatter_class=formatter)
+    cmp = sub.add_parser(
+        "compare",
+        help="run strategies and peers side by side on a prompt suite",
+        epilog=COMPARE_EPILOG,
+        formatter_class=formatter,
+    )
     _model_arguments(cmp)
-    cmp.add_argument("--strategies", type=names, help="comma-separated strategies and peers (default: every "
-                     "runnable one); STRATEGY@KEY=VALUE runs a strategy with other settings, next to its defaults")
+    cmp.add_argument(
+        "--strategies",
+        type=names,
+        help="comma-separated strategies and peers (default: every "
+        "runnable one); STRATEGY@KEY=VALUE runs a strategy with other settings, next to its defaults",
+    )
     cmp.add_argument("--suite", default="default", help="a shipped suite (decodekit list) or a .jsonl file")
-    cmp.add_argument("--limit", type=_positive, metavar="N", help="only the suite's first N prompts (after --per-category)")
-    cmp.add_argument("--per-category", type=_positive, metavar="N",
-                     help="only the first N prompts of each category, in file order")
+    cmp.add_argument(
+        "--limit", type=_positive, metavar="N", help="only the suite's first N prompts (after --per-category)"
+    )
+    cmp.add_argument(
+        "--per-category", type=_positive, metavar="N", help="only the first N prompts of each category, in file order"
+    )
     cmp.add_argument("--max-new-tokens", type=_positive, default=128, help="cap for every prompt (default 128)")
     cmp.add_argument("--repeats", type=_positive, default=1, help="timed runs per (strategy, prompt)")
-    cmp.add_argument("--batch-size", type=batch_sizes, metavar="N[,N...]",
-                     help="run the suite as one queue with N requests in flight (a list such as 1,4,16 sweeps): "
-                     "throughput, latency and TTFT per batch size, against hf:batch and hf:continuous")
-    cmp.add_argument("-o", "--option", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
-                     help="a strategy option, e.g. -o speculative.k=4 (repeatable)")
+    cmp.add_argument(
+        "--batch-size",
+        type=batch_sizes,
+        metavar="N[,N...]",
+        help="run the suite as one queue with N requests in flight (a list such as 1,4,16 sweeps): "
+        "throughput, latency and TTFT per batch size, against hf:batch and hf:continuous",
+    )
+    cmp.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="STRATEGY.KEY=VALUE",
+        help="a strategy option, e.g. -o speculative.k=4 (repeatable)",
+    )
     cmp.add_argument("--out", metavar="FILE", help="write the result as JSON (schema: evals/README.md)")
     cmp.add_argument("--markdown", metavar="FILE", help="also write the Markdown report to FILE")
     cmp.add_argument("--html", metavar="FILE", help="write an HTML report: outputs colored by source, sparklines")
     cmp.add_argument("--plots", metavar="DIR", help="write PNG plots (needs matplotlib)")
     cmp.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each method")
     cmp.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
-    cmp.add_argument("--bandwidth-mb", type=_whole, default=256,
-                     help="size of the roofline's read-bandwidth probe, above the last-level cache (0: no roofline)")
-    cmp.add_argument("--llamacpp", metavar="DIR", help="the llama.cpp build the llamacpp:* peers run (a folder with "
-                     "llama-server); default: the one `decodekit peers install llamacpp` made")
+    cmp.add_argument(
+        "--bandwidth-mb",
+        type=_whole,
+        default=256,
+        help="size of the roofline's read-bandwidth probe, above the last-level cache (0: no roofline)",
+    )
+    cmp.add_argument(
+        "--llamacpp",
+        metavar="DIR",
+        help="the llama.cpp build the llamacpp:* peers run (a folder with "
+        "llama-server); default: the one `decodekit peers install llamacpp` made",
+    )
 
-    cal = sub.add_parser("calibrate", help="measure what target and draft calls cost on this machine",
-                         epilog=CALIBRATE_EPILOG, formatter_class=formatter)
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure what target and draft calls cost on this machine",
+        epilog=CALIBRATE_EPILOG,
+        formatter_class=formatter,
+    )
     _model_arguments(cal, prompts=False)
     cal.add_argument("--plot", metavar="FILE", help="also draw the cost curves into a PNG (needs matplotlib)")
     cal.add_argument("--refresh", action="store_true", help="measure again even when this machine's costs are cached")
     cal.add_argument("--threads", type=_positive, help="torch CPU threads (default: torch's choice)")
 
-    hub = sub.add_parser("export-hub", help="write a custom_generate folder: decodekit inside model.generate",
-                         epilog=EXPORT_HUB_EPILOG, formatter_class=formatter)
+    hub = sub.add_parser(
+        "export-hub",
+        help="write a custom_generate folder: decodekit inside model.generate",
+        epilog=EXPORT_HUB_EPILOG,
+        formatter_class=formatter,
+    )
     hub.add_argument("directory", metavar="DIR", help="the folder to write (created if needed)")
     hub.add_argument("--strategy", help="the default strategy when a call names none (default: greedy)")
 
-    board = sub.add_parser("leaderboard", help="merge compare result files into one table",
-                           epilog=LEADERBOARD_EPILOG, formatter_class=formatter)
+    board = sub.add_parser(
+        "leaderboard",
+        help="merge compare result files into one table",
+        epilog=LEADERBOARD_EPILOG,
+        formatter_class=formatter,
+    )
     board.add_argument("files", nargs="+", help="result JSON files written by compare --out")
     board.add_argument("--format", choices=["md", "html", "json"], default="md")
     board.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
 
-    peers = sub.add_parser("peers", help="what the peers outside transformers need", epilog=PEERS_EPILOG,
-                           formatter_class=formatter)
+    peers = sub.add_parser(
+        "peers", help="what the peers outside transformers need", epilog=PEERS_EPILOG, formatter_class=formatter
+    )
     peer_actions = peers.add_subparsers(dest="action", required=True, metavar="ACTION")
-    install = peer_actions.add_parser("install", help="build a peer's engine into the cache folder",
-                                      epilog=PEERS_EPILOG, formatter_class=formatter)
+    install = peer_actions.add_parser(
+        "install", help="build a peer's engine into the cache folder", epilog=PEERS_EPILOG, formatter_class=formatter
+    )
     install.add_argument("engine", choices=["llamacpp"])
     install.add_argument("--jobs", type=_positive, help="parallel compile jobs (default: every core)")
 
     models = sub.add_parser("models", help="the model zoo", epilog=MODELS_EPILOG, formatter_class=formatter)
     actions = models.add_subparsers(dest="action", required=True, metavar="ACTION")
-    pull = actions.add_parser("pull", help="download, verify and convert zoo models", epilog=MODELS_EPILOG,
-                              formatter_class=formatter)
+    pull = actions.add_parser(
+        "pull", help="download, verify and convert zoo models", epilog=MODELS_EPILOG, formatter_class=formatter
+    )
     pull.add_argument("names", nargs="+", metavar="NAME")
     pull.add_argument("--force", action="store_true", help="pull again even if already pulled")
     actions.add_parser("list", help="zoo models and where they are", formatter_class=formatter)

@@ -74,9 +74,15 @@ def export_hub(directory: str | Path, strategy: str | None = None) -> Path:
         arguments = "" if strategy else f'strategy="{example}", '
         if decoders.registry.get(example).needs_draft:
             arguments += "assistant_model=draft, "
-        readme.write_text(README.format(title=f"{strategy} decoding" if strategy else "decoding strategies",
-                                        where=root.name, arguments=arguments,
-                                        strategies=", ".join(decoders.available())), encoding="utf-8")
+        readme.write_text(
+            README.format(
+                title=f"{strategy} decoding" if strategy else "decoding strategies",
+                where=root.name,
+                arguments=arguments,
+                strategies=", ".join(decoders.available()),
+            ),
+            encoding="utf-8",
+        )
     return root
 
 

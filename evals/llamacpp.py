@@ -38,8 +38,15 @@ from evals.timing import Run, pieces
 
 HOST = "127.0.0.1"
 START_SECONDS = 300  # how long a server may take to load its model(s) before it counts as failed to start
-REQUEST = {"temperature": 0.0, "top_k": 1, "samplers": ["top_k"], "ignore_eos": False, "cache_prompt": False,
-           "return_tokens": True, "stream": False}  # greedy, EOS honoured, nothing reused from an earlier request
+REQUEST = {
+    "temperature": 0.0,
+    "top_k": 1,
+    "samplers": ["top_k"],
+    "ignore_eos": False,
+    "cache_prompt": False,
+    "return_tokens": True,
+    "stream": False,
+}  # greedy, EOS honoured, nothing reused from an earlier request
 
 
 class LlamaCppError(RuntimeError):
@@ -49,19 +56,40 @@ class LlamaCppError(RuntimeError):
 def arguments(base: str, settings: dict, draft: pathlib.Path | None) -> list[str]:
     """The llama-server arguments of peer `base` with `settings` (its speculation); `draft` the draft's GGUF."""
     if base == "llamacpp:draft":
-        return ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(settings["n_max"]),
-                "--spec-draft-n-min", str(settings["n_min"]), "--spec-draft-p-min", str(settings["p_min"])]
+        return [
+            "-md",
+            str(draft),
+            "--spec-type",
+            "draft-simple",
+            "--spec-draft-n-max",
+            str(settings["n_max"]),
+            "--spec-draft-n-min",
+            str(settings["n_min"]),
+            "--spec-draft-p-min",
+            str(settings["p_min"]),
+        ]
     if base == "llamacpp:ngram":
-        return ["--spec-type", "ngram-mod", "--spec-ngram-mod-n-match", str(settings["n_match"]),
-                "--spec-ngram-mod-n-min", str(settings["n_min"]), "--spec-ngram-mod-n-max", str(settings["n_max"])]
+        return [
+            "--spec-type",
+            "ngram-mod",
+            "--spec-ngram-mod-n-match",
+            str(settings["n_match"]),
+            "--spec-ngram-mod-n-min",
+            str(settings["n_min"]),
+            "--spec-ngram-mod-n-max",
+            str(settings["n_max"]),
+        ]
     return []
 
 
 def check_settings(name: str, settings: dict) -> None:
     """Refuse a setting that is not a whole number >= 0 (p_min: a probability), before any model loads."""
     for key, value in settings.items():
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 if key == "p_min"
-              else isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+        ok = (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+            if key == "p_min"
+            else isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        )
         if not ok:
             want = "a probability between 0 and 1" if key == "p_min" else "a whole number >= 0"
             raise ValueError(f"method {name!r}: {key} must be {want}, got {value!r}")
@@ -105,13 +133,20 @@ class Server:
     def start(self, timeout: float = START_SECONDS) -> None:
         self.port = _free_port()
         command = [str(self.build.server), *self.args, "--host", HOST, "--port", str(self.port)]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent if _PRCTL else None)
+        self.process = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if _PRCTL else None,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise LlamaCppError(f"{self.label}: llama-server exited with status {self.process.returncode} while "
-                                    f"starting: {self.tail()}")
+                raise LlamaCppError(
+                    f"{self.label}: llama-server exited with status {self.process.returncode} while "
+                    f"starting: {self.tail()}"
+                )
             with contextlib.suppress(OSError, http.client.HTTPException):
                 connection = http.client.HTTPConnection(HOST, self.port, timeout=5)
                 connection.request("GET", "/health")
@@ -136,8 +171,9 @@ class Server:
                 self.process.wait(2)  # (a dying server closes the connection a moment before it is gone)
             if not self.alive:
                 code = self.process.returncode if self.process else None
-                raise LlamaCppError(f"{self.label}: llama-server died during the request (exit status {code}): "
-                                    f"{self.tail()}") from None
+                raise LlamaCppError(
+                    f"{self.label}: llama-server died during the request (exit status {code}): {self.tail()}"
+                ) from None
             raise LlamaCppError(f"{self.label}: the request failed: {error}") from None
         finally:
             connection.close()
@@ -188,8 +224,9 @@ class Servers:
     """The llama-servers of one compare: `prepare` converts the weights before any run (a peer whose model llama.cpp's
     converter does not support is refused by name); `run` times one request; leaving the `with` stops them all."""
 
-    def __init__(self, build: builds.Build, lm, draft=None, *, threads: int | None = None, context: int = 4096,
-                 say=None) -> None:
+    def __init__(
+        self, build: builds.Build, lm, draft=None, *, threads: int | None = None, context: int = 4096, say=None
+    ) -> None:
         self.build, self.lm, self.draft, self.say = build, lm, draft, say
         self.threads = threads or torch.get_num_threads()
         self.context = context
@@ -209,11 +246,29 @@ class Servers:
             except builds.ConversionError as error:
                 notes.append(f"{method.name}: refused ({error})")
                 continue
-            args = ["-m", str(gguf), "-t", str(self.threads), "-tb", str(self.threads), "-c", str(self.context),
-                    "-np", "1", "--no-webui", "--no-cache-prompt", "--cache-ram", "0",
-                    *arguments(method.base, method.options, draft)]
-            self.peers[method.name] = _Peer(Server(self.build, args, method.name), method.base == "llamacpp:ngram",
-                                            gguf, builds.bytes_per_token(gguf))
+            args = [
+                "-m",
+                str(gguf),
+                "-t",
+                str(self.threads),
+                "-tb",
+                str(self.threads),
+                "-c",
+                str(self.context),
+                "-np",
+                "1",
+                "--no-webui",
+                "--no-cache-prompt",
+                "--cache-ram",
+                "0",
+                *arguments(method.base, method.options, draft),
+            ]
+            self.peers[method.name] = _Peer(
+                Server(self.build, args, method.name),
+                method.base == "llamacpp:ngram",
+                gguf,
+                builds.bytes_per_token(gguf),
+            )
             usable.append(method)
         return usable
 
@@ -236,15 +291,35 @@ class Servers:
                 raise
         return peer.server
 
-    def run(self, method, prompt: list[int], *, max_new_tokens: int, prompt_id: str = "", category: str = "",
-            repeat: int = 0, **_) -> Run:
+    def run(
+        self,
+        method,
+        prompt: list[int],
+        *,
+        max_new_tokens: int,
+        prompt_id: str = "",
+        category: str = "",
+        repeat: int = 0,
+        **_,
+    ) -> Run:
         """Time one request of llama.cpp method `method` on `prompt` (token ids); the record counts as every peer's."""
         peer = self.peers[method.name]
         server = self._ready(peer)
         server.peak_reset()
         answer, seconds = server.complete({**REQUEST, "prompt": list(prompt), "n_predict": max_new_tokens})
-        return record(self.lm, method, prompt, answer, seconds, max_new_tokens, peer, server.peak_bytes(),
-                      prompt_id=prompt_id, category=category, repeat=repeat)
+        return record(
+            self.lm,
+            method,
+            prompt,
+            answer,
+            seconds,
+            max_new_tokens,
+            peer,
+            server.peak_bytes(),
+            prompt_id=prompt_id,
+            category=category,
+            repeat=repeat,
+        )
 
     def close(self) -> None:
         for peer in self.peers.values():
@@ -257,8 +332,17 @@ class Servers:
         self.close()
 
 
-def record(lm, method, prompt: list[int], answer: dict, seconds: float, max_new_tokens: int, peer: _Peer,
-           peak: int | None, **where) -> Run:
+def record(
+    lm,
+    method,
+    prompt: list[int],
+    answer: dict,
+    seconds: float,
+    max_new_tokens: int,
+    peer: _Peer,
+    peak: int | None,
+    **where,
+) -> Run:
     """The `Run` of one llama.cpp answer: tokens cut after decodekit's first EOS (inclusive) and at max_new_tokens,
     as every method's are counted; llama.cpp's own timings in `extra["llamacpp"]`."""
     tokens = list(answer.get("tokens") or [])[:max_new_tokens]
@@ -267,24 +351,45 @@ def record(lm, method, prompt: list[int], answer: dict, seconds: float, max_new_
     timings = answer.get("timings") or {}
     generated, predicted_ms = int(timings.get("predicted_n", len(tokens))), float(timings.get("predicted_ms", 0.0))
     speculative = method.base != "llamacpp:greedy"  # (drafted and accepted: absent where nothing was drafted)
-    drafted, accepted = (int(timings.get("draft_n") or 0), int(timings.get("draft_n_accepted") or 0)) \
-        if speculative else (None, None)
+    drafted, accepted = (
+        (int(timings.get("draft_n") or 0), int(timings.get("draft_n_accepted") or 0)) if speculative else (None, None)
+    )
     finish = "eos" if end is not None or answer.get("stop_type") == "eos" else "length"
     ttft = max(0.0, seconds - predicted_ms / 1e3) if tokens else seconds
     steps = generated - 1  # the first token comes from the prompt's call
     return Run(
-        strategy=method.name, kind="peer", prompt_tokens=len(prompt), max_new_tokens=max_new_tokens,
-        new_tokens=len(tokens), seconds=seconds, ttft_seconds=ttft,
+        strategy=method.name,
+        kind="peer",
+        prompt_tokens=len(prompt),
+        max_new_tokens=max_new_tokens,
+        new_tokens=len(tokens),
+        seconds=seconds,
+        ttft_seconds=ttft,
         target_calls=generated - (accepted or 0) if generated else None,  # every call yields its accepted tokens + 1
-        draft_calls=None, drafted=drafted, accepted=accepted,
-        accepted_by_position=[], drafted_by_position=[], draft_seconds=None, peak_memory_bytes=peak,
-        finish_reason=finish, tokens=tokens, sources=["target"] * len(tokens), pieces=pieces(lm, tokens),
+        draft_calls=None,
+        drafted=drafted,
+        accepted=accepted,
+        accepted_by_position=[],
+        drafted_by_position=[],
+        draft_seconds=None,
+        peak_memory_bytes=peak,
+        finish_reason=finish,
+        tokens=tokens,
+        sources=["target"] * len(tokens),
+        pieces=pieces(lm, tokens),
         timeline=[(ttft, 1), (seconds, len(tokens))] if tokens else [],
-        extra={"llamacpp": {**{k: timings.get(k) for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms",
-                                                            "draft_n", "draft_n_accepted")},
-                            "decode_ms_per_token": predicted_ms / steps if steps > 0 else None,
-                            "stop_type": answer.get("stop_type"), "gguf": peer.gguf.name,
-                            "bytes_per_token": peer.bytes_per_token}},
+        extra={
+            "llamacpp": {
+                **{
+                    k: timings.get(k)
+                    for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "draft_n", "draft_n_accepted")
+                },
+                "decode_ms_per_token": predicted_ms / steps if steps > 0 else None,
+                "stop_type": answer.get("stop_type"),
+                "gguf": peer.gguf.name,
+                "bytes_per_token": peer.bytes_per_token,
+            }
+        },
         **where,
     )
 
@@ -292,21 +397,36 @@ def record(lm, method, prompt: list[int], answer: dict, seconds: float, max_new_
 def demonstrated(records: list[dict], name: str = "llamacpp:greedy") -> dict | None:
     """llama.cpp's demonstrated read bandwidth in this compare: the GGUF's bytes read per step / `name`'s decoding
     seconds per step (llama.cpp's own predicted_ms over its steps, every timed run); None where it did not run."""
-    runs = [r["extra"]["llamacpp"] for r in records if r["strategy"] == name and r["repeat"] >= 0
-            and (r.get("extra") or {}).get("llamacpp")]
+    runs = [
+        r["extra"]["llamacpp"]
+        for r in records
+        if r["strategy"] == name and r["repeat"] >= 0 and (r.get("extra") or {}).get("llamacpp")
+    ]
     steps = sum(max(0, (x["predicted_n"] or 0) - 1) for x in runs)
     ms = sum(x["predicted_ms"] or 0.0 for x in runs)
     weights = next((x["bytes_per_token"] for x in runs if x.get("bytes_per_token")), None)
     if not steps or not ms or not weights:
         return None
     seconds = ms / 1e3 / steps
-    return {"by": name, "bytes_per_token": weights, "seconds_per_token": seconds,
-            "bandwidth_bytes_per_second": weights / seconds}
+    return {
+        "by": name,
+        "bytes_per_token": weights,
+        "seconds_per_token": seconds,
+        "bandwidth_bytes_per_second": weights / seconds,
+    }
 
 
-def step_ms(model: str, dtype: str | torch.dtype = "bfloat16", *, tokens: int = 64, depth: int = 0,
-            threads: int | None = None, repetitions: int = 5, llamacpp: str | None = None,
-            prompt: int = 0) -> dict:
+def step_ms(
+    model: str,
+    dtype: str | torch.dtype = "bfloat16",
+    *,
+    tokens: int = 64,
+    depth: int = 0,
+    threads: int | None = None,
+    repetitions: int = 5,
+    llamacpp: str | None = None,
+    prompt: int = 0,
+) -> dict:
     """llama.cpp's batch-1 decoding step on `model` (a zoo name `zoo:NAME` or a folder) converted to `dtype`:
     `llama-bench -p 0 -n tokens -d depth -r repetitions` (one-token steps after `depth` tokens of context, timed by
     llama.cpp itself, after its own warm-up run: no HTTP, no sampling). Returns ms per step (mean, std, best of the
@@ -317,8 +437,23 @@ def step_ms(model: str, dtype: str | torch.dtype = "bfloat16", *, tokens: int = 
     gguf = builds.convert(build, builds.model_folder(model), dtype)
     threads = threads or torch.get_num_threads()
     generated = 0 if prompt else tokens
-    command = [str(build.bench), "-m", str(gguf), "-p", str(prompt), "-n", str(generated), "-d", str(depth),
-               "-t", str(threads), "-r", str(repetitions), "-o", "json"]
+    command = [
+        str(build.bench),
+        "-m",
+        str(gguf),
+        "-p",
+        str(prompt),
+        "-n",
+        str(generated),
+        "-d",
+        str(depth),
+        "-t",
+        str(threads),
+        "-r",
+        str(repetitions),
+        "-o",
+        "json",
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise LlamaCppError(f"llama-bench failed (status {done.returncode}): {done.stderr.strip()[-600:]}")
@@ -326,7 +461,17 @@ def step_ms(model: str, dtype: str | torch.dtype = "bfloat16", *, tokens: int = 
     per = 1e6 * (test["n_prompt"] if prompt else test["n_gen"])  # ns per run -> ms per token
     weights = builds.bytes_per_token(gguf)
     best = min(test.get("samples_ns") or [test["avg_ns"]]) / per
-    return {"ms_per_token": test["avg_ns"] / per, "std_ms": test["stddev_ns"] / per, "best_ms_per_token": best,
-            "tokens": tokens, "depth": depth, "threads": threads, "repetitions": repetitions, "gguf": str(gguf),
-            "bytes_per_token": weights, "bandwidth_bytes_per_second": weights / (best / 1e3) if weights else None,
-            "command": " ".join(command), "version": builds.VERSION}
+    return {
+        "ms_per_token": test["avg_ns"] / per,
+        "std_ms": test["stddev_ns"] / per,
+        "best_ms_per_token": best,
+        "tokens": tokens,
+        "depth": depth,
+        "threads": threads,
+        "repetitions": repetitions,
+        "gguf": str(gguf),
+        "bytes_per_token": weights,
+        "bandwidth_bytes_per_second": weights / (best / 1e3) if weights else None,
+        "command": " ".join(command),
+        "version": builds.VERSION,
+    }

@@ -36,9 +36,16 @@ INSTALL = "decodekit peers install llamacpp"  # the command every refusal names
 TARGETS = ("llama-server", "llama-bench")
 CONVERTER = "convert_hf_to_gguf.py"
 CONVERTER_NEEDS = "sentencepiece>=0.1.98,<0.3.0"  # imported by the converter for every tokenizer (its requirements)
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-               "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
+)
 OUTTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # decodekit dtype -> --outtype
 
 
@@ -98,8 +105,10 @@ def missing(folder: str | os.PathLike | None = None) -> str | None:
     if build is None:
         return f"llama.cpp's llama-server is not built in {where}: run `{INSTALL}` (or pass --llamacpp DIR)"
     if build.source is None:
-        return (f"no llama.cpp source tree with {CONVERTER} beside {build.bin} (it converts the model to a GGUF): "
-                f"run `{INSTALL}`")
+        return (
+            f"no llama.cpp source tree with {CONVERTER} beside {build.bin} (it converts the model to a GGUF): "
+            f"run `{INSTALL}`"
+        )
     return None
 
 
@@ -130,7 +139,7 @@ def _unpack(say: Callable[[str], None], into: pathlib.Path) -> None:
             if not members:
                 raise OSError(f"{archive.name} holds no {prefix} tree")
             for member in members:
-                member.name = member.name[len(prefix):]
+                member.name = member.name[len(prefix) :]
             staged = pathlib.Path(scratch) / "src"
             extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(staged, members=[m for m in members if m.name], **extra)
@@ -149,8 +158,10 @@ def install(say: Callable[[str], None] = print, jobs: int | None = None) -> Buil
     if all(_executable(build_dir / "bin" / t) for t in TARGETS):
         say(f"llama.cpp {VERSION} is already built")
     else:
-        tools = {"cmake": shutil.which("cmake"), "a C++ compiler": shutil.which("c++") or shutil.which("g++")
-                 or shutil.which("clang++")}
+        tools = {
+            "cmake": shutil.which("cmake"),
+            "a C++ compiler": shutil.which("c++") or shutil.which("g++") or shutil.which("clang++"),
+        }
         if absent := [name for name, path in tools.items() if path is None]:
             raise OSError(f"building llama.cpp needs {' and '.join(absent)} (apt-get install cmake g++ ninja-build)")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
@@ -196,8 +207,9 @@ def _fresh(gguf: pathlib.Path, folder: pathlib.Path) -> bool:
     return gguf.is_file() and all(f.stat().st_mtime <= gguf.stat().st_mtime for f in folder.iterdir() if f.is_file())
 
 
-def convert(build: Build, folder: pathlib.Path, dtype: torch.dtype, say: Callable[[str], None] | None = None
-            ) -> pathlib.Path:
+def convert(
+    build: Build, folder: pathlib.Path, dtype: torch.dtype, say: Callable[[str], None] | None = None
+) -> pathlib.Path:
     """The GGUF of `folder`'s weights in `dtype`, written by llama.cpp's converter once (cached); raises
     ConversionError with the converter's reason when it cannot."""
     if dtype not in OUTTYPES:
@@ -211,11 +223,26 @@ def convert(build: Build, folder: pathlib.Path, dtype: torch.dtype, say: Callabl
     if say:
         say(f"llama.cpp: converting {folder} to {out.name} (once) ...")
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
-    env = dict(os.environ, HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(build.source / "gguf-py"), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(build.source / "gguf-py"), os.environ.get("PYTHONPATH")])),
+    )
     try:
-        done = subprocess.run([sys.executable, str(build.source / CONVERTER), str(folder), "--outtype",
-                               OUTTYPES[dtype], "--outfile", str(partial)], capture_output=True, text=True, env=env)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(build.source / CONVERTER),
+                str(folder),
+                "--outtype",
+                OUTTYPES[dtype],
+                "--outfile",
+                str(partial),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if done.returncode != 0 or not partial.is_file():
             raise ConversionError(_reason(done.stdout + done.stderr))
         partial.replace(out)  # (atomic: another process converting the same folder finds a whole file or none)

@@ -113,8 +113,9 @@ class Scored:
     def __init__(self) -> None:
         self.logits: dict[tuple, torch.Tensor] = {}
 
-    def __call__(self, score: Callable, lm: decoders.LM, prompt: Sequence[int], reference: Sequence[int],
-                 position: int) -> torch.Tensor:
+    def __call__(
+        self, score: Callable, lm: decoders.LM, prompt: Sequence[int], reference: Sequence[int], position: int
+    ) -> torch.Tensor:
         """`score(lm, prompt, reference, position)` ([vocab]: `margin_at` or `incremental_logits`), once."""
         key = (score, id(lm), tuple(prompt), tuple(reference[:position]))
         if key not in self.logits:
@@ -125,8 +126,11 @@ class Scored:
 def float32_copy(lm: decoders.LM) -> decoders.LM:
     """A float32 copy of `lm`'s model (same weights, same device), wrapped with its tokenizer."""
     # each weight goes straight to its float32 copy: deepcopy finds it in the memo and never copies the original first
-    memo = {id(p): torch.nn.Parameter(p.detach().float(), requires_grad=False)
-            for p in lm.model.parameters() if p.is_floating_point()}
+    memo = {
+        id(p): torch.nn.Parameter(p.detach().float(), requires_grad=False)
+        for p in lm.model.parameters()
+        if p.is_floating_point()
+    }
     model = copy.deepcopy(lm.model, memo).float()  # .float() converts the floating buffers too
     return decoders.wrap(model, lm.tokenizer, name=f"{lm.name} (float32)")
 
@@ -181,8 +185,14 @@ def verdict(
         return {"status": "exact", "position": None}
     if position >= len(reference) or position >= len(candidate):
         longer = "run" if len(candidate) > len(reference) else "greedy"
-        return {"status": "failed", "position": position, "margin": None, "gap": None, "tolerance": None,
-                "reason": f"length differs ({len(candidate)} tokens vs greedy's {len(reference)}; {longer} goes on)"}
+        return {
+            "status": "failed",
+            "position": position,
+            "margin": None,
+            "gap": None,
+            "tolerance": None,
+            "reason": f"length differs ({len(candidate)} tokens vs greedy's {len(reference)}; {longer} goes on)",
+        }
     if exact is None:
         with Float32Model(lm) as exact:
             return verdict(lm, prompt, reference, candidate, exact, gaps, scored)
@@ -193,44 +203,78 @@ def verdict(
     expected, got = int(reference[position]), int(candidate[position])
     gap = abs(float(logits[expected] - logits[got]))
     limit = tolerance(lm.dtype, float(top[0]))
-    found = {"status": "tie", "position": position, "margin": float(top[0] - top[1]), "gap": gap, "greedy_gap": None,
-             "float32_gap": None, "rounding_error": None, "tolerance": limit, "expected_token": expected,
-             "got_token": got}
+    found = {
+        "status": "tie",
+        "position": position,
+        "margin": float(top[0] - top[1]),
+        "gap": gap,
+        "greedy_gap": None,
+        "float32_gap": None,
+        "rounding_error": None,
+        "tolerance": limit,
+        "expected_token": expected,
+        "got_token": got,
+    }
     if gap <= limit:
         return {**found, "reason": f"numeric tie: {gap:.3g} apart in {name}, within its rounding of {limit:.3g}"}
     again = scored(incremental_logits, lm, prompt, reference, position)  # [vocab], as greedy scored it
     greedy_gap = found["greedy_gap"] = abs(float(again[expected] - again[got]))
     if greedy_gap <= tolerance(lm.dtype, float(again.max())):
-        return {**found, "reason": f"numeric tie: {greedy_gap:.3g} apart in greedy's own {name} scoring, "
-                                   f"within its rounding of {limit:.3g}"}
+        return {
+            **found,
+            "reason": f"numeric tie: {greedy_gap:.3g} apart in greedy's own {name} scoring, "
+            f"within its rounding of {limit:.3g}",
+        }
     if lm.dtype not in RECHECKED:
-        return {**found, "status": "failed",
-                "reason": f"different token: {greedy_gap:.3g} apart in {name}, beyond its rounding of {limit:.3g}"}
+        return {
+            **found,
+            "status": "failed",
+            "reason": f"different token: {greedy_gap:.3g} apart in {name}, beyond its rounding of {limit:.3g}",
+        }
     try:
         exact32 = scored(margin_at, exact.get(), prompt, reference, position)  # [vocab]
     except Exception as error:  # noqa: BLE001 - a model float32 cannot copy or run keeps its low-precision verdict
-        return {**found, "status": "failed", "reason": f"different token: {greedy_gap:.3g} apart in {name}, beyond "
-                                                       f"its rounding of {limit:.3g}; no float32 recheck: {error}"}
+        return {
+            **found,
+            "status": "failed",
+            "reason": f"different token: {greedy_gap:.3g} apart in {name}, beyond "
+            f"its rounding of {limit:.3g}; no float32 recheck: {error}",
+        }
     lead = float(exact32[expected] - exact32[got])  # > 0: float32 prefers greedy's token too
     noise = found["rounding_error"] = rounding_error((logits, again), exact32, expected, got)
     found["float32_gap"] = abs(lead)
     bound = max(tolerance(lm.dtype, float(exact32.max())), NOISE_MARGIN * noise)
     if abs(lead) <= bound:
-        return {**found, "reason": f"numeric tie: {greedy_gap:.3g} apart in {name}, {abs(lead):.2g} in float32, "
-                                   f"where {name} errs by up to {noise:.2g}"}
+        return {
+            **found,
+            "reason": f"numeric tie: {greedy_gap:.3g} apart in {name}, {abs(lead):.2g} in float32, "
+            f"where {name} errs by up to {noise:.2g}",
+        }
     chosen = position < len(gaps) and gaps[position] == 0.0
     if chosen and abs(lead) <= CHOSEN_MARGIN * bound:
-        return {**found, "reason": f"numeric tie: the target's own choice in the call that verified it, whose cached "
-                                   f"keys and values were rounded in other calls than greedy's; {abs(lead):.2g} apart "
-                                   f"in float32, within the {CHOSEN_MARGIN * bound:.2g} that {name} drift explains"}
+        return {
+            **found,
+            "reason": f"numeric tie: the target's own choice in the call that verified it, whose cached "
+            f"keys and values were rounded in other calls than greedy's; {abs(lead):.2g} apart "
+            f"in float32, within the {CHOSEN_MARGIN * bound:.2g} that {name} drift explains",
+        }
     side = "below" if lead > 0 else "above"
-    return {**found, "status": "failed",
-            "reason": f"different token: float32 ranks it {abs(lead):.3g} {side} greedy's, beyond the {bound:.2g} "
-                      f"that {name} rounding explains here"}
+    return {
+        **found,
+        "status": "failed",
+        "reason": f"different token: float32 ranks it {abs(lead):.3g} {side} greedy's, beyond the {bound:.2g} "
+        f"that {name} rounding explains here",
+    }
 
 
-def agreement(lm: decoders.LM, prompt: Sequence[int], reference: Sequence[int], candidate: Sequence[int],
-              exact: Float32Model | None = None, scored: Scored | None = None) -> dict:
+def agreement(
+    lm: decoders.LM,
+    prompt: Sequence[int],
+    reference: Sequence[int],
+    candidate: Sequence[int],
+    exact: Float32Model | None = None,
+    scored: Scored | None = None,
+) -> dict:
     """A run on other kernels than decodekit's (llama.cpp's) against greedy: {"status": "exact" | "tie" | "differs",
     "position", "agreed" (greedy's tokens it reproduced before the first difference), "of" (greedy's tokens), ...}.
     Only in float32, where the two should agree up to ties, is a difference judged (`verdict`); never a failure."""
@@ -244,8 +288,15 @@ def agreement(lm: decoders.LM, prompt: Sequence[int], reference: Sequence[int], 
         if judged["status"] == "tie":
             return {**judged, **agreed}
         return {**judged, **agreed, "status": "differs", "reason": f"{share} it: {judged['reason']}"}
-    return {"status": "differs", "position": position, "margin": None, "gap": None, "tolerance": None, **agreed,
-            "reason": f"{share} a first difference (its own kernels; agreement is reported, not required)"}
+    return {
+        "status": "differs",
+        "position": position,
+        "margin": None,
+        "gap": None,
+        "tolerance": None,
+        **agreed,
+        "reason": f"{share} a first difference (its own kernels; agreement is reported, not required)",
+    }
 
 
 def rounding_error(views: Sequence[torch.Tensor], exact: torch.Tensor, expected: int, got: int) -> float:
@@ -310,5 +361,6 @@ def check(
                 run.lossless = agreement(lm, prompts[run.prompt_id], expected, run.tokens, exact, scored)
             else:
                 expected = reference(run.prompt_id, run.grammar)
-                run.lossless = verdict(lm, prompts[run.prompt_id], expected, run.tokens, exact,
-                                       getattr(run, "argmax_gaps", ()), scored)
+                run.lossless = verdict(
+                    lm, prompts[run.prompt_id], expected, run.tokens, exact, getattr(run, "argmax_gaps", ()), scored
+                )

@@ -23,8 +23,9 @@ class ForwardMeter:
     module hooks, and the calls of an LM's native step (`decoders.models.native`, which runs no module) that `natives`
     name."""
 
-    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module] | None, device: torch.device,
-                 natives: Sequence = ()) -> None:
+    def __init__(
+        self, model: torch.nn.Module | Sequence[torch.nn.Module] | None, device: torch.device, natives: Sequence = ()
+    ) -> None:
         self.models = [] if model is None else [model] if isinstance(model, torch.nn.Module) else list(model)
         self.natives = [n for n in natives if n is not None]
         self.device = device
@@ -135,8 +136,9 @@ def _best_seconds(device: torch.device, work, repeats: int) -> float:
     return best
 
 
-def read_bandwidth(device: torch.device, megabytes: int = 256, dtype: torch.dtype = torch.float32,
-                   repeats: int = 5) -> float:
+def read_bandwidth(
+    device: torch.device, megabytes: int = 256, dtype: torch.dtype = torch.float32, repeats: int = 5
+) -> float:
     """Bytes/s a matrix-vector product of a `megabytes` matrix of `dtype` streams: the best of `repeats`.
 
     A batch-1 decoding step only reads its weights, through one such product per weight matrix (a linear layer of one
@@ -165,8 +167,9 @@ def copy_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5)
     return 2 * source.numel() * source.element_size() / seconds
 
 
-def roofline(model: torch.nn.Module, device: torch.device, megabytes: int = 256,
-             dtype: torch.dtype | None = None) -> dict:
+def roofline(
+    model: torch.nn.Module, device: torch.device, megabytes: int = 256, dtype: torch.dtype | None = None
+) -> dict:
     """The batch-1 decoding limit: bytes read per step / the read bandwidth of a matrix-vector product of `dtype`
     (default: the model's first floating-point parameter's), as tokens/s; the copy bandwidth beside it."""
     dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -191,8 +194,11 @@ def with_demonstrated(line: dict, shown: dict | None) -> dict:
     probe = line["bandwidth_bytes_per_second"]
     line = {**line, "probe_bandwidth_bytes_per_second": probe, "demonstrated": shown, "bandwidth_source": "probe"}
     if shown and shown["bandwidth_bytes_per_second"] > probe:
-        line.update(bandwidth_bytes_per_second=shown["bandwidth_bytes_per_second"], bandwidth_source=shown["by"],
-                    limit_tokens_per_second=shown["bandwidth_bytes_per_second"] / line["bytes_per_token"])
+        line.update(
+            bandwidth_bytes_per_second=shown["bandwidth_bytes_per_second"],
+            bandwidth_source=shown["by"],
+            limit_tokens_per_second=shown["bandwidth_bytes_per_second"] / line["bytes_per_token"],
+        )
     return line
 
 

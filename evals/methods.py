@@ -118,8 +118,10 @@ def _construct(name: str, base: str, settings: dict[str, Any], options: Mapping[
         if (settings or options) and not peer.settings:
             raise ValueError(f"method {name!r}: peers take no options ({base} has no settings)")
         if unknown := sorted(set(merged) - set(peer.settings)):
-            raise ValueError(f"method {name!r}: unknown setting {', '.join(unknown)}; its settings: "
-                             f"{', '.join(f'{k}={v}' for k, v in peer.settings.items())}")
+            raise ValueError(
+                f"method {name!r}: unknown setting {', '.join(unknown)}; its settings: "
+                f"{', '.join(f'{k}={v}' for k, v in peer.settings.items())}"
+            )
         if peer.engine == "llamacpp":
             llamacpp.check_settings(name, merged)
         return Method(name=name, base=base, options=merged, peer=peer)
@@ -135,21 +137,30 @@ def batch_conflict(method: Method, batched: bool) -> str | None:
         if method.peer.batched and not batched:
             return "runs only in a batched compare: pass --batch-size N"
         if batched and not method.peer.batched:
-            return (f"decodes one prompt at a time; a batched compare (--batch-size) runs the transformers peers "
-                    f"{', '.join(peers.BATCH_PEERS)}")
+            return (
+                f"decodes one prompt at a time; a batched compare (--batch-size) runs the transformers peers "
+                f"{', '.join(peers.BATCH_PEERS)}"
+            )
         return None
     if not batched:
         return None
     if method.needs_grammar:
-        return ("runs only on prompts with a schema, under their grammar; a batched compare (--batch-size) runs "
-                "every method on the whole suite")
+        return (
+            "runs only on prompts with a schema, under their grammar; a batched compare (--batch-size) runs "
+            "every method on the whole suite"
+        )
     if not method.decoder.batchable():
         return "implements `step` only, so its runs cannot share target calls (decoders.base.Decoder.steps)"
     return None
 
 
-def plan(requested: Iterable[str], has_draft: bool, options: Mapping[str, Mapping[str, Any]] | None = None,
-         batched: bool = False, llamacpp_dir: str | None = None) -> tuple[list[Method], list[str]]:
+def plan(
+    requested: Iterable[str],
+    has_draft: bool,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    batched: bool = False,
+    llamacpp_dir: str | None = None,
+) -> tuple[list[Method], list[str]]:
     """The methods of a compare (the baseline first) and notes on what was skipped, before any model loads.
 
     `requested` empty means every registered strategy and peer whose needs are met (`batched`, a compare with
@@ -193,8 +204,9 @@ def plan(requested: Iterable[str], has_draft: bool, options: Mapping[str, Mappin
     return methods, notes
 
 
-def check_loaded(methods: list[Method], lm: decoders.LM, draft: decoders.LM | None, explicit: bool,
-                 notes: list[str]) -> list[Method]:
+def check_loaded(
+    methods: list[Method], lm: decoders.LM, draft: decoders.LM | None, explicit: bool, notes: list[str]
+) -> list[Method]:
     """The methods the loaded models can serve (`decoders.capabilities.check_models`: a draft of the target's
     vocabulary, tree masks), probed once before any run. An explicit request with an unusable method raises, as does
     a draft that no method can use; the default set skips the others, with a note."""

@@ -64,8 +64,10 @@ def _by_repeat(runs: list[dict], baseline: list[dict]) -> tuple[list[float], lis
 def lossless_summary(runs: list[dict], errors: int = 0) -> dict:
     """How a strategy's runs fared in the losslessness check (`errors`: runs that raised instead of finishing)."""
     verdicts = [r.get("lossless") or {"status": "unchecked"} for r in runs]
-    counts = {s: sum(v["status"] == s for v in verdicts) for s in ("reference", "exact", "tie", "valid", "failed",
-                                                                 "differs", "unchecked")}
+    counts = {
+        s: sum(v["status"] == s for v in verdicts)
+        for s in ("reference", "exact", "tie", "valid", "failed", "differs", "unchecked")
+    }
     failures = [(r, v) for r, v in zip(runs, verdicts) if v["status"] == "failed"]
     ties = [(r, v) for r, v in zip(runs, verdicts) if v["status"] == "tie"]
     differences = [(r, v) for r, v in zip(runs, verdicts) if v["status"] == "differs"]
@@ -88,8 +90,15 @@ def lossless_summary(runs: list[dict], errors: int = 0) -> dict:
     else:
         status = "pass"
     first = lambda pairs: {"prompt_id": pairs[0][0]["prompt_id"], **pairs[0][1]} if pairs else None  # noqa: E731
-    return {"status": status, **counts, "errors": errors, "first_failure": first(failures), "first_tie": first(ties),
-            "first_difference": first(differences), "agreement": agreement}
+    return {
+        "status": status,
+        **counts,
+        "errors": errors,
+        "first_failure": first(failures),
+        "first_tie": first(ties),
+        "first_difference": first(differences),
+        "agreement": agreement,
+    }
 
 
 def aggregate(runs: list[dict], baseline: list[dict], errors: int = 0) -> dict:
@@ -138,8 +147,9 @@ def summarize(runs: list[dict], errors: list[dict] = ()) -> list[dict]:
         kind = next(r["kind"] for r in mine + failed)
         summary = {"strategy": name, "kind": kind, **aggregate(mine, baseline, len(failed))}
         summary["by_category"] = {
-            category: aggregate([r for r in mine if r["category"] == category], baseline,
-                                sum(e["category"] == category for e in failed))
+            category: aggregate(
+                [r for r in mine if r["category"] == category], baseline, sum(e["category"] == category for e in failed)
+            )
             for category in _ordered([r["category"] for r in mine] + [e["category"] for e in failed])
         }
         summaries.append(summary)
@@ -162,9 +172,13 @@ def percentile(values: list[float], q: float) -> float | None:
 def latencies(runs: list[dict]) -> dict:
     """Per-request latency (`seconds`) and TTFT of a batched compare's runs: mean, p50 and p90."""
     seconds, ttfts = [r["seconds"] for r in runs], [r["ttft_seconds"] for r in runs]
-    return {"latency_seconds": statistics.fmean(seconds) if seconds else None,
-            "latency_p50_seconds": percentile(seconds, 50), "latency_p90_seconds": percentile(seconds, 90),
-            "ttft_p50_seconds": percentile(ttfts, 50), "ttft_p90_seconds": percentile(ttfts, 90)}
+    return {
+        "latency_seconds": statistics.fmean(seconds) if seconds else None,
+        "latency_p50_seconds": percentile(seconds, 50),
+        "latency_p90_seconds": percentile(seconds, 90),
+        "ttft_p50_seconds": percentile(ttfts, 50),
+        "ttft_p90_seconds": percentile(ttfts, 90),
+    }
 
 
 def _throughputs(queues: list[dict], name: str, size: int) -> tuple[list[float], list[float]]:
@@ -197,12 +211,22 @@ def summarize_batched(runs: list[dict], queues: list[dict], errors: list[dict] =
         mine_queues = [q for q in queues if q["strategy"] == name and q["batch_size"] == size]
         kind = next(x["kind"] for x in mine + failed + mine_queues)
         speeds, speedups = _throughputs(queues, name, size)
-        summary = {"strategy": name, "kind": kind, "batch_size": size, **aggregate(mine, [], len(failed)),
-                   "tokens_per_second": _spread(speeds), "speedup": _spread(speedups), **latencies(mine),
-                   "draft_share": _ratio(_total(mine_queues, "draft_seconds"), _total(mine_queues, "seconds"))}
+        summary = {
+            "strategy": name,
+            "kind": kind,
+            "batch_size": size,
+            **aggregate(mine, [], len(failed)),
+            "tokens_per_second": _spread(speeds),
+            "speedup": _spread(speedups),
+            **latencies(mine),
+            "draft_share": _ratio(_total(mine_queues, "draft_seconds"), _total(mine_queues, "seconds")),
+        }
         summary["by_category"] = {
-            category: {**aggregate(picked, [], sum(e["category"] == category for e in failed)), **empty,
-                       **latencies(picked)}
+            category: {
+                **aggregate(picked, [], sum(e["category"] == category for e in failed)),
+                **empty,
+                **latencies(picked),
+            }
             for category in _ordered([r["category"] for r in mine] + [e["category"] for e in failed if e["category"]])
             for picked in [[r for r in mine if r["category"] == category]]
         }

@@ -57,33 +57,59 @@ PEERS = {
     peer.name: peer
     for peer in (
         Peer("hf:greedy", description="transformers generate(do_sample=False)"),
-        Peer("hf:assisted", needs_draft=True, source="draft",
-             description="transformers assisted generation, generate(assistant_model=draft)"),
-        Peer("hf:prompt_lookup", source="lookup", kwargs={"prompt_lookup_num_tokens": 10},
-             description="transformers prompt lookup, generate(prompt_lookup_num_tokens=10)"),
-        Peer("outlines:json", needs_grammar=True,
-             description="outlines' JSON-schema logits processor in transformers generate (prompts with a schema)"),
+        Peer(
+            "hf:assisted",
+            needs_draft=True,
+            source="draft",
+            description="transformers assisted generation, generate(assistant_model=draft)",
+        ),
+        Peer(
+            "hf:prompt_lookup",
+            source="lookup",
+            kwargs={"prompt_lookup_num_tokens": 10},
+            description="transformers prompt lookup, generate(prompt_lookup_num_tokens=10)",
+        ),
+        Peer(
+            "outlines:json",
+            needs_grammar=True,
+            description="outlines' JSON-schema logits processor in transformers generate (prompts with a schema)",
+        ),
     )
 }
 BATCH_PEERS = {  # the peers of a batched compare (--batch-size N), timed by `evals.batched`
     peer.name: peer
     for peer in (
-        Peer("hf:batch", batched=True,
-             description="transformers generate(do_sample=False) on left-padded batches of N prompts"),
-        Peer("hf:continuous", batched=True,
-             description="transformers continuous batching, generate_batch (N requests in flight)"),
+        Peer(
+            "hf:batch",
+            batched=True,
+            description="transformers generate(do_sample=False) on left-padded batches of N prompts",
+        ),
+        Peer(
+            "hf:continuous",
+            batched=True,
+            description="transformers continuous batching, generate_batch (N requests in flight)",
+        ),
     )
 }
 LLAMACPP_PEERS = {  # llama.cpp's llama-server on a GGUF of the same weights: run only when named in --strategies
     peer.name: peer
     for peer in (
         Peer("llamacpp:greedy", engine="llamacpp", description="llama.cpp's llama-server, greedy, same weights"),
-        Peer("llamacpp:draft", needs_draft=True, source="draft", engine="llamacpp",
-             settings={"n_max": 3, "n_min": 0, "p_min": 0.0},  # llama.cpp's own defaults (common/common.h)
-             description="llama.cpp's draft-model speculation (--spec-type draft-simple) with the --draft model"),
-        Peer("llamacpp:ngram", source="lookup", engine="llamacpp",
-             settings={"n_match": 24, "n_min": 48, "n_max": 64},  # its --spec-default
-             description="llama.cpp's draft-free speculation, --spec-type ngram-mod"),
+        Peer(
+            "llamacpp:draft",
+            needs_draft=True,
+            source="draft",
+            engine="llamacpp",
+            settings={"n_max": 3, "n_min": 0, "p_min": 0.0},  # llama.cpp's own defaults (common/common.h)
+            description="llama.cpp's draft-model speculation (--spec-type draft-simple) with the --draft model",
+        ),
+        Peer(
+            "llamacpp:ngram",
+            source="lookup",
+            engine="llamacpp",
+            settings={"n_match": 24, "n_min": 48, "n_max": 64},  # its --spec-default
+            description="llama.cpp's draft-free speculation, --spec-type ngram-mod",
+        ),
     )
 }
 UNAVAILABLE = {} if importlib.util.find_spec("outlines") else {"outlines:": "outlines is not installed"}
@@ -119,7 +145,7 @@ def _outlines_processor(lm: decoders.LM, grammar: Any):
     """outlines' JSON-schema logits processor for `grammar` (a `grammars.JsonSchema`), built once per model."""
     schema, whitespace = getattr(grammar, "schema", None), getattr(grammar, "whitespace", "")
     if schema is None:
-        raise ValueError("outlines:json runs only under a JSON-schema grammar (a suite line with a \"schema\")")
+        raise ValueError('outlines:json runs only under a JSON-schema grammar (a suite line with a "schema")')
     key = (id(lm.model), schema, whitespace)
     if key not in _PROCESSORS:
         import outlines
@@ -170,8 +196,14 @@ def pad_token_id(lm: decoders.LM) -> int:
 def greedy_arguments(lm: decoders.LM) -> dict:
     """The `generate` arguments every transformers peer shares: greedy, one beam, every logits processor a model's
     generation config might switch on turned off, decodekit's EOS ids and the pad id."""
-    return dict(do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                eos_token_id=sorted(lm.eos_token_ids) or None, pad_token_id=pad_token_id(lm))
+    return dict(
+        do_sample=False,
+        num_beams=1,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        eos_token_id=sorted(lm.eos_token_ids) or None,
+        pad_token_id=pad_token_id(lm),
+    )
 
 
 def run_peer(
@@ -188,8 +220,13 @@ def run_peer(
 ) -> Run:
     """Time one transformers `generate` call of `peer` (its needs are checked before any run, by `evals.methods`)."""
     ids = torch.tensor([prompt], dtype=torch.long, device=lm.device)  # [1, T]
-    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                  **greedy_arguments(lm), **peer.kwargs)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        **greedy_arguments(lm),
+        **peer.kwargs,
+    )
     if peer.needs_draft:
         kwargs["assistant_model"] = draft.model
         sizes = {m.config.get_text_config().vocab_size for m in (lm.model, draft.model)}
@@ -205,7 +242,7 @@ def run_peer(
     arrivals = _Arrivals(watch)
     with watch:
         output = quiet_generate(lm.model, streamer=arrivals, **kwargs)
-    tokens = output[0, ids.shape[1]:].tolist()
+    tokens = output[0, ids.shape[1] :].tolist()
     sources = [s for n in arrivals.chunks for s in [peer.source] * (n - 1) + ["target"]]
     sources = (sources + ["target"] * len(tokens))[: len(tokens)]
     finish = "eos" if tokens and tokens[-1] in lm.eos_token_ids else "length"
@@ -213,12 +250,28 @@ def run_peer(
     # every target call scores one token that is not a draft (the prompt, the first time) plus its draft tokens
     drafted = watch.target.tokens - len(prompt) - (watch.target.calls - 1) if accepted is not None else None
     return Run(
-        strategy=peer.name, kind="peer", prompt_id=prompt_id, category=category, repeat=repeat,
-        prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, new_tokens=len(tokens),
-        seconds=watch.seconds, ttft_seconds=watch.ttft,
-        target_calls=watch.target.calls, draft_calls=watch.draft.calls if watch.draft_metered else None,
-        drafted=drafted, accepted=accepted, accepted_by_position=[], drafted_by_position=[],
+        strategy=peer.name,
+        kind="peer",
+        prompt_id=prompt_id,
+        category=category,
+        repeat=repeat,
+        prompt_tokens=len(prompt),
+        max_new_tokens=max_new_tokens,
+        new_tokens=len(tokens),
+        seconds=watch.seconds,
+        ttft_seconds=watch.ttft,
+        target_calls=watch.target.calls,
+        draft_calls=watch.draft.calls if watch.draft_metered else None,
+        drafted=drafted,
+        accepted=accepted,
+        accepted_by_position=[],
+        drafted_by_position=[],
         draft_seconds=watch.draft.seconds if watch.draft_metered else None,
-        peak_memory_bytes=watch.peak_bytes, finish_reason=finish,
-        tokens=tokens, sources=sources, pieces=pieces(lm, tokens), timeline=watch.marks, grammar=peer.needs_grammar,
+        peak_memory_bytes=watch.peak_bytes,
+        finish_reason=finish,
+        tokens=tokens,
+        sources=sources,
+        pieces=pieces(lm, tokens),
+        timeline=watch.marks,
+        grammar=peer.needs_grammar,
     )

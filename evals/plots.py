@@ -79,12 +79,22 @@ def throughput_by_batch_size(result: dict, path: Path) -> Path:
     sizes = result["config"]["batch_sizes"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(s["strategy"] for s in result["summary"]):
-        points = [(s["batch_size"], s["tokens_per_second"]["mean"], s["tokens_per_second"]["std"] or 0.0)
-                  for s in result["summary"] if s["strategy"] == name and s["tokens_per_second"]["mean"] is not None]
+        points = [
+            (s["batch_size"], s["tokens_per_second"]["mean"], s["tokens_per_second"]["std"] or 0.0)
+            for s in result["summary"]
+            if s["strategy"] == name and s["tokens_per_second"]["mean"] is not None
+        ]
         if points:
             xs, ys, errors = zip(*points)
-            ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=name,
-                        linestyle="--" if name.startswith("hf:") else "-")
+            ax.errorbar(
+                xs,
+                ys,
+                yerr=errors,
+                marker="o",
+                capsize=3,
+                label=name,
+                linestyle="--" if name.startswith("hf:") else "-",
+            )
     if len(sizes) > 1 and max(sizes) >= 4 * min(sizes):
         ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(n) for n in sizes])
@@ -104,10 +114,14 @@ def write_all(result: dict, folder: str | Path) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if result["config"].get("batch_sizes"):
-        return [throughput_by_batch_size(result, folder / "throughput_by_batch_size.png"),
-                acceptance_by_position(result, folder / "acceptance_by_position.png")]
-    return [speedup_by_category(result, folder / "speedup_by_category.png"),
-            acceptance_by_position(result, folder / "acceptance_by_position.png")]
+        return [
+            throughput_by_batch_size(result, folder / "throughput_by_batch_size.png"),
+            acceptance_by_position(result, folder / "acceptance_by_position.png"),
+        ]
+    return [
+        speedup_by_category(result, folder / "speedup_by_category.png"),
+        acceptance_by_position(result, folder / "acceptance_by_position.png"),
+    ]
 
 
 def cost_curves(curves: list[tuple[str, str, object]], path: str | Path, title: str = "") -> Path:

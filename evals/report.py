@@ -120,8 +120,10 @@ def throughput_table(result: dict) -> tuple[list[str], list[list[str]]] | None:
         return None
     cells = {(s["strategy"], s["batch_size"]): spread(s["tokens_per_second"], ".1f") for s in result["summary"]}
     names = list(dict.fromkeys(s["strategy"] for s in result["summary"]))
-    return (["strategy"] + [f"batch {n} ↑" for n in sizes],
-            [[name] + [cells.get((name, n), "–") for n in sizes] for name in names])
+    return (
+        ["strategy"] + [f"batch {n} ↑" for n in sizes],
+        [[name] + [cells.get((name, n), "–") for n in sizes] for name in names],
+    )
 
 
 def _is_figure(cell: str) -> bool:
@@ -147,7 +149,7 @@ def summary_table(result: dict) -> tuple[list[str], list[list[str]]]:
 TIE_MARK, FAILED_MARK = "≈", "✗"
 LEGEND = {
     TIE_MARK: "the output left greedy's at a numeric tie, so this speed-up divides the tokens per second of two "
-              "different texts (the notes give where)",
+    "different texts (the notes give where)",
     FAILED_MARK: "not lossless: the output differs from greedy's beyond a numeric tie",
 }
 
@@ -212,11 +214,15 @@ def partial_line(result: dict) -> str | None:
     if is_batched(result):
         rounds = len({(q["batch_size"], q["repeat"]) for q in result.get("queues", [])})
         total = len(result["config"]["batch_sizes"]) * result["config"]["repeats"]
-        return (f"partial result: interrupted (Ctrl-C) after {rounds} of {total} rounds (every method's queue at one "
-                "batch size and repeat); the round it cut short is left out")
+        return (
+            f"partial result: interrupted (Ctrl-C) after {rounds} of {total} rounds (every method's queue at one "
+            "batch size and repeat); the round it cut short is left out"
+        )
     measured = len({r["prompt_id"] for r in result["runs"]} | {e["prompt_id"] for e in result["errors"]})
-    return (f"partial result: interrupted (Ctrl-C) after {measured} of {result['config']['prompts']} prompts; the "
-            "round of runs it cut short is left out")
+    return (
+        f"partial result: interrupted (Ctrl-C) after {measured} of {result['config']['prompts']} prompts; the "
+        "round of runs it cut short is left out"
+    )
 
 
 def header_lines(result: dict) -> list[str]:
@@ -233,9 +239,11 @@ def header_lines(result: dict) -> list[str]:
     ]
     if is_batched(result):
         sizes = ", ".join(map(str, config["batch_sizes"]))
-        lines.append(f"batched: each method decodes the suite as one queue with {sizes} requests in flight · tok/s = "
-                     "new tokens over the whole suite / the queue's time · latency and TTFT per request, from its "
-                     "admission")
+        lines.append(
+            f"batched: each method decodes the suite as one queue with {sizes} requests in flight · tok/s = "
+            "new tokens over the whole suite / the queue's time · latency and TTFT per request, from its "
+            "admission"
+        )
     if roof:
         fraction = f" · greedy reaches {roof['greedy_fraction']:.0%} of it" if roof.get("greedy_fraction") else ""
         probe = f"{roof.get('bandwidth_probe', 'copy')} probe"  # (files of older versions measured a copy)
@@ -243,8 +251,10 @@ def header_lines(result: dict) -> list[str]:
         copy = roof.get("copy_bandwidth_bytes_per_second")
         shown, source = roof.get("demonstrated"), roof.get("bandwidth_source", "probe")
         if source != "probe":  # a real decoding step read faster than the probe: the better rate is the limit's
-            probe = (f"{source}'s decoding step on the same weights, demonstrated here; the {probe} read "
-                     f"{roof['probe_bandwidth_bytes_per_second'] / 1e9:.1f}")
+            probe = (
+                f"{source}'s decoding step on the same weights, demonstrated here; the {probe} read "
+                f"{roof['probe_bandwidth_bytes_per_second'] / 1e9:.1f}"
+            )
         elif shown:
             probe += f"; {shown['by']}'s decoding step read {shown['bandwidth_bytes_per_second'] / 1e9:.1f}"
         lines.append(
@@ -260,10 +270,13 @@ def notes(result: dict) -> list[str]:
     """Skipped methods, then every divergence: failures and numeric ties, with position and logit margin."""
     out = list(result.get("notes", []))
     out += [f"{e['strategy']}{_where(e)}: raised {e['error']}" for e in result.get("errors", [])]
-    out += [f"{s['strategy']}: its own kernels on the same weights; {s['lossless']['differs']} of {s['runs']} runs "
-            f"differ from greedy, {s['lossless']['agreement']:.0%} of greedy's tokens agree before each run's first "
-            "difference (agreement is reported, not required)"
-            for s in result["summary"] if s["lossless"]["status"] == "differs"]
+    out += [
+        f"{s['strategy']}: its own kernels on the same weights; {s['lossless']['differs']} of {s['runs']} runs "
+        f"differ from greedy, {s['lossless']['agreement']:.0%} of greedy's tokens agree before each run's first "
+        "difference (agreement is reported, not required)"
+        for s in result["summary"]
+        if s["lossless"]["status"] == "differs"
+    ]
     for run in result["runs"]:
         check = run.get("lossless") or {}
         if check.get("status") in ("failed", "tie"):
@@ -277,8 +290,10 @@ def notes(result: dict) -> list[str]:
                 figures = f" (top-2 margin {check['margin']:.3g}, {', '.join(gaps)})"
             where = "" if check.get("position") is None else f" at token {check['position']}"
             batch = f"batch {run['batch_size']}, " if run.get("batch_size") else ""
-            out.append(f"{run['strategy']} on {run['prompt_id']} ({batch}repeat {run['repeat']}): "
-                       f"{check['status']}{where}: {check['reason']}{figures}")
+            out.append(
+                f"{run['strategy']} on {run['prompt_id']} ({batch}repeat {run['repeat']}): "
+                f"{check['status']}{where}: {check['reason']}{figures}"
+            )
     return out
 
 
@@ -295,19 +310,28 @@ def _where(error: dict) -> str:
 LOSSLESS = ("reference", "pass", "tie")  # the lossless check's statuses of a method that reproduces greedy
 
 
-def _fastest(result: dict, kind: str, category: str | None = None,
-             batch_size: int | None = None) -> tuple[str, dict] | None:
+def _fastest(
+    result: dict, kind: str, category: str | None = None, batch_size: int | None = None
+) -> tuple[str, dict] | None:
     """The lossless method of `kind` ("decodekit" or "peer") with the best mean speed-up, over the whole suite or one
     category (in a batched compare: at `batch_size`), among those that ran on every prompt greedy ran on there; None
     when there is none."""
+
     def figures(s: dict) -> dict | None:
         return s if category is None else s["by_category"].get(category)
 
     summaries = [s for s in result["summary"] if s.get("batch_size") == batch_size]
     base = next((figures(s) for s in summaries if s["strategy"] == BASELINE), None)
-    ranked = [(s["strategy"], f) for s in summaries
-              if s["kind"] == kind and (f := figures(s)) and base and f["prompts"] == base["prompts"]
-              and f["lossless"]["status"] in LOSSLESS and f["speedup"]["mean"] is not None]
+    ranked = [
+        (s["strategy"], f)
+        for s in summaries
+        if s["kind"] == kind
+        and (f := figures(s))
+        and base
+        and f["prompts"] == base["prompts"]
+        and f["lossless"]["status"] in LOSSLESS
+        and f["speedup"]["mean"] is not None
+    ]
     return max(ranked, key=lambda pair: pair[1]["speedup"]["mean"], default=None)
 
 
@@ -330,15 +354,19 @@ def verdict(result: dict) -> str | None:
     prompts, so their ratio compares the two). In a batched compare: at each batch size, by throughput over the whole
     suite."""
     if is_batched(result):
-        parts = [f"batch {n}: {part}" for n in result["config"]["batch_sizes"]
-                 if (part := _verdict_part(result, batch_size=n)) is not None]
+        parts = [
+            f"batch {n}: {part}"
+            for n in result["config"]["batch_sizes"]
+            if (part := _verdict_part(result, batch_size=n)) is not None
+        ]
         return "Fastest lossless: " + " · ".join(parts) if parts else None
     overall = _verdict_part(result)
     if overall is None:
         return None
     categories = result["config"]["categories"]
-    by_category = [f"{c}: {part}" for c in categories if len(categories) > 1
-                   and (part := _verdict_part(result, c)) is not None]
+    by_category = [
+        f"{c}: {part}" for c in categories if len(categories) > 1 and (part := _verdict_part(result, c)) is not None
+    ]
     return " · ".join([f"Fastest lossless: {overall}", *by_category])
 
 
@@ -357,8 +385,10 @@ def choices(result: dict) -> list[str]:
         predicted = extra["predicted_tokens"] / extra["predicted_seconds"] if extra.get("predicted_seconds") else 0
         drafting = f" (draft: {extra['draft']})" if extra.get("draft") else ""
         batch = f" (batch {run['batch_size']})" if run.get("batch_size") else ""
-        lines.append(f"{run['strategy']} on {run['prompt_id']}{batch}: steps by proposer: {steps}{drafting}; predicted "
-                     f"{predicted:.1f} tok/s, measured {run['tokens_per_second']:.1f}")
+        lines.append(
+            f"{run['strategy']} on {run['prompt_id']}{batch}: steps by proposer: {steps}{drafting}; predicted "
+            f"{predicted:.1f} tok/s, measured {run['tokens_per_second']:.1f}"
+        )
     for strategy, ks in settings.items():
         lines.append(f"{strategy}: k={'/'.join(map(str, sorted(ks)))}, chosen from this device's measured call costs")
     return lines
@@ -411,12 +441,25 @@ def load_result(path: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ResultFileError(f"{path}: not a JSON file ({error})") from None
     if not isinstance(result, dict) or not str(result.get("schema", "")).startswith(SCHEMA.split("/")[0] + "/"):
-        raise ResultFileError(f"{path}: not a decodekit compare result (no \"schema\": \"{SCHEMA}\")")
+        raise ResultFileError(f'{path}: not a decodekit compare result (no "schema": "{SCHEMA}")')
     return result
 
 
-LEADERBOARD_COLUMNS = ["model", "draft", "device", "dtype", "strategy", "lossless", "tok/s ↑", "speed-up ↑",
-                       "tokens/call ↑", "acceptance ↑", "greedy/roofline ↑", "suite", "date"]
+LEADERBOARD_COLUMNS = [
+    "model",
+    "draft",
+    "device",
+    "dtype",
+    "strategy",
+    "lossless",
+    "tok/s ↑",
+    "speed-up ↑",
+    "tokens/call ↑",
+    "acceptance ↑",
+    "greedy/roofline ↑",
+    "suite",
+    "date",
+]
 
 
 def leaderboard(results: list[dict]) -> list[dict]:
@@ -426,23 +469,45 @@ def leaderboard(results: list[dict]) -> list[dict]:
         env, roof = result["environment"], result.get("roofline") or {}
         ranked = sorted(result["summary"], key=lambda s: -(s["speedup"]["mean"] or 0.0))
         for s in ranked:
-            rows.append({
-                "model": result["model"]["name"], "draft": result["model"]["draft"] or "–",
-                "device": f"{env['device']} ({env['device_name']})", "dtype": env["dtype"], "strategy": label(s),
-                "lossless": lossless_cell(s), "tokens_per_second": s["tokens_per_second"]["mean"],
-                "speedup": s["speedup"]["mean"], "speedup_std": s["speedup"]["std"],
-                "mean_accepted": s["mean_accepted"], "acceptance_rate": s["acceptance_rate"],
-                "greedy_fraction": roof.get("greedy_fraction"), "suite": result["config"]["suite"],
-                "suite_label": suite_label(result), "date": env["date"], "host": env["host"],
-            })
+            rows.append(
+                {
+                    "model": result["model"]["name"],
+                    "draft": result["model"]["draft"] or "–",
+                    "device": f"{env['device']} ({env['device_name']})",
+                    "dtype": env["dtype"],
+                    "strategy": label(s),
+                    "lossless": lossless_cell(s),
+                    "tokens_per_second": s["tokens_per_second"]["mean"],
+                    "speedup": s["speedup"]["mean"],
+                    "speedup_std": s["speedup"]["std"],
+                    "mean_accepted": s["mean_accepted"],
+                    "acceptance_rate": s["acceptance_rate"],
+                    "greedy_fraction": roof.get("greedy_fraction"),
+                    "suite": result["config"]["suite"],
+                    "suite_label": suite_label(result),
+                    "date": env["date"],
+                    "host": env["host"],
+                }
+            )
     return rows
 
 
 def leaderboard_cells(row: dict) -> list[str]:
-    return [row["model"], row["draft"], row["device"], row["dtype"], row["strategy"], row["lossless"],
-            fmt(row["tokens_per_second"], ".1f"), spread({"mean": row["speedup"], "std": row["speedup_std"]}),
-            fmt(row["mean_accepted"]), fmt(row["acceptance_rate"]), fmt(row["greedy_fraction"], ".0%"),
-            row["suite_label"], row["date"]]
+    return [
+        row["model"],
+        row["draft"],
+        row["device"],
+        row["dtype"],
+        row["strategy"],
+        row["lossless"],
+        fmt(row["tokens_per_second"], ".1f"),
+        spread({"mean": row["speedup"], "std": row["speedup_std"]}),
+        fmt(row["mean_accepted"]),
+        fmt(row["acceptance_rate"]),
+        fmt(row["greedy_fraction"], ".0%"),
+        row["suite_label"],
+        row["date"],
+    ]
 
 
 def leaderboard_markdown(rows: list[dict]) -> str:
@@ -450,5 +515,7 @@ def leaderboard_markdown(rows: list[dict]) -> str:
 
 
 def leaderboard_json(rows: list[dict], sources: list[str]) -> str:
-    return json.dumps({"schema": LEADERBOARD_SCHEMA, "sources": sources, "rows": rows}, indent=1,
-                      ensure_ascii=False) + "\n"
+    return (
+        json.dumps({"schema": LEADERBOARD_SCHEMA, "sources": sources, "rows": rows}, indent=1, ensure_ascii=False)
+        + "\n"
+    )

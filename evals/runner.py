@@ -133,29 +133,39 @@ class Comparison:
         everything = suites.load(config.suite)
         self.suite_size = len(everything)
         self.prompts = suites.select(everything, limit=config.limit, per_category=config.per_category)
-        self.methods, self.notes = plan(config.strategies, has_draft, config.options, batched=bool(config.batch_sizes),
-                                        llamacpp_dir=config.llamacpp)
+        self.methods, self.notes = plan(
+            config.strategies, has_draft, config.options, batched=bool(config.batch_sizes), llamacpp_dir=config.llamacpp
+        )
 
     @property
     def takes_draft(self) -> bool:
         """Whether any planned method uses the draft model (else there is no need to load one)."""
         return self.has_draft and any(m.takes_draft for m in self.methods)
 
-    def run(self, lm: decoders.LM, draft: decoders.LM | str | None = None,
-            processes: Processes | None = None) -> dict | None:
+    def run(
+        self, lm: decoders.LM, draft: decoders.LM | str | None = None, processes: Processes | None = None
+    ) -> dict | None:
         """Run the comparison; returns the result (see evals/README.md) on the main process, None on the others.
         Ctrl-C during the timed runs raises `Interrupted`, with the result of the rounds measured before it. The
         llama.cpp peers' servers are stopped when it returns or raises."""
         with contextlib.ExitStack() as resources:
             return self._run(lm, draft, processes, resources)
 
-    def _run(self, lm: decoders.LM, draft: decoders.LM | str | None, processes: Processes | None,
-             resources: contextlib.ExitStack) -> dict | None:
+    def _run(
+        self,
+        lm: decoders.LM,
+        draft: decoders.LM | str | None,
+        processes: Processes | None,
+        resources: contextlib.ExitStack,
+    ) -> dict | None:
         if draft is not None and not self.has_draft:
             raise ValueError("this comparison was planned without a draft model: Comparison(config, has_draft=True)")
         if draft is None and self.takes_draft:
-            raise ValueError("this comparison was planned with a draft model, for " + ", ".join(
-                m.name for m in self.methods if m.takes_draft) + "; pass draft=")
+            raise ValueError(
+                "this comparison was planned with a draft model, for "
+                + ", ".join(m.name for m in self.methods if m.takes_draft)
+                + "; pass draft="
+            )
         config, prompts, notes = self.config, self.prompts, list(self.notes)
         processes = processes or Processes(cpu=lm.device.type == "cpu")
         if config.batch_sizes and processes.count > 1:
@@ -167,8 +177,11 @@ class Comparison:
             draft = decoders.quantize(draft, config.draft_quantize)
         methods = check_loaded(self.methods, lm, draft, explicit=bool(config.strategies), notes=notes)
         fresh = {m.name for m in methods if m.options.get("store") == "run"}  # suffix@store=run: a store per repeat
-        notes += [f"{name}: one SuffixStore across the suite's prompts, in order (a new one for each repeat; the "
-                  "warm-up's is thrown away)" for name in sorted(fresh)]
+        notes += [
+            f"{name}: one SuffixStore across the suite's prompts, in order (a new one for each repeat; the "
+            "warm-up's is thrown away)"
+            for name in sorted(fresh)
+        ]
         decoders_for: dict[tuple[str, int], decoders.Decoder] = {}
         constraints = {p.id: grammar_for(p.schema) for p in prompts}
         for method in [m for m in methods if m.needs_grammar and not any(constraints.values())]:
@@ -177,19 +190,31 @@ class Comparison:
         limit = {p.id: min(config.max_new_tokens, p.max_new_tokens or config.max_new_tokens) for p in prompts}
         fits = [p for p in prompts if not lm.context_length or len(tokens[p.id]) + limit[p.id] <= lm.context_length]
         if not fits:
-            raise ValueError(f"every prompt of suite {config.suite!r} is too long for the model's context of "
-                             f"{lm.context_length} tokens with {config.max_new_tokens} new tokens; lower "
-                             "--max-new-tokens or use shorter prompts")
-        notes += [f"prompt {p.id}: skipped ({len(tokens[p.id])} prompt tokens + {limit[p.id]} new tokens exceed the "
-                  f"model's context of {lm.context_length})" for p in prompts if p not in fits]
+            raise ValueError(
+                f"every prompt of suite {config.suite!r} is too long for the model's context of "
+                f"{lm.context_length} tokens with {config.max_new_tokens} new tokens; lower "
+                "--max-new-tokens or use shorter prompts"
+            )
+        notes += [
+            f"prompt {p.id}: skipped ({len(tokens[p.id])} prompt tokens + {limit[p.id]} new tokens exceed the "
+            f"model's context of {lm.context_length})"
+            for p in prompts
+            if p not in fits
+        ]
         if config.batch_sizes:
             return self._run_batched(lm, label, draft, methods, notes, fits, tokens, limit, fresh)
         servers = None
         if any(m.is_peer and m.peer.engine == "llamacpp" for m in methods):  # GGUFs converted here, before any run
             context = max(len(tokens[p.id]) + limit[p.id] for p in fits) + 128  # (room for a last draft too)
-            servers = resources.enter_context(llamacpp.Servers(
-                llamacpp_build.require(config.llamacpp), lm, peer_draft, context=-(-context // 256) * 256,
-                say=lambda line: print(line, file=sys.stderr)))
+            servers = resources.enter_context(
+                llamacpp.Servers(
+                    llamacpp_build.require(config.llamacpp),
+                    lm,
+                    peer_draft,
+                    context=-(-context // 256) * 256,
+                    say=lambda line: print(line, file=sys.stderr),
+                )
+            )
             methods = servers.prepare(methods, notes)
         mine = processes.split(fits)
 
@@ -197,20 +222,27 @@ class Comparison:
             return [m for m in methods if not m.needs_grammar or constraints[prompt.id] is not None]
 
         def run(method: Method, prompt: suites.Prompt, repeat: int, max_new_tokens: int) -> Run:
-            where = dict(prompt_id=prompt.id, category=prompt.category, repeat=repeat, max_new_tokens=max_new_tokens,
-                         grammar=constraints[prompt.id] if method.needs_grammar else None)
+            where = dict(
+                prompt_id=prompt.id,
+                category=prompt.category,
+                repeat=repeat,
+                max_new_tokens=max_new_tokens,
+                grammar=constraints[prompt.id] if method.needs_grammar else None,
+            )
             if method.is_peer and method.peer.engine == "llamacpp":
                 return servers.run(method, tokens[prompt.id], **where)
             if method.is_peer:
-                return peers.run_peer(lm, tokens[prompt.id], method.peer, **where,
-                                      draft=peer_draft if method.takes_draft else None)
+                return peers.run_peer(
+                    lm, tokens[prompt.id], method.peer, **where, draft=peer_draft if method.takes_draft else None
+                )
             decoder = method.decoder
             if method.name in fresh:
                 if (method.name, repeat) not in decoders_for:
                     decoders_for[method.name, repeat] = method.with_options(store=decoders.SuffixStore())
                 decoder = decoders_for[method.name, repeat]
-            return run_decodekit(lm, tokens[prompt.id], decoder, name=method.name, **where,
-                                 draft=draft if method.takes_draft else None)
+            return run_decodekit(
+                lm, tokens[prompt.id], decoder, name=method.name, **where, draft=draft if method.takes_draft else None
+            )
 
         for method in methods if config.warmup else []:
             first = next((p for p in mine if method in runs_for(p)), None)
@@ -220,8 +252,13 @@ class Comparison:
             except Exception:  # noqa: BLE001 - the timed runs record the error
                 pass
         total = sum(len(runs_for(p)) for p in mine) * config.repeats
-        bar = tqdm(total=total, desc=f"compare [{processes.index}]" if processes.count > 1 else "compare",
-                   file=sys.stderr, disable=not config.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=total,
+            desc=f"compare [{processes.index}]" if processes.count > 1 else "compare",
+            file=sys.stderr,
+            disable=not config.progress,
+            dynamic_ncols=True,
+        )
         runs: list[Run] = []
         errors: list[dict] = []
         done = (0, 0)  # runs and errors of the finished rounds (every method on one prompt and repeat)
@@ -234,9 +271,16 @@ class Comparison:
                         try:
                             record = run(method, prompt, repeat, limit[prompt.id])
                         except Exception as error:  # noqa: BLE001 - one broken method must not lose a long run
-                            errors.append({"strategy": method.name, "kind": "peer" if method.is_peer else "decodekit",
-                                           "prompt_id": prompt.id, "category": prompt.category, "repeat": repeat,
-                                           "error": f"{type(error).__name__}: {error}"})
+                            errors.append(
+                                {
+                                    "strategy": method.name,
+                                    "kind": "peer" if method.is_peer else "decodekit",
+                                    "prompt_id": prompt.id,
+                                    "category": prompt.category,
+                                    "repeat": repeat,
+                                    "error": f"{type(error).__name__}: {error}",
+                                }
+                            )
                         else:
                             record.rank = processes.index
                             runs.append(record)
@@ -244,30 +288,52 @@ class Comparison:
                     done = (len(runs), len(errors))
         except KeyboardInterrupt:  # keep the finished rounds, so that every method covers the same prompts
             interrupted = True
-            del runs[done[0]:], errors[done[1]:]
+            del runs[done[0] :], errors[done[1] :]
         bar.close()
         if servers is not None:
             servers.close()  # (before the roofline's probe reads the memory bandwidth)
 
         reference = greedy_reference(lm, runs, tokens, limit, constraints)
         lossless.check(lm, runs, tokens, reference, schemas={p.id: (p.schema, constraints[p.id]) for p in mine})
-        gathered = processes.gather([{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes,
-                                      "interrupted": interrupted}])
+        gathered = processes.gather(
+            [{"runs": [r.as_dict() for r in runs], "errors": errors, "notes": notes, "interrupted": interrupted}]
+        )
         partial = any(part["interrupted"] for part in gathered)
         result = None
         if processes.is_main:
             records = [r for part in gathered for r in part["runs"]]
             errors = [e for part in gathered for e in part["errors"]]
             notes = list(dict.fromkeys(n for part in gathered for n in part["notes"]))
-            result = build_result(lm, label, draft, config, prompts, [m.name for m in methods], notes, records,
-                                  errors, processes.count, suite_size=self.suite_size, partial=partial)
+            result = build_result(
+                lm,
+                label,
+                draft,
+                config,
+                prompts,
+                [m.name for m in methods],
+                notes,
+                records,
+                errors,
+                processes.count,
+                suite_size=self.suite_size,
+                partial=partial,
+            )
         if partial:
             raise Interrupted(result)
         return result
 
-    def _run_batched(self, lm: decoders.LM, label: str | None, draft: decoders.LM | None, methods: list[Method],
-                     notes: list[str], prompts: list[suites.Prompt], tokens: dict[str, list[int]],
-                     limit: dict[str, int], fresh: set[str]) -> dict:
+    def _run_batched(
+        self,
+        lm: decoders.LM,
+        label: str | None,
+        draft: decoders.LM | None,
+        methods: list[Method],
+        notes: list[str],
+        prompts: list[suites.Prompt],
+        tokens: dict[str, list[int]],
+        limit: dict[str, int],
+        fresh: set[str],
+    ) -> dict:
         """The batched compare (`config.batch_sizes`): per batch size, warm up every method on a short queue, then
         repeat by repeat run every method's queue back to back; check every request against greedy at batch 1."""
         config = self.config
@@ -285,11 +351,23 @@ class Comparison:
                 if key not in fresh_decoders:
                     fresh_decoders[key] = method.with_options(store=decoders.SuffixStore())
                 decoder = fresh_decoders[key]
-            return batched.decodekit_queue(lm, queued, decoder, batch_size=size, name=method.name, repeat=repeat,
-                                           draft=draft if method.takes_draft else None)
+            return batched.decodekit_queue(
+                lm,
+                queued,
+                decoder,
+                batch_size=size,
+                name=method.name,
+                repeat=repeat,
+                draft=draft if method.takes_draft else None,
+            )
 
-        bar = tqdm(total=len(config.batch_sizes) * config.repeats * len(methods), desc="compare", file=sys.stderr,
-                   disable=not config.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(config.batch_sizes) * config.repeats * len(methods),
+            desc="compare",
+            file=sys.stderr,
+            disable=not config.progress,
+            dynamic_ncols=True,
+        )
         queues: list[dict] = []
         runs: list[Run] = []
         errors: list[dict] = []
@@ -308,9 +386,17 @@ class Comparison:
                         try:
                             finished = queue(method, size, repeat, requests)
                         except Exception as error:  # noqa: BLE001 - one broken method must not lose a long run
-                            errors.append({"strategy": method.name, "kind": "peer" if method.is_peer else "decodekit",
-                                           "prompt_id": None, "category": None, "repeat": repeat, "batch_size": size,
-                                           "error": f"{type(error).__name__}: {error}"})
+                            errors.append(
+                                {
+                                    "strategy": method.name,
+                                    "kind": "peer" if method.is_peer else "decodekit",
+                                    "prompt_id": None,
+                                    "category": None,
+                                    "repeat": repeat,
+                                    "batch_size": size,
+                                    "error": f"{type(error).__name__}: {error}",
+                                }
+                            )
                         else:
                             queues.append(finished.queue.as_dict())
                             runs += finished.runs
@@ -319,23 +405,38 @@ class Comparison:
                     done = (len(queues), len(runs), len(errors))
         except KeyboardInterrupt:  # keep the finished rounds, so that every method covers the same queues
             interrupted = True
-            del queues[done[0]:], runs[done[1]:], errors[done[2]:]
+            del queues[done[0] :], runs[done[1] :], errors[done[2] :]
         bar.close()
         lossless.check(lm, runs, tokens, greedy_reference(lm, runs, tokens, limit, {}))
-        result = build_result(lm, label, draft, config, self.prompts, [m.name for m in methods], notes,
-                              [r.as_dict() for r in runs], errors, 1, suite_size=self.suite_size, partial=interrupted,
-                              queues=queues, skipped=skipped)
+        result = build_result(
+            lm,
+            label,
+            draft,
+            config,
+            self.prompts,
+            [m.name for m in methods],
+            notes,
+            [r.as_dict() for r in runs],
+            errors,
+            1,
+            suite_size=self.suite_size,
+            partial=interrupted,
+            queues=queues,
+            skipped=skipped,
+        )
         if interrupted:
             raise Interrupted(result)
         return result
 
 
-BATCHED_PROCESSES = ("--batch-size runs the suite as one queue in one process: start compare without accelerate "
-                     "launch or torchrun")
+BATCHED_PROCESSES = (
+    "--batch-size runs the suite as one queue in one process: start compare without accelerate launch or torchrun"
+)
 
 
-def ready_to_batch(methods: list[Method], lm: decoders.LM, prompt: list[int], notes: list[str],
-                   skipped: list[dict]) -> list[Method]:
+def ready_to_batch(
+    methods: list[Method], lm: decoders.LM, prompt: list[int], notes: list[str], skipped: list[dict]
+) -> list[Method]:
     """The methods of a batched compare that can run here, probed once before any run: decodekit's batch needs the
     target to take custom 4D attention masks (else this raises); `hf:continuous` needs transformers'
     `generate_batch` to run on this model and device - where it does not, it is left out with the reason in the
@@ -350,34 +451,49 @@ def ready_to_batch(methods: list[Method], lm: decoders.LM, prompt: list[int], no
         if method.is_peer and method.base == "hf:continuous":
             problem = batched.continuous_problem(lm, prompt[:16])
             if problem is not None:
-                notes.append(f"{method.name}: not run (transformers' generate_batch does not run on this model and "
-                             f"device: {problem})")
+                notes.append(
+                    f"{method.name}: not run (transformers' generate_batch does not run on this model and "
+                    f"device: {problem})"
+                )
                 skipped.append({"strategy": method.name, "reason": problem})
                 continue
         usable.append(method)
     return usable
 
 
-def greedy_reference(lm: decoders.LM, runs: list[Run], tokens: dict[str, list[int]], limit: dict[str, int],
-                     constraints: Mapping[str, Any]):
+def greedy_reference(
+    lm: decoders.LM,
+    runs: list[Run],
+    tokens: dict[str, list[int]],
+    limit: dict[str, int],
+    constraints: Mapping[str, Any],
+):
     """`reference(prompt_id, grammar)` for `lossless.check`: greedy's tokens on a prompt, from its first-repeat run
     (one prompt at a time, or at batch 1 in a batched compare), else decoded untimed (under the prompt's grammar
     when `grammar`, or when greedy's run raised or did not run at batch 1)."""
-    greedy_tokens = {(r.prompt_id, False): r.tokens for r in runs
-                     if r.strategy == metrics.BASELINE and r.repeat == 0 and r.batch_size in (None, 1)}
+    greedy_tokens = {
+        (r.prompt_id, False): r.tokens
+        for r in runs
+        if r.strategy == metrics.BASELINE and r.repeat == 0 and r.batch_size in (None, 1)
+    }
 
     def reference(prompt_id: str, grammar: bool) -> list[int]:
         if (prompt_id, grammar) not in greedy_tokens:
             greedy_tokens[(prompt_id, grammar)] = decoders.generate(
-                lm, tokens[prompt_id], strategy=metrics.BASELINE, max_new_tokens=limit[prompt_id],
-                grammar=constraints[prompt_id] if grammar else None).tokens
+                lm,
+                tokens[prompt_id],
+                strategy=metrics.BASELINE,
+                max_new_tokens=limit[prompt_id],
+                grammar=constraints[prompt_id] if grammar else None,
+            ).tokens
         return greedy_tokens[(prompt_id, grammar)]
 
     return reference
 
 
-def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | str | None = None,
-            processes: Processes | None = None) -> dict | None:
+def compare(
+    lm: decoders.LM, config: CompareConfig, draft: decoders.LM | str | None = None, processes: Processes | None = None
+) -> dict | None:
     """Run the comparison; returns the result (see evals/README.md) on the main process, None on the others.
 
     `draft`: a loaded `LM`, a model name, or "self:int8" (the target's own int8 copy), for the methods that take one.
@@ -385,15 +501,31 @@ def compare(lm: decoders.LM, config: CompareConfig, draft: decoders.LM | str | N
     return Comparison(config, has_draft=draft is not None).run(lm, draft, processes)
 
 
-def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, notes, records, errors,
-                 process_count, suite_size: int | None = None, partial: bool = False,
-                 queues: list[dict] | None = None, skipped: list[dict] | None = None) -> dict:
+def build_result(
+    lm,
+    draft_name,
+    draft,
+    config: CompareConfig,
+    prompts,
+    names,
+    notes,
+    records,
+    errors,
+    process_count,
+    suite_size: int | None = None,
+    partial: bool = False,
+    queues: list[dict] | None = None,
+    skipped: list[dict] | None = None,
+) -> dict:
     """The result document (schema in evals/README.md); `draft_name` as given ("self:int8", a name), `draft` the
     loaded draft model (None when no method took it), `suite_size` the prompts of the whole suite, `partial` whether
     Ctrl-C ended the runs early. A batched compare (`config.batch_sizes`) adds `queues` (`evals.batched.Queue`
     records) and `skipped` (methods that could not run on the device, with why)."""
-    summary = (metrics.summarize_batched(records, queues or [], errors) if config.batch_sizes
-               else metrics.summarize(records, errors))
+    summary = (
+        metrics.summarize_batched(records, queues or [], errors)
+        if config.batch_sizes
+        else metrics.summarize(records, errors)
+    )
     quantization = None
     if draft is not None:
         from decoders.models.quantize import is_quantized
@@ -403,15 +535,26 @@ def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, n
         "schema": SCHEMA,
         "partial": partial,
         "environment": environment(lm.device, lm.dtype),
-        "model": {"name": lm.name, "class": type(lm.model).__name__, "draft": draft_name if draft else None,
-                  "draft_quantization": quantization},
+        "model": {
+            "name": lm.name,
+            "class": type(lm.model).__name__,
+            "draft": draft_name if draft else None,
+            "draft_quantization": quantization,
+        },
         "config": {
-            "suite": config.suite, "limit": config.limit, "per_category": config.per_category, "prompts": len(prompts),
-            "suite_prompts": suite_size, "categories": list(dict.fromkeys(p.category for p in prompts)),
-            "max_new_tokens": config.max_new_tokens, "repeats": config.repeats, "chat_template": config.chat_template,
-            "strategies": names, "options": {k: dict(v) for k, v in config.options.items()},
-            "processes": process_count, "tie_tolerance": {str(k).removeprefix("torch."): v
-                                                          for k, v in lossless.REL_TOLERANCE.items()},
+            "suite": config.suite,
+            "limit": config.limit,
+            "per_category": config.per_category,
+            "prompts": len(prompts),
+            "suite_prompts": suite_size,
+            "categories": list(dict.fromkeys(p.category for p in prompts)),
+            "max_new_tokens": config.max_new_tokens,
+            "repeats": config.repeats,
+            "chat_template": config.chat_template,
+            "strategies": names,
+            "options": {k: dict(v) for k, v in config.options.items()},
+            "processes": process_count,
+            "tie_tolerance": {str(k).removeprefix("torch."): v for k, v in lossless.REL_TOLERANCE.items()},
         },
         "prompts": [dataclasses.asdict(p) for p in prompts],
         "notes": notes,
@@ -425,8 +568,9 @@ def build_result(lm, draft_name, draft, config: CompareConfig, prompts, names, n
         result["queues"] = queues or []
         result["skipped"] = skipped or []
     if config.bandwidth_megabytes:
-        line = with_demonstrated(roofline(lm.model, lm.device, config.bandwidth_megabytes, lm.dtype),
-                                 llamacpp.demonstrated(records))
+        line = with_demonstrated(
+            roofline(lm.model, lm.device, config.bandwidth_megabytes, lm.dtype), llamacpp.demonstrated(records)
+        )
         greedy = next((s for s in summary if s["strategy"] == metrics.BASELINE and s.get("batch_size", 1) == 1), None)
         speed = greedy["tokens_per_second"]["mean"] if greedy else None
         line["greedy_tokens_per_second"] = speed

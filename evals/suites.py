@@ -72,8 +72,9 @@ def load(name_or_file: str | Path, limit: int | None = None, per_category: int |
     else:
         nearest = difflib.get_close_matches(text, names(), n=1, cutoff=0.5)
         hint = f" Did you mean {nearest[0]!r}?" if nearest else ""
-        raise SuiteError(f"unknown suite {text!r}.{hint} Shipped suites: {', '.join(names())}; "
-                         "or give a path to a .jsonl file")
+        raise SuiteError(
+            f"unknown suite {text!r}.{hint} Shipped suites: {', '.join(names())}; or give a path to a .jsonl file"
+        )
     return select(prompts, limit, per_category)
 
 
@@ -187,8 +188,9 @@ def _check_schema(schema: dict) -> None:
 
 
 DECODEKIT = Format("a decodekit suite", '{"id": ..., "category": ..., "prompt": ...}', _decodekit)
-QUESTION = Format("a Spec-Bench/MT-Bench question.jsonl", '{"question_id": ..., "category": ..., "turns": [...]}',
-                  _question)
+QUESTION = Format(
+    "a Spec-Bench/MT-Bench question.jsonl", '{"question_id": ..., "category": ..., "turns": [...]}', _question
+)
 PLAIN = Format("a plain prompt JSONL", '{"prompt": ...}', _plain)
 
 
@@ -201,8 +203,10 @@ def _detect(record: Any, where: str) -> Format:
         return DECODEKIT
     if "prompt" in keys:
         return PLAIN
-    raise SuiteError(f"{where}: not a line of a known suite format; expected {DECODEKIT.name} {DECODEKIT.shape}, "
-                     f"{QUESTION.name} {QUESTION.shape} or {PLAIN.name} {PLAIN.shape}")
+    raise SuiteError(
+        f"{where}: not a line of a known suite format; expected {DECODEKIT.name} {DECODEKIT.shape}, "
+        f"{QUESTION.name} {QUESTION.shape} or {PLAIN.name} {PLAIN.shape}"
+    )
 
 
 def render(lm, prompt: Prompt, chat_template: bool = True) -> list[int]:

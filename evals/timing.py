@@ -78,11 +78,15 @@ class Stopwatch:
         # the draft's calls, and those of the int8 copies kept with the draft and the target (`LM.self_draft`), which
         # `auto` may draft with instead; a draft that is the target itself (a test setup) cannot be told apart by
         # hooks: not metered
-        drafts = {id(m.model): m for m in ([draft] if draft is not None else []) + [
-            copy for model in (lm, draft) if model is not None for copy in model.copies]}
+        drafts = {
+            id(m.model): m
+            for m in ([draft] if draft is not None else [])
+            + [copy for model in (lm, draft) if model is not None for copy in model.copies]
+        }
         drafts.pop(id(lm.model), None)
-        self.draft = ForwardMeter([m.model for m in drafts.values()], lm.device,
-                                  natives=[m.native for m in drafts.values()])
+        self.draft = ForwardMeter(
+            [m.model for m in drafts.values()], lm.device, natives=[m.native for m in drafts.values()]
+        )
         self.draft_metered = bool(drafts)
         self.marks: list[tuple[float, int]] = []
         self.start = self.seconds = 0.0
@@ -121,7 +125,7 @@ def pieces(lm: decoders.LM, tokens: list[int]) -> list[str]:
         if text.endswith("\ufffd") and i < len(tokens):
             out.append("")
             continue
-        out.append(text[len(before):])
+        out.append(text[len(before) :])
         before = text
     return out
 
@@ -146,24 +150,38 @@ def run_decodekit(
     """
     watch = Stopwatch(lm, draft)
     with watch:
-        run = driver.prepare(lm, prompt, strategy=decoder, max_new_tokens=max_new_tokens, draft=draft,
-                             grammar=grammar)
+        run = driver.prepare(lm, prompt, strategy=decoder, max_new_tokens=max_new_tokens, draft=draft, grammar=grammar)
         for _ in run.chunks(with_text=False):
             watch.mark(len(run.state.new_tokens))
     state, decoder = run.state, run.decoder
     stats, tokens = state.stats, state.new_tokens
     lengths = list(stats.draft_lengths)  # drafted tokens per verification
     return Run(
-        strategy=name or decoder.name, kind="decodekit", prompt_id=prompt_id, category=category, repeat=repeat,
-        prompt_tokens=len(prompt), max_new_tokens=max_new_tokens, new_tokens=len(tokens),
-        seconds=watch.seconds, ttft_seconds=watch.ttft,
-        target_calls=stats.target_calls, draft_calls=stats.draft_calls, drafted=stats.drafted, accepted=stats.accepted,
+        strategy=name or decoder.name,
+        kind="decodekit",
+        prompt_id=prompt_id,
+        category=category,
+        repeat=repeat,
+        prompt_tokens=len(prompt),
+        max_new_tokens=max_new_tokens,
+        new_tokens=len(tokens),
+        seconds=watch.seconds,
+        ttft_seconds=watch.ttft,
+        target_calls=stats.target_calls,
+        draft_calls=stats.draft_calls,
+        drafted=stats.drafted,
+        accepted=stats.accepted,
         accepted_by_position=list(stats.accepted_by_position),
         drafted_by_position=[sum(n > depth for n in lengths) for depth in range(max(lengths, default=0))],
         draft_seconds=watch.draft.seconds if stats.draft_calls and watch.draft.calls else None,  # (None: a draft the
         # watch could not meter, e.g. an int8 copy `auto` made in this very run)
-        peak_memory_bytes=watch.peak_bytes, finish_reason=state.finish_reason,
-        tokens=list(tokens), sources=list(state.sources), pieces=pieces(lm, tokens),
-        timeline=watch.marks, grammar=grammar is not None, argmax_gaps=list(stats.argmax_gaps),
+        peak_memory_bytes=watch.peak_bytes,
+        finish_reason=state.finish_reason,
+        tokens=list(tokens),
+        sources=list(state.sources),
+        pieces=pieces(lm, tokens),
+        timeline=watch.marks,
+        grammar=grammar is not None,
+        argmax_gaps=list(stats.argmax_gaps),
         extra={"driver_seconds": stats.seconds, "driver_ttft_seconds": stats.ttft_seconds, **stats.details},
     )

@@ -26,8 +26,19 @@ from grammars.protocol import GrammarMatcher
 from grammars.schema import schema_text
 
 __all__ = [
-    "json_schema", "regex", "choice", "cfg",
-    "Constraint", "JsonSchema", "Regex", "Choice", "Cfg", "GrammarMatcher", "Matcher", "CfgMatcher", "GrammarError",
+    "json_schema",
+    "regex",
+    "choice",
+    "cfg",
+    "Constraint",
+    "JsonSchema",
+    "Regex",
+    "Choice",
+    "Cfg",
+    "GrammarMatcher",
+    "Matcher",
+    "CfgMatcher",
+    "GrammarError",
     "clear_cache",
 ]
 

@@ -146,8 +146,9 @@ class _ByteTokenizer:
         # ids without text (special tokens, unreadable pieces) are special to llguidance: never grammar text
         self.special_token_ids = [i for i in range(size) if text[i] is None]
         names = tokenizer.convert_ids_to_tokens(list(range(size)))
-        self.tokens = [data if data is not None else str(names[i] or f"<[{i}]>").encode() for i, data in
-                       enumerate(text)]
+        self.tokens = [
+            data if data is not None else str(names[i] or f"<[{i}]>").encode() for i, data in enumerate(text)
+        ]
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):  # TokenizerWrapper probes with bytes; refused, it passes text from then on

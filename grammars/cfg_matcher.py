@@ -70,7 +70,7 @@ class CfgMatcher(MatcherBase):
         except GrammarError:
             self._undo(consumed)
             raise
-        self._ahead = memo[len(tokens):] if on_memo else []
+        self._ahead = memo[len(tokens) :] if on_memo else []
         self._tokens.extend(tokens)
         self._mask, self._forced = mask, None
 
@@ -152,8 +152,9 @@ class CfgMatcher(MatcherBase):
             return None
         return after
 
-    def _look_ahead(self, pick: Callable[[int, torch.Tensor], int | None], limit: int, keep: int | None = None
-                    ) -> list[Step]:
+    def _look_ahead(
+        self, pick: Callable[[int, torch.Tensor], int | None], limit: int, keep: int | None = None
+    ) -> list[Step]:
         """Walk from here without moving: `pick(depth, mask)` names the next token (None: stop); the walk also stops
         at a token the mask forbids or that leads to a dead end. Returns each step's token and the mask after it (only
         the first `keep` masks, if given), and remembers the steps for `advance`."""

@@ -27,10 +27,23 @@ import referencing.exceptions
 from grammars.errors import GrammarError
 
 # Keywords that do not constrain a value (or, like $defs, only hold schemas for $ref): never merged or distributed.
-ANNOTATIONS = frozenset({
-    "title", "description", "default", "examples", "$comment", "$schema", "$id", "$defs", "definitions",
-    "deprecated", "readOnly", "writeOnly", "discriminator",
-})
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "$schema",
+        "$id",
+        "$defs",
+        "definitions",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "discriminator",
+    }
+)
 _LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")  # merged: the largest wins
 _UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")  # merged: the smallest wins
 _OBJECT = ("properties", "required", "additionalProperties")  # merged together, part by part
@@ -148,7 +161,9 @@ class Composer:
                 if any(rule is False for rule in rules):
                     raise Unsatisfiable(f"property {name!r} is forbidden by one part")
                 schemas = [rule for rule in rules if rule is not True] or [{}]
-                properties[name] = schemas[0] if len(schemas) == 1 else self.merge(schemas, f"{where}/properties/{name}")
+                properties[name] = (
+                    schemas[0] if len(schemas) == 1 else self.merge(schemas, f"{where}/properties/{name}")
+                )
             except Unsatisfiable:
                 if name in required:
                     raise
@@ -159,7 +174,9 @@ class Composer:
         if extra and False in extra:
             out["additionalProperties"] = False
         elif extra:
-            out["additionalProperties"] = extra[0] if len(extra) == 1 else self.merge(extra, f"{where}/additionalProperties")
+            out["additionalProperties"] = (
+                extra[0] if len(extra) == 1 else self.merge(extra, f"{where}/additionalProperties")
+            )
         return out
 
     def _merge_keyword(self, key: str, a, b, where: str):
@@ -202,7 +219,9 @@ class Composer:
             except Unsatisfiable:
                 continue  # no value satisfies this branch: it never matches
         if not branches:
-            raise Unsatisfiable(f"no value can satisfy {key!r} at {where}: no branch agrees with the keywords beside it")
+            raise Unsatisfiable(
+                f"no value can satisfy {key!r} at {where}: no branch agrees with the keywords beside it"
+            )
         return branches
 
     def _check_exclusive(self, branches: list[tuple[int, object]], where: str) -> None:
@@ -225,8 +244,10 @@ class Composer:
             return node
         kept = [v for v in values if self.accepts(beside, v)]
         if not kept:
-            raise Unsatisfiable(f"no value can satisfy {key!r} at {where}: none of {values!r} satisfies the keywords "
-                                f"beside it ({', '.join(beside)})")
+            raise Unsatisfiable(
+                f"no value can satisfy {key!r} at {where}: none of {values!r} satisfies the keywords "
+                f"beside it ({', '.join(beside)})"
+            )
         return {**annotations(node), key: kept[0] if key == "const" else kept}
 
     def _target(self, ref, where: str):
@@ -302,6 +323,13 @@ def _types(schema: dict) -> set[str] | None:
     values = [schema["const"]] if "const" in schema else schema.get("enum")
     if not isinstance(values, list):
         return None
-    names = {bool: "boolean", type(None): "null", int: "integer", float: "number", str: "string", list: "array",
-             dict: "object"}
+    names = {
+        bool: "boolean",
+        type(None): "null",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }
     return {names.get(type(v), "object") for v in values}

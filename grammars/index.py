@@ -51,7 +51,13 @@ class TokenIndex:
     """The token-level automaton of one regex over one vocabulary; immutable apart from its caches."""
 
     def __init__(
-        self, pattern: str, tokens: TokenBytes, tokenizer, vocab_size: int, eos_ids: frozenset, canonical: bool,
+        self,
+        pattern: str,
+        tokens: TokenBytes,
+        tokenizer,
+        vocab_size: int,
+        eos_ids: frozenset,
+        canonical: bool,
         describe: str,
     ) -> None:
         self.pattern = pattern

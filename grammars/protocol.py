@@ -120,8 +120,9 @@ class MatcherBase:
     def _dead_end(self, after: list[int]) -> GrammarError:
         """The error for a token that leaves no allowed token, `after` the advanced ones."""
         text = self.compiled.text(self._tokens + after)
-        return GrammarError(f"{self.compiled.describe} reaches a state with no allowed token in this vocabulary "
-                            f"after {text!r}")
+        return GrammarError(
+            f"{self.compiled.describe} reaches a state with no allowed token in this vocabulary after {text!r}"
+        )
 
     def _refuse(self, before: list[int], token: int) -> NoReturn:
         """Raise for `token`, which the grammar does not allow after the advanced tokens and then `before`."""

@@ -22,10 +22,23 @@ from grammars.numbers import integer_range, number_range
 
 # Keywords outlines-core would ignore, each with the value for which ignoring it is harmless (None: never harmless).
 _IGNORED = {
-    "multipleOf": None, "uniqueItems": False, "patternProperties": None, "propertyNames": None,
-    "dependentRequired": None, "dependentSchemas": None, "dependencies": None, "contains": None, "minContains": None,
-    "maxContains": None, "unevaluatedProperties": None, "unevaluatedItems": None, "maxProperties": None,
-    "not": None, "if": None, "then": None, "else": None,
+    "multipleOf": None,
+    "uniqueItems": False,
+    "patternProperties": None,
+    "propertyNames": None,
+    "dependentRequired": None,
+    "dependentSchemas": None,
+    "dependencies": None,
+    "contains": None,
+    "minContains": None,
+    "maxContains": None,
+    "unevaluatedProperties": None,
+    "unevaluatedItems": None,
+    "maxProperties": None,
+    "not": None,
+    "if": None,
+    "then": None,
+    "else": None,
 }
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # Keywords whose values are schemas (or lists / maps of schemas): where the walk goes on.
@@ -165,8 +178,10 @@ def _string_problem(node: dict) -> str | None:
     """outlines-core reads one of a string's length, `pattern` and `format`, in that order, and drops the others."""
     given = [k for k in ("minLength", "maxLength", "pattern", "format") if k in node]
     if "pattern" in given and given[0] != "pattern":
-        return (f"'pattern' together with {given[0]!r}: the grammar backend (outlines-core) would ignore the pattern; "
-                "write the length into the pattern instead (e.g. {1,10})")
+        return (
+            f"'pattern' together with {given[0]!r}: the grammar backend (outlines-core) would ignore the pattern; "
+            "write the length into the pattern instead (e.g. {1,10})"
+        )
     if "format" in given and given[0] != "format":
         return f"'format' together with {given[0]!r}: the grammar backend (outlines-core) would ignore the format"
     return None

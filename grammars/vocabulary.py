@@ -90,7 +90,7 @@ def _table(tokenizer) -> list[bytes | None]:
 
 
 def _decoder_kind(tokenizer) -> str:
-    """"byte_level", "sentencepiece" or "other", from the fast tokenizer's decoder pipeline."""
+    """ "byte_level", "sentencepiece" or "other", from the fast tokenizer's decoder pipeline."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = getattr(backend, "decoder", None)
     if decoder is None:

@@ -25,7 +25,9 @@ class SamplingConfig:
     def __post_init__(self):
         if not _real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
+        if self.top_k is not None and (
+            not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1
+        ):
             raise ValueError(f"top_k must be a whole number >= 1 or None, got {self.top_k!r}")
         if self.top_p is not None and not (_real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be a number in (0, 1] or None, got {self.top_p!r}")

@@ -4,5 +4,14 @@ from decoders.drafting.draft import Draft, Drafter, Drafting, Window, drafting
 from decoders.drafting.draft_model import DraftModel, draft_model, stack_probs
 from decoders.drafting.draft_verify import DraftVerify
 
-__all__ = ["Draft", "Drafter", "Drafting", "Window", "drafting", "DraftModel", "DraftVerify", "draft_model",
-           "stack_probs"]
+__all__ = [
+    "Draft",
+    "Drafter",
+    "Drafting",
+    "Window",
+    "drafting",
+    "DraftModel",
+    "DraftVerify",
+    "draft_model",
+    "stack_probs",
+]

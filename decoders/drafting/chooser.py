@@ -139,17 +139,25 @@ class Acceptance:
             self.curves[curve] = ((GRID[1] * posterior).sum(axis=0) / posterior.sum()).tolist(), {}
         weights, known = self.curves[curve]
         if confidence not in known:
-            known[confidence] = sum(w * confidence ** gamma for w, gamma in zip(weights, GAMMAS))
+            known[confidence] = sum(w * confidence**gamma for w, gamma in zip(weights, GAMMAS))
         return known[confidence]
 
-    def chain(self, k: int, confidences: Sequence[float] | None = None, curves: Sequence[str] | None = None
-              ) -> tuple[float, ...]:
+    def chain(
+        self, k: int, confidences: Sequence[float] | None = None, curves: Sequence[str] | None = None
+    ) -> tuple[float, ...]:
         """[k] estimates of levels 1..k, from the drafter's `confidences` [k] judged on `curves` [k] where given."""
-        return tuple(self.level(d + 1, None if confidences is None else confidences[d],
-                                "" if curves is None else curves[d]) for d in range(k))
+        return tuple(
+            self.level(d + 1, None if confidences is None else confidences[d], "" if curves is None else curves[d])
+            for d in range(k)
+        )
 
-    def learn(self, drafted: int, accepted: int, confidences: Sequence[float] | None = None,
-              curves: Sequence[str] | None = None) -> None:
+    def learn(
+        self,
+        drafted: int,
+        accepted: int,
+        confidences: Sequence[float] | None = None,
+        curves: Sequence[str] | None = None,
+    ) -> None:
         """Levels 1..`accepted` of `drafted` were accepted, the next one rejected; later ones tell nothing."""
         decay = self.options.decay
         for depth in range(1, min(accepted + 1, drafted) + 1):
@@ -181,8 +189,12 @@ class Chooser:
             return Plan(None, 0, 1.0, self.cost.target_seconds(1, context))
         nodes = offer.nodes[k - 1] if offer.nodes else k
         drafting = self.cost.stall * offer.drafting[k - 1] if offer.drafting else 0.0
-        return Plan(offer.proposer, k, expected_tokens(offer.accept[:k]),
-                    drafting + self.cost.target_seconds(1 + nodes, context))
+        return Plan(
+            offer.proposer,
+            k,
+            expected_tokens(offer.accept[:k]),
+            drafting + self.cost.target_seconds(1 + nodes, context),
+        )
 
     def best(self, offer: Offer, context: int) -> Plan:
         """The prefix of `offer` (at least one level) of highest rate; the shortest on ties."""
@@ -203,14 +215,20 @@ class Chooser:
         def pays(o: Offer) -> bool:
             return self.could_pay(o, context, plan.rate, remaining)
 
-        due = [o for o in offered if o.proposer != plan.proposer and o.drafting and (
-            self.options.catch_up_share * self.spent >= o.catch_up and (self.cost.stall == 1 or pays(o))
-            if o.proposer not in self.taken else self.declined.get(o.proposer, 0) >= self.options.probe_after
-            and pays(o))]
+        due = [
+            o
+            for o in offered
+            if o.proposer != plan.proposer
+            and o.drafting
+            and (
+                self.options.catch_up_share * self.spent >= o.catch_up and (self.cost.stall == 1 or pays(o))
+                if o.proposer not in self.taken
+                else self.declined.get(o.proposer, 0) >= self.options.probe_after and pays(o)
+            )
+        ]
         if due:
             probe = max(due, key=lambda o: (o.proposer not in self.taken, self.declined.get(o.proposer, 0)))
-            plan = replace(self.evaluate(probe, min(self.options.probe_tokens, len(probe.accept)), context),
-                           probe=True)
+            plan = replace(self.evaluate(probe, min(self.options.probe_tokens, len(probe.accept)), context), probe=True)
         for o in offered:
             self.declined[o.proposer] = 0 if o.proposer == plan.proposer else self.declined.get(o.proposer, 0) + 1
         if plan.proposer is not None:
@@ -221,8 +239,10 @@ class Chooser:
         """Whether drafting the `remaining` tokens of the run (None: without end) with some prefix of `offer`, every
         level accepted, would beat `rate` tokens per second, its catching up paid once."""
         perfect, once = replace(offer, accept=(1.0,) * len(offer.accept)), self.cost.stall * offer.catch_up
-        return any(once / (remaining or math.inf) + (self.evaluate(perfect, k, context).seconds - once) / (k + 1)
-                   < 1 / rate for k in range(1, len(offer.accept) + 1))
+        return any(
+            once / (remaining or math.inf) + (self.evaluate(perfect, k, context).seconds - once) / (k + 1) < 1 / rate
+            for k in range(1, len(offer.accept) + 1)
+        )
 
     def spend(self, seconds: float) -> None:
         """Count a step's seconds toward the run's (what `choose` weighs a catch-up against)."""
@@ -240,8 +260,9 @@ class Chooser:
         sums = self.realized.get(proposer)
         return 1.0 if sums is None else sums[1] / sums[0] * sums[2] / sums[3]
 
-    def should_continue(self, accept: Sequence[float], p_next: float, context: int, per_token: float,
-                        fixed: float = 0.0) -> bool:
+    def should_continue(
+        self, accept: Sequence[float], p_next: float, context: int, per_token: float, fixed: float = 0.0
+    ) -> bool:
         """Whether drafting one more level (acceptance `p_next`, `per_token` seconds, `fixed` once) after the levels
         `accept` [k >= 1] raises the rate (E concave in k, S convex: stop at the first that does not)."""
         k = len(accept)

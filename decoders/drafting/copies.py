@@ -14,8 +14,9 @@ MEMORY = 0.5  # and where the copy takes at most this share of the memory free o
 INT8_PAYS = "_decodekit_int8_pays"  # the torch module's role -> whether its int8 copy pays: decided once per module
 
 
-def drafting_model(lm: LM, draft: LM | None, context: int, draft_int8: bool | None = None,
-                   self_int8: bool | None = None) -> LM | None:
+def drafting_model(
+    lm: LM, draft: LM | None, context: int, draft_int8: bool | None = None, self_int8: bool | None = None
+) -> LM | None:
     """What auto drafts with for `lm` after `context` tokens: `draft` or its int8 copy, or without one the target's
     own int8 copy or nothing, as the flags say (`AutoOptions`) or, where None, as `int8_copy` finds they pay."""
     if draft is not None:
@@ -42,8 +43,9 @@ def pays(model: LM, role: str, context: int, bar: float) -> bool:
     try:
         copy = model.self_draft("int8")
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
-        warnings.warn(f"auto drafts with {model.name!r} as it is: its int8 copy could not be made ({error})",
-                      stacklevel=4)
+        warnings.warn(
+            f"auto drafts with {model.name!r} as it is: its int8 copy could not be made ({error})", stacklevel=4
+        )
         return False
     return cheaper(call_cost(copy, "draft"), call_cost(model, role), context, bar)
 

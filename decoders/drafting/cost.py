@@ -106,8 +106,9 @@ class CallCost:
                     outcome = "removed: the next run measures it again"
                 except OSError as error:
                     outcome = f"could not be removed ({error})"
-                warnings.warn(f"calibration {path} is stale: this run's calls take {off:.2g}x its curve; {outcome}",
-                              stacklevel=2)
+                warnings.warn(
+                    f"calibration {path} is stale: this run's calls take {off:.2g}x its curve; {outcome}", stacklevel=2
+                )
 
     def _level(self) -> float:
         return statistics.median(ratio - math.log(self.offset(n)) for n, ratio in self.history)
@@ -123,9 +124,16 @@ class CallCost:
         return math.exp(values[j] + r * (values[j + 1] - values[j]))
 
     def to_dict(self) -> dict:
-        return {"sizes": list(self.sizes), "seconds": list(self.seconds), "per_position": self.per_position,
-                "per_position_per_token": self.per_position_per_token, "scale": self.scale,
-                "samples": [list(s) for s in self.samples], "measured": self.measured, "noise": self.noise}
+        return {
+            "sizes": list(self.sizes),
+            "seconds": list(self.seconds),
+            "per_position": self.per_position,
+            "per_position_per_token": self.per_position_per_token,
+            "scale": self.scale,
+            "samples": [list(s) for s in self.samples],
+            "measured": self.measured,
+            "noise": self.noise,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> CallCost:
@@ -133,25 +141,37 @@ class CallCost:
         if not isinstance(data, dict):
             raise ValueError(f"the cost is {json.dumps(data, default=repr)[:40]}, not an object")
         sizes, seconds, samples = data.get("sizes"), data.get("seconds"), data.get("samples", [])
-        if (not isinstance(sizes, list | tuple) or not sizes or not all(_whole(n) and n > 0 for n in sizes)
-                or any(b <= a for a, b in zip(sizes, sizes[1:]))):
+        if (
+            not isinstance(sizes, list | tuple)
+            or not sizes
+            or not all(_whole(n) and n > 0 for n in sizes)
+            or any(b <= a for a, b in zip(sizes, sizes[1:]))
+        ):
             raise ValueError(f"sizes are {sizes!r}, not increasing whole numbers > 0")
         if not isinstance(seconds, list | tuple) or len(seconds) != len(sizes):
             raise ValueError(f"seconds are {seconds!r}, not one for each of the {len(sizes)} sizes")
         if not isinstance(samples, list | tuple) or not all(
-                isinstance(s, list | tuple) and len(s) == 3 and _whole(s[0]) and _whole(s[1]) for s in samples):
+            isinstance(s, list | tuple) and len(s) == 3 and _whole(s[0]) and _whole(s[1]) for s in samples
+        ):
             raise ValueError("samples are not [tokens, context, seconds] each")
         seconds = tuple(_number(s, "seconds", positive=True) for s in seconds)
         if any(b < a for a, b in zip(seconds, seconds[1:])):  # (`fit` never writes one: hand-edited or damaged)
-            raise ValueError(f"seconds are {list(seconds)}, falling as the tokens rise: extended, the curve would "
-                             "predict negative seconds for wider calls")
-        optional = {name: None if data.get(name) is None else _number(data[name], name)
-                    for name in ("measured", "noise")}
-        return cls(tuple(sizes), seconds,
-                   _number(data.get("per_position"), "per_position"),
-                   _number(data.get("per_position_per_token", 0.0), "per_position_per_token"),
-                   _number(data.get("scale", 1.0), "scale", positive=True),
-                   tuple((n, L, _number(s, "a sample's seconds")) for n, L, s in samples), **optional)
+            raise ValueError(
+                f"seconds are {list(seconds)}, falling as the tokens rise: extended, the curve would "
+                "predict negative seconds for wider calls"
+            )
+        optional = {
+            name: None if data.get(name) is None else _number(data[name], name) for name in ("measured", "noise")
+        }
+        return cls(
+            tuple(sizes),
+            seconds,
+            _number(data.get("per_position"), "per_position"),
+            _number(data.get("per_position_per_token", 0.0), "per_position_per_token"),
+            _number(data.get("scale", 1.0), "scale", positive=True),
+            tuple((n, L, _number(s, "a sample's seconds")) for n, L, s in samples),
+            **optional,
+        )
 
 
 def _whole(value) -> bool:
@@ -160,8 +180,13 @@ def _whole(value) -> bool:
 
 def _number(value, name: str, positive: bool = False) -> float:
     """`value` as a float where it is a finite number >= 0 (> 0 where `positive`), else ValueError naming it."""
-    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
-            or (positive and value == 0)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+        or (positive and value == 0)
+    ):
         raise ValueError(f"{name} holds {value!r}, not a finite number {'> 0' if positive else '>= 0'}")
     return float(value)
 
@@ -213,14 +238,15 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
         lengths.setdefault(n, set()).add(L)
     varied = sum(len(ls) > 1 for ls in lengths.values())  # sizes measured at more than one context length
     terms = min(varied, 2)
-    rows = torch.tensor([_hat(sizes, n) + [L, L * (n - 1)] for n, L, _ in samples],
-                        dtype=torch.float64)  # [S, knots + 2]: the knots' weights, then both terms' columns
+    rows = torch.tensor(
+        [_hat(sizes, n) + [L, L * (n - 1)] for n, L, _ in samples], dtype=torch.float64
+    )  # [S, knots + 2]: the knots' weights, then both terms' columns
     times = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)  # [S, 1]
-    solution = torch.linalg.lstsq(rows[:, :len(sizes) + terms], times, driver="gelsd").solution[:, 0].tolist()
-    per_position, per_token = [*solution[len(sizes):], 0.0, 0.0][:2]
+    solution = torch.linalg.lstsq(rows[:, : len(sizes) + terms], times, driver="gelsd").solution[:, 0].tolist()
+    per_position, per_token = [*solution[len(sizes) :], 0.0, 0.0][:2]
     per_position, per_token = max(0.0, per_position), max(0.0, per_token)
     context = torch.tensor([[L * (per_position + per_token * (n - 1))] for n, L, _ in samples], dtype=torch.float64)
-    solution = torch.linalg.lstsq(rows[:, :len(sizes)], times - context, driver="gelsd").solution[:, 0].tolist()
+    solution = torch.linalg.lstsq(rows[:, : len(sizes)], times - context, driver="gelsd").solution[:, 0].tolist()
     knots = list(itertools.accumulate(solution, max, initial=1e-9))[1:]  # a call never gets cheaper by scoring more
     return CallCost(tuple(sizes), tuple(knots), per_position, per_token, 1.0, tuple(samples))
 
@@ -264,9 +290,8 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
             if proportional(timed, n):
                 break
             timed.append((n, call(n, SHORT)))
-        plan = [(n, SHORT) for n, _ in timed] + [(n, long) for n in sorted({timed[0][0], timed[-1][0]})
-                                                 if long > SHORT]
-        rounds = [[seconds for _, seconds in timed] + [call(n, context) for n, context in plan[len(timed):]]]
+        plan = [(n, SHORT) for n, _ in timed] + [(n, long) for n in sorted({timed[0][0], timed[-1][0]}) if long > SHORT]
+        rounds = [[seconds for _, seconds in timed] + [call(n, context) for n, context in plan[len(timed) :]]]
         while len(rounds) < ROUNDS or time.perf_counter() - begin < budget:
             rounds.append([call(n, context) for n, context in plan])
     points = list(zip(*rounds))  # [points][rounds] seconds
@@ -308,11 +333,19 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
     tensors = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
     fingerprint = hashlib.sha256("\n".join([type(model).__name__, config, *tensors]).encode()).hexdigest()[:16]
     attention = getattr(model.config, "_attn_implementation", None)
-    return {"role": role, "name": lm.name, "model": fingerprint, "attention": attention,
-            "native": getattr(lm, "native", None) is not None, "native_layers": native_count(model),
-            "dtype": str(lm.dtype),
-            "device": machine(lm.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "sizes": list(sizes)}
+    return {
+        "role": role,
+        "name": lm.name,
+        "model": fingerprint,
+        "attention": attention,
+        "native": getattr(lm, "native", None) is not None,
+        "native_layers": native_count(model),
+        "dtype": str(lm.dtype),
+        "device": machine(lm.device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "sizes": list(sizes),
+    }
 
 
 def cache_file(key: dict, folder: Path | None = None) -> Path:
@@ -335,8 +368,15 @@ def planned_sizes(lm, role: str) -> tuple[int, ...]:
     return tuple(n for n in (TARGET_SIZES if role == "target" else DRAFT_SIZES) if n == 1 or n <= room)
 
 
-def call_cost(lm, role: str = "target", *, cache: bool = True, refresh: bool = False, folder: Path | None = None,
-              budget: float = BUDGET) -> CallCost:
+def call_cost(
+    lm,
+    role: str = "target",
+    *,
+    cache: bool = True,
+    refresh: bool = False,
+    folder: Path | None = None,
+    budget: float = BUDGET,
+) -> CallCost:
     """The cost of `lm`'s calls in `role`: from the cache file when it matches, else measured (and written unless
     `cache=False`; `refresh=True` measures again). A bad or unwritable file is warned of: a cache never fails a run."""
     sizes = planned_sizes(lm, role)
@@ -423,8 +463,9 @@ class CostModel:
         part.observe(n, context, seconds)
 
 
-def calibrate(lm, draft=None, *, cache: bool = True, refresh: bool = False, folder: Path | None = None,
-              budget: float = BUDGET) -> CostModel:
+def calibrate(
+    lm, draft=None, *, cache: bool = True, refresh: bool = False, folder: Path | None = None, budget: float = BUDGET
+) -> CostModel:
     """The cost model of `lm` as the target and `draft` (an LM or None) as the draft, measured or from the cache."""
     options = dict(cache=cache, refresh=refresh, folder=folder, budget=budget)
     drafts = None if draft is None else call_cost(draft, "draft", **options)

@@ -21,8 +21,12 @@ def draft_model(state: DecodeState) -> DraftModel:
         from decoders.drafting.translate import TranslatedDraftModel
 
         return TranslatedDraftModel(state)
-    if (state.draft is not None and state.draft.quantized_from is not None and state.draft.quantized_from() is state.lm
-            and isinstance(state.cache, KVCache | StaticKVCache)):  # (in a batch: on the batch's cache for the copy)
+    if (
+        state.draft is not None
+        and state.draft.quantized_from is not None
+        and state.draft.quantized_from() is state.lm
+        and isinstance(state.cache, KVCache | StaticKVCache)
+    ):  # (in a batch: on the batch's cache for the copy)
         return SharedCacheDraft(state)
     return DraftModel(state)
 
@@ -36,13 +40,16 @@ class DraftModel:
     def __init__(self, state: DecodeState) -> None:
         draft: LM = state.draft  # (a missing one is refused before the run: `capabilities.check_request`)
         if not self.translates and draft.vocab_key != state.lm.vocab_key:
-            raise ValueError(f"draft model {draft.name!r} does not share the tokenizer of {state.lm.name!r}: build "
-                             "the drafter's model with decoders.drafting.draft_model.draft_model(state), which "
-                             "translates through text")
+            raise ValueError(
+                f"draft model {draft.name!r} does not share the tokenizer of {state.lm.name!r}: build "
+                "the drafter's model with decoders.drafting.draft_model.draft_model(state), which "
+                "translates through text"
+            )
         self.state, self.lm = state, draft
         # a batch row drafts on its row of the batch's cache for this draft model, whose calls run in one forward
-        self.cache = (state.cache.beside(draft) if isinstance(state.cache, RowCache)
-                      else draft.new_cache(state.expected_length))
+        self.cache = (
+            state.cache.beside(draft) if isinstance(state.cache, RowCache) else draft.new_cache(state.expected_length)
+        )
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
         self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read
         self.warned = False
@@ -59,8 +66,11 @@ class DraftModel:
         room = limit if space is None else min(limit, space)
         if room < limit and not self.warned:
             self.warned = True
-            warnings.warn(f"draft model {self.lm.name!r} reaches its context of {self.lm.context_length} tokens; "
-                          "the target goes on without drafts", stacklevel=2)
+            warnings.warn(
+                f"draft model {self.lm.name!r} reaches its context of {self.lm.context_length} tokens; "
+                "the target goes on without drafts",
+                stacklevel=2,
+            )
         return room
 
     def forward(self, tokens: list[int], **kwargs) -> Generator[Call, torch.Tensor, torch.Tensor]:
@@ -69,8 +79,9 @@ class DraftModel:
         readable = [t if t < self.embeds else 0 for t in tokens]  # a stand-in for ids the draft cannot embed
         return (yield Call(readable, lm=self.lm, cache=self.cache, **kwargs))
 
-    def next_token(self, feed: list[int], allowed: torch.Tensor | None = None
-                   ) -> Generator[Call, torch.Tensor, tuple[int, torch.Tensor | None, float, int]]:
+    def next_token(
+        self, feed: list[int], allowed: torch.Tensor | None = None
+    ) -> Generator[Call, torch.Tensor, tuple[int, torch.Tensor | None, float, int]]:
         """One draft call on `feed`: (the next token under `allowed` - the argmax, or a draw from the run's filtered
         distribution -, that distribution [vocab] or None if greedy, its probability, the likeliest other token)."""
         state = self.state
@@ -89,7 +100,7 @@ class DraftModel:
         return token, row, float(probs[token]), second if first == token else first
 
     def uncached(self) -> list[int]:
-        return self.state.tokens[len(self.cache):]
+        return self.state.tokens[len(self.cache) :]
 
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
         """Draft up to `limit` tokens one call at a time, under the run's grammar if any, while `keep_going(p)` holds

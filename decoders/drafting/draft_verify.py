@@ -62,13 +62,14 @@ class DraftVerify(Decoder):
         getattr(state.drafter, "finish", lambda state: None)(state)  # optional in the Drafter protocol
 
 
-def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None, logits: torch.Tensor
-           ) -> tuple[list[int], int, torch.Tensor]:
+def verify(
+    state: DecodeState, draft: Draft, masks: torch.Tensor | None, logits: torch.Tensor
+) -> tuple[list[int], int, torch.Tensor]:
     """Verify `draft` by the target's `logits` [k + 1 (+ window), vocab] under `masks` [k + 1, vocab]: (accepted
     nodes, next token, the logits [len(path) + 1, vocab] each was chosen with); a window's rows go back to it."""
     k = len(draft.tokens)
     if draft.window is not None:
-        draft.window.logits = logits[k + 1:]  # [w, vocab]
+        draft.window.logits = logits[k + 1 :]  # [w, vocab]
     logits = logits[: k + 1]
     if masks is not None:
         logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
@@ -83,6 +84,7 @@ def verify(state: DecodeState, draft: Draft, masks: torch.Tensor | None, logits:
     if greedy:
         path, token = verify_tree_greedy(draft.tokens, draft.links, logits)
     else:
-        path, token = verify_tree_sampling(draft.tokens, draft.links, draft.probs, state.sampling.probs(logits),
-                                           state.generator)
+        path, token = verify_tree_sampling(
+            draft.tokens, draft.links, draft.probs, state.sampling.probs(logits), state.generator
+        )
     return path, token, logits[[0] + [1 + node for node in path]]  # row 0, then the row after each path node

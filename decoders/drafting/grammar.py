@@ -8,8 +8,9 @@ from decoders.drafting.draft import Draft
 from samplers.verify import guessed
 
 
-def restrict_to_grammar(grammar, draft: Draft, drafter: str, eos: frozenset[int] = frozenset()
-                        ) -> tuple[Draft, torch.Tensor]:
+def restrict_to_grammar(
+    grammar, draft: Draft, drafter: str, eos: frozenset[int] = frozenset()
+) -> tuple[Draft, torch.Tensor]:
     """Cut a chain at its first token the grammar forbids, drop forbidden tree nodes with their subtrees; returns the
     draft and the allowed masks [k + 1, vocab] at each position the target scores. Only a guess (`verify.guessed`)
     may be dropped, as the masked target rejects it for certain; a sampled node was drawn under the mask, so dropping

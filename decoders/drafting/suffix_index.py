@@ -60,8 +60,9 @@ class SuffixDraft:
     def main_branch(self) -> SuffixDraft:
         """The tree's first child at every level (its most frequent continuation): a chain."""
         keep = first_branch(self.parents)
-        return SuffixDraft([self.tokens[n] for n in keep], list(range(-1, len(keep) - 1)),
-                           [self.probs[n] for n in keep], self.match)
+        return SuffixDraft(
+            [self.tokens[n] for n in keep], list(range(-1, len(keep) - 1)), [self.probs[n] for n in keep], self.match
+        )
 
 
 class _Node:
@@ -127,7 +128,7 @@ class SuffixIndex:
     def follow(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
         """Make sequence `seq_id` hold `tokens`, a sequence that only grows (a run's tokens): append what it lacks."""
         number = self._numbers.get(seq_id)
-        self.extend(seq_id, tokens[0 if number is None else len(self._tokens[number]):])
+        self.extend(seq_id, tokens[0 if number is None else len(self._tokens[number]) :])
 
     def _split(self, leaf: int, length: int, here: int) -> _Node:
         """The node replacing `leaf` (a substring of `length` tokens seen once) now that it occurs again at `here`."""
@@ -193,7 +194,7 @@ class SuffixIndex:
         found = self.root if self.root.cont else None
         while low < high:  # a suffix that continues has continuing suffixes: binary search on the length
             middle = (low + high + 1) // 2
-            at = self._walk(context[len(context) - middle:])
+            at = self._walk(context[len(context) - middle :])
             if self._continues(at):
                 low, found = middle, at
             else:
@@ -209,14 +210,25 @@ class SuffixIndex:
             return [(1, seq[end + 1], at + 1)] if end + 1 < len(seq) else []
         if at.ranked is None:
             # sorted on (count, position) alone: siblings' newest positions differ, so tuples never tie
-            items = sorted([(1, c, t, c) if type(c) is int else (c.count, c.newest, t, c)
-                            for t, c in at.children.items()], reverse=True)
+            items = sorted(
+                [(1, c, t, c) if type(c) is int else (c.count, c.newest, t, c) for t, c in at.children.items()],
+                reverse=True,
+            )
             at.ranked = [(count, token, child) for count, _, token, child in items]
         return at.ranked
 
-    def draft(self, context: Sequence[int], max_tokens: int, min_prob: float = 0.0, *,
-              depth_factor: float | None = None, max_depth: int | None = None, max_match: int | None = None,
-              min_match: int = 1, vocab: int | None = None) -> SuffixDraft:
+    def draft(
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        min_prob: float = 0.0,
+        *,
+        depth_factor: float | None = None,
+        max_depth: int | None = None,
+        max_match: int | None = None,
+        min_match: int = 1,
+        vocab: int | None = None,
+    ) -> SuffixDraft:
         """A best-first tree continuing the longest matched suffix of `context`: at most `max_tokens` nodes (and
         `depth_factor` x match length), `max_depth` levels (and depth - match length), path probabilities at least
         `min_prob`, none when the match is shorter than `min_match`; no token >= `vocab` (nor what follows it)."""
@@ -245,12 +257,21 @@ class SuffixIndex:
                     break
                 token, at, level = seq[end + 1], at + 1, level + 1
             if level < levels and type(at) is not int:
-                self._offer(heap, order, at, -minus_p, parent, level + 1, max_tokens - len(out.tokens), min_prob,
-                            vocab)
+                self._offer(heap, order, at, -minus_p, parent, level + 1, max_tokens - len(out.tokens), min_prob, vocab)
         return out
 
-    def _offer(self, heap: list, order, at: _Node | int, p: float, parent: int, level: int, room: int,
-               min_prob: float, vocab: float) -> None:
+    def _offer(
+        self,
+        heap: list,
+        order,
+        at: _Node | int,
+        p: float,
+        parent: int,
+        level: int,
+        room: int,
+        min_prob: float,
+        vocab: float,
+    ) -> None:
         """Push up to `room` continuations of `at` (path probability p) whose p stays >= min_prob, below `vocab`."""
         total = 1 if type(at) is int else at.cont
         for count, token, child in self._ranked(at)[:room]:
@@ -296,7 +317,7 @@ class SuffixStore:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens  # a numpy array or tensor: Python ints
-        tokens = [whole(f"SuffixStore.add's tokens[{i}]", t, 0) for i, t in enumerate(tokens)][-self.max_tokens:]
+        tokens = [whole(f"SuffixStore.add's tokens[{i}]", t, 0) for i, t in enumerate(tokens)][-self.max_tokens :]
         if not tokens:
             return
         with self._lock:
@@ -322,8 +343,14 @@ class SuffixStore:
             return self._index.draft(context, max_tokens, min_prob, **limits)
 
 
-def propose(local: SuffixIndex | None, store: SuffixStore | None, context: Sequence[int], limit: int,
-            options: SuffixOptions, vocab: int | None = None) -> SuffixDraft:
+def propose(
+    local: SuffixIndex | None,
+    store: SuffixStore | None,
+    context: Sequence[int],
+    limit: int,
+    options: SuffixOptions,
+    vocab: int | None = None,
+) -> SuffixDraft:
     """The higher-scoring of the trees drafted from the run's own index and from the store (the run's own on a tie),
     at most `limit` levels deep, of tokens below `vocab`; empty when neither matches `options.min_match` tokens."""
     best = SuffixDraft()
@@ -331,9 +358,16 @@ def propose(local: SuffixIndex | None, store: SuffixStore | None, context: Seque
         return best
     for source in (local, store):
         if source is not None:
-            tree = source.draft(context, options.max_tree, options.min_prob, depth_factor=options.depth_factor,
-                                max_depth=limit, max_match=options.max_match, min_match=options.min_match,
-                                vocab=vocab)
+            tree = source.draft(
+                context,
+                options.max_tree,
+                options.min_prob,
+                depth_factor=options.depth_factor,
+                max_depth=limit,
+                max_match=options.max_match,
+                min_match=options.min_match,
+                vocab=vocab,
+            )
             if tree.score > best.score:
                 best = tree
     return best

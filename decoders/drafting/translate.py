@@ -21,7 +21,7 @@ class Codec:
         self.tokenizer = tokenizer
         plain = tokenizer("a", add_special_tokens=False)["input_ids"]
         full = tokenizer("a")["input_ids"]
-        self.prefix = full[: len(full) - len(plain)] if plain and full[len(full) - len(plain):] == plain else []
+        self.prefix = full[: len(full) - len(plain)] if plain and full[len(full) - len(plain) :] == plain else []
         self.anchor = plain[-1:]  # [1] or [] for a tokenizer that cannot spell "a"
         self.anchor_text = self.decode(self.anchor)
 
@@ -31,16 +31,17 @@ class Codec:
     def text(self, ids) -> str:
         """The text `ids` spell inside a longer one."""
         spelled = self.decode(self.anchor + list(ids))
-        return spelled[len(self.anchor_text):] if spelled.startswith(self.anchor_text) else self.decode(ids)
+        return spelled[len(self.anchor_text) :] if spelled.startswith(self.anchor_text) else self.decode(ids)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def spellings(self, width: int) -> list[str]:
         """The text of every token id below `width`, each read inside a longer text."""
-        spelled = self.tokenizer.batch_decode([self.anchor + [i] for i in range(width)], skip_special_tokens=False,
-                                              clean_up_tokenization_spaces=False)
-        return [s[len(self.anchor_text):] if s.startswith(self.anchor_text) else s for s in spelled]
+        spelled = self.tokenizer.batch_decode(
+            [self.anchor + [i] for i in range(width)], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        return [s[len(self.anchor_text) :] if s.startswith(self.anchor_text) else s for s in spelled]
 
 
 _SHARED: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -59,8 +60,10 @@ def shared_tokens(lm: LM, draft: LM) -> tuple[torch.Tensor, torch.Tensor]:
         for i, text in enumerate(Codec(draft.tokenizer).spellings(width)):
             if text in targets:
                 pairs.setdefault(targets[text], i)
-        _SHARED[key] = (torch.tensor(list(pairs.values()), dtype=torch.long),
-                        torch.tensor(list(pairs.keys()), dtype=torch.long))
+        _SHARED[key] = (
+            torch.tensor(list(pairs.values()), dtype=torch.long),
+            torch.tensor(list(pairs.keys()), dtype=torch.long),
+        )
     return _SHARED[key]
 
 
@@ -104,10 +107,10 @@ class TranslatedDraftModel(DraftModel):
         end = len(tokens)
         if end == self.done:
             return
-        piece = self.ours.text(tokens[self.done: end])
+        piece = self.ours.text(tokens[self.done : end])
         while piece.endswith("\ufffd") and end > max(self.done + 1, len(tokens) - 3):
             end -= 1  # the text ends inside a character: its last bytes wait for the rest
-            piece = self.ours.text(tokens[self.done: end])
+            piece = self.ours.text(tokens[self.done : end])
         old = self.text
         self.text, self.done = old + piece, end
         keep, start = self._restart(old)
@@ -137,7 +140,7 @@ class TranslatedDraftModel(DraftModel):
     def uncached(self) -> list[int]:
         """The draft ids of the run's text this draft model has not seen yet."""
         self.sync()
-        return self.ids[self._cached():]
+        return self.ids[self._cached() :]
 
     def _space(self) -> int | None:
         """How many draft tokens fit in the draft's context after the run's text (None: no limit)."""
@@ -170,7 +173,7 @@ class TranslatedDraftModel(DraftModel):
         """String-level exact match: draft in the draft's ids, translate the text after each token."""
         drafted, tokens, seen = [], [], []  # seen[i]: the chain's probability when target token i first showed
         start = max(self.lead, self.done - LOOKBEHIND)  # the last accepted tokens, encoded with each drafted text
-        before = self.ours.text(self.state.tokens[start: self.done])
+        before = self.ours.text(self.state.tokens[start : self.done])
         running, window = 1.0, (start, before) if self.text.endswith(before) else (self.done, "")
         for _ in range(budget):
             logits = yield from self._step(feed)
@@ -185,7 +188,7 @@ class TranslatedDraftModel(DraftModel):
             for i in range(len(seen), len(tokens)):
                 seen.append(running)
                 if not keep_going(running):
-                    del tokens[i + 1:]
+                    del tokens[i + 1 :]
                     stop = True
                     break
             if stop or len(tokens) == limit:
@@ -203,7 +206,7 @@ class TranslatedDraftModel(DraftModel):
         accepted = self.state.tokens[start:]
         encoded = self.ours.encode(before + text)
         if encoded[: len(accepted)] == accepted:
-            return encoded[len(accepted):]
+            return encoded[len(accepted) :]
         return self.ours.encode(text)  # the target wrote those tokens otherwise than its tokenizer spells their text
 
     def _sample_chain(self, feed, budget, keep_going) -> Chain:

@@ -50,8 +50,8 @@ def tree_call(state: DecodeState, draft: Draft) -> Call:
     mask = torch.zeros(t + k + w, t + k + w, dtype=torch.bool)  # [T, T]
     mask[:t, :t] = torch.ones(t, t, dtype=torch.bool).tril()  # the tail is a causal chain
     mask[t:, :t] = True  # every node and window token sees the whole tail
-    mask[t: t + k, t: t + k] = tree
-    mask[t + k:, t + k:] = window.mask
+    mask[t : t + k, t : t + k] = tree
+    mask[t + k :, t + k :] = window.mask
     base = len(state.tokens)  # the position right after the last accepted token
     positions = list(range(len(state.cache), base)) + [base + d for d in levels] + [base + o for o in window.offsets]
     return Call(tail + draft.tokens + window.tokens, positions, mask, keep=k + w + 1)

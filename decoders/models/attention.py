@@ -23,18 +23,34 @@ except ImportError:
 NAME = "decodekit_sdpa"
 
 
-def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                 is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def grouped_sdpa(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """`sdpa_attention_forward`'s contract (query [B, H, Q, D], key and value [B, H_kv, K, D], mask [B, 1 or H, Q, K];
     returns [B, Q, H, D]); packs the query heads of a key/value head where Q > 1 under a mask, else is transformers'."""
     batch, heads, queries, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
-    if (groups == 1 or queries == 1 or attention_mask is None or dropout or kwargs.get("position_bias") is not None
-            or attention_mask.shape[1] not in (1, heads) or key.shape[0] != batch):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if (
+        groups == 1
+        or queries == 1
+        or attention_mask is None
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or attention_mask.shape[1] not in (1, heads)
+        or key.shape[0] != batch
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     packed = query.reshape(batch, kv_heads, groups * queries, dim)  # query head h = kv head h // groups
     if attention_mask.shape[1] == 1:
         mask = attention_mask.repeat(1, 1, groups, 1)  # [B, 1, groups * Q, K]: row g * Q + i is query i's
@@ -56,8 +72,14 @@ def use_grouped(model) -> bool:
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     if implementation == NAME:
         return True
-    if (implementation != "sdpa" or not heads or not kv_heads or heads == kv_heads or AttentionInterface is None
-            or not hasattr(model, "set_attn_implementation")):
+    if (
+        implementation != "sdpa"
+        or not heads
+        or not kv_heads
+        or heads == kv_heads
+        or AttentionInterface is None
+        or not hasattr(model, "set_attn_implementation")
+    ):
         return False
     model.set_attn_implementation(NAME)
     return True

@@ -122,8 +122,9 @@ class Slab:
         cached = relative < 0 if wide is None else (relative < 0) & wide
         allowed = allowed | cached
         masks = lm.attention_masks(allowed[None], slot[None], positions)
-        return lm.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
-                        **{lm.cache_keyword: self.hf}).logits
+        return lm.model(
+            input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True, **{lm.cache_keyword: self.hf}
+        ).logits
 
     def native(self, lm, ids, positions, past: int, tree, wide, keep: int) -> torch.Tensor:
         """`call` run by `lm`'s native step (`models.native`, a CPU): logits [keep or T, vocab]. `tree` None: causal."""
@@ -168,9 +169,15 @@ class Slab:
             if wide is not None:
                 static["wide"][:length] = wide
                 static["wide_set"] = True
-        logits = replayed(self.lm, self.graphs, key, lm, self.call,
-                          (static["ids"], static["positions"], static["past"], static["tree"], static["wide"]),
-                          f"calls of {bucket} tokens")
+        logits = replayed(
+            self.lm,
+            self.graphs,
+            key,
+            lm,
+            self.call,
+            (static["ids"], static["positions"], static["past"], static["tree"], static["wide"]),
+            f"calls of {bucket} tokens",
+        )
         return None if logits is None else logits[0, :length]
 
     def _padded(self, bucket: int, length: int, tree) -> torch.Tensor:
@@ -186,11 +193,13 @@ class Slab:
 
     def _inputs(self, bucket: int) -> dict[str, torch.Tensor]:
         device = self.lm.device
-        return {"ids": torch.zeros(1, bucket, dtype=torch.long, device=device),
-                "positions": torch.zeros(1, bucket, dtype=torch.long, device=device),
-                "past": torch.zeros((), dtype=torch.long, device=device),
-                "tree": torch.zeros(bucket, bucket, dtype=torch.bool, device=device),
-                "wide": torch.ones(bucket, self.capacity, dtype=torch.bool, device=device)}
+        return {
+            "ids": torch.zeros(1, bucket, dtype=torch.long, device=device),
+            "positions": torch.zeros(1, bucket, dtype=torch.long, device=device),
+            "past": torch.zeros((), dtype=torch.long, device=device),
+            "tree": torch.zeros(bucket, bucket, dtype=torch.bool, device=device),
+            "wide": torch.ones(bucket, self.capacity, dtype=torch.bool, device=device),
+        }
 
 
 def replayed(owner, graphs: dict, key, lm, call, args: tuple, what: str) -> torch.Tensor | None:
@@ -203,8 +212,11 @@ def replayed(owner, graphs: dict, key, lm, call, args: tuple, what: str) -> torc
         try:
             graph, logits = capture(owner, lm, call, args)
         except Exception as error:  # noqa: BLE001 - any failure: this call runs eagerly from now on
-            warnings.warn(f"{lm.name}: its {what} could not be captured as a CUDA graph ({type(error).__name__}: "
-                          f"{error}); they run eagerly", stacklevel=1)
+            warnings.warn(
+                f"{lm.name}: its {what} could not be captured as a CUDA graph ({type(error).__name__}: "
+                f"{error}); they run eagerly",
+                stacklevel=1,
+            )
             graphs[key] = (False, static, None)
             return None
         graphs[key] = (graph, static, logits)
@@ -299,8 +311,8 @@ class StaticKVCache:
             with torch.inference_mode():
                 for layer in self.slab.hf.layers:
                     if layer.is_initialized:  # (index_select copies first: the slots may overlap)
-                        layer.keys[:, :, first:len(index)] = layer.keys.index_select(2, where)
-                        layer.values[:, :, first:len(index)] = layer.values.index_select(2, where)
+                        layer.keys[:, :, first : len(index)] = layer.keys.index_select(2, where)
+                        layer.values[:, :, first : len(index)] = layer.values.index_select(2, where)
         self.length = len(index)
 
     def fill(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
@@ -319,8 +331,9 @@ class StaticKVCache:
         self._slab_for(length)
         self.length = length
 
-    def forward(self, lm, ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
-                keep: int) -> torch.Tensor:
+    def forward(
+        self, lm, ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None, keep: int
+    ) -> torch.Tensor:
         """`LM.forward` of `lm` (this cache's LM, or its quantized copy drafting on it) on this cache: ids, positions
         [1, T]; logits [T or keep, vocab]."""
         length, past = ids.shape[1], self.length
@@ -333,7 +346,7 @@ class StaticKVCache:
             tree = tree_mask[:, -length:]
             if tree_mask.shape[1] > length:  # it also hides cached positions
                 wide = torch.ones(length, slab.capacity, dtype=torch.bool, device=device)
-                wide[:, past + length - tree_mask.shape[1]:past] = tree_mask[:, :-length]
+                wide[:, past + length - tree_mask.shape[1] : past] = tree_mask[:, :-length]
         with torch.inference_mode():  # (its buffers are inference tensors, whoever calls)
             logits = slab.replay(lm, ids, positions, past, tree, wide) if graphed and slab.capture else None
             if logits is not None:
@@ -398,8 +411,9 @@ class BatchSlab:
         [rows, W, vocab]."""
         self.hf.slots = past + torch.arange(ids.shape[1], device=ids.device)
         masks = lm.attention_masks(allowed, keys, positions)
-        return lm.model(input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True,
-                        **{lm.cache_keyword: self.hf}).logits
+        return lm.model(
+            input_ids=ids, position_ids=positions, attention_mask=masks, use_cache=True, **{lm.cache_keyword: self.hf}
+        ).logits
 
     def forward(self, ids, positions, past: int, allowed, keys) -> torch.Tensor:
         """`call`, replayed as the CUDA graph of its width (a bucket, captured on first use) where the slab captures,
@@ -408,8 +422,15 @@ class BatchSlab:
         self.hf.length = past
         if lm.native is not None and lm.native.ready() and all(layer.is_initialized for layer in self.hf.layers):
             layers = self.hf.layers
-            return lm.native.call(ids, positions, past, [layer.keys for layer in layers],
-                                  [layer.values for layer in layers], allowed, width)
+            return lm.native.call(
+                ids,
+                positions,
+                past,
+                [layer.keys for layer in layers],
+                [layer.values for layer in layers],
+                allowed,
+                width,
+            )
         with torch.inference_mode():
             if self.capture and width in BUCKETS:
                 key = width, lm.compile_calls
@@ -422,17 +443,32 @@ class BatchSlab:
                     static["past"].fill_(past)
                     static["allowed"].copy_(allowed)
                     static["keys"].copy_(keys)
-                    logits = replayed(lm, self.graphs, key, lm, self.call, tuple(static.values()),
-                                      f"batch calls of {self.rows} x {width} tokens")
+                    logits = replayed(
+                        lm,
+                        self.graphs,
+                        key,
+                        lm,
+                        self.call,
+                        tuple(static.values()),
+                        f"batch calls of {self.rows} x {width} tokens",
+                    )
                     if logits is not None:
                         return logits.clone()
-            return self.call(lm, ids.to(device), positions.to(device), torch.tensor(past, device=device),
-                             allowed.to(device), keys.to(device))
+            return self.call(
+                lm,
+                ids.to(device),
+                positions.to(device),
+                torch.tensor(past, device=device),
+                allowed.to(device),
+                keys.to(device),
+            )
 
     def _inputs(self, width: int) -> dict[str, torch.Tensor]:
         device, rows = self.lm.device, self.rows
-        return {"ids": torch.zeros(rows, width, dtype=torch.long, device=device),
-                "positions": torch.zeros(rows, width, dtype=torch.long, device=device),
-                "past": torch.zeros((), dtype=torch.long, device=device),
-                "allowed": torch.zeros(rows, width, self.capacity, dtype=torch.bool, device=device),
-                "keys": torch.zeros(rows, self.capacity, dtype=torch.long, device=device)}
+        return {
+            "ids": torch.zeros(rows, width, dtype=torch.long, device=device),
+            "positions": torch.zeros(rows, width, dtype=torch.long, device=device),
+            "past": torch.zeros((), dtype=torch.long, device=device),
+            "allowed": torch.zeros(rows, width, self.capacity, dtype=torch.bool, device=device),
+            "keys": torch.zeros(rows, self.capacity, dtype=torch.long, device=device),
+        }

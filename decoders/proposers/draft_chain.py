@@ -15,13 +15,20 @@ class ChainProposer:
     name = "draft"
     corrected = True
 
-    def __init__(self, model: DraftModel, cost: CostModel | None = None, chooser: Chooser | None = None,
-                 clock: Clock | None = None, max_draft: int = 16) -> None:
+    def __init__(
+        self,
+        model: DraftModel,
+        cost: CostModel | None = None,
+        chooser: Chooser | None = None,
+        clock: Clock | None = None,
+        max_draft: int = 16,
+    ) -> None:
         self.model, self.cost, self.chooser, self.clock = model, cost, chooser, clock or Clock()
         self.max_draft = max_draft
         self.shares_cache = isinstance(model, SharedCacheDraft)  # the target's own int8 copy, on the target's cache
-        self.acceptance = Acceptance(chooser.options if chooser else None,
-                                     SELF_ACCEPTANCE if self.shares_cache else None)
+        self.acceptance = Acceptance(
+            chooser.options if chooser else None, SELF_ACCEPTANCE if self.shares_cache else None
+        )
         self.offered: Offer | None = None  # this step's offer
         self.confidences: list[float] = []  # [levels] the draft's probability of each token of its last chain
         self.room = 0
@@ -56,9 +63,13 @@ class ChainProposer:
             if len(probs) < planned or self.chooser is None:
                 return len(probs) < planned
             confidences = given_above(probs)
-            return self.chooser.should_continue(self.acceptance.chain(len(probs), confidences),
-                                                self.acceptance.level(len(probs) + 1, confidences[-1]), context,
-                                                call, catch_up)
+            return self.chooser.should_continue(
+                self.acceptance.chain(len(probs), confidences),
+                self.acceptance.level(len(probs) + 1, confidences[-1]),
+                context,
+                call,
+                catch_up,
+            )
 
         start = clock.now()
         tokens, rows, cumulative = yield from self.model.draft_chain(self.room if self.chooser else plan.k, keep_going)

@@ -73,8 +73,9 @@ class Node:
 Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of at most room tokens to follow it
 
 
-def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower
-              ) -> Generator[Call, torch.Tensor, list[Node]]:
+def grow_tree(
+    model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower
+) -> Generator[Call, torch.Tensor, list[Node]]:
     """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order)."""
     cap = min(o.max_depth, limit, o.budget)
     nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
@@ -99,8 +100,15 @@ def grow_tree(model: DraftModel, state: DecodeState, o: StagedOptions, limit: in
     return nodes
 
 
-def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: list[Node], frontier: list[int],
-               cap: int, lower: Lower) -> Steps:
+def draft_call(
+    model: DraftModel,
+    state: DecodeState,
+    o: StagedOptions,
+    nodes: list[Node],
+    frontier: list[int],
+    cap: int,
+    lower: Lower,
+) -> Steps:
     """One draft call on the frontier leaves (none: the root) plus the lower stage's chain under the first; the part
     of the chain the draft agrees with (`samplers.verify`) and the draft's next token join the tree under that leaf."""
     leaves = frontier or [0]
@@ -115,7 +123,7 @@ def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: l
     dists = distributions(state, model, logits, masks)  # [leaves + chain, vocab]
     for n, dist, slot in zip(leaves, dists, slots):
         nodes[n].dist, nodes[n].slot = dist, slot
-    rows = torch.cat([dists[:1], dists[len(leaves):]])  # [chain + 1, vocab]: after the head, after each chain token
+    rows = torch.cat([dists[:1], dists[len(leaves) :]])  # [chain + 1, vocab]: after the head, after each chain token
     drafted = torch.tensor(chain, dtype=torch.long)
     if state.sampling.greedy:
         agreed, token = verify_greedy(drafted, rows)
@@ -130,8 +138,9 @@ def draft_call(model: DraftModel, state: DecodeState, o: StagedOptions, nodes: l
     add_child(nodes, parent, token)
 
 
-def lower_stage(state: DecodeState, o: StagedOptions, nodes: list[Node], head: int, cap: int, lower: Lower
-                ) -> list[int]:
+def lower_stage(
+    state: DecodeState, o: StagedOptions, nodes: list[Node], head: int, cap: int, lower: Lower
+) -> list[int]:
     """The lower stage on the context plus the path to `head`: a chain to try under it, with room left below it for
     the draft's own token, and never reaching an EOS (whose children the draft could not score)."""
     room = min(cap - nodes[head].depth - 2, o.budget - len(nodes))
@@ -142,8 +151,9 @@ def lower_stage(state: DecodeState, o: StagedOptions, nodes: list[Node], head: i
     return chain[: next((i for i, t in enumerate(chain) if t in state.lm.eos_token_ids), len(chain))]
 
 
-def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: list[int], chain: list[int]
-         ) -> Generator[Call, torch.Tensor, tuple[torch.Tensor, list[int | None]]]:
+def feed(
+    model: DraftModel, state: DecodeState, nodes: list[Node], frontier: list[int], chain: list[int]
+) -> Generator[Call, torch.Tensor, tuple[torch.Tensor, list[int | None]]]:
     """Score the frontier leaves and the chain under the first one in one draft call: each sees the accepted tokens,
     its ancestors' cache slots and itself. Returns their logits and their slots in the draft cache."""
     base, past = len(state.tokens), len(model.cache)
@@ -160,8 +170,9 @@ def feed(model: DraftModel, state: DecodeState, nodes: list[Node], frontier: lis
     mask[:, :base] = True  # the accepted tokens
     for row, slots in enumerate(seen):
         mask[row, slots] = True
-    logits = yield from model.forward([nodes[n].token for n in frontier] + chain, positions=positions,
-                                      tree_mask=mask, keep=k + len(chain))
+    logits = yield from model.forward(
+        [nodes[n].token for n in frontier] + chain, positions=positions, tree_mask=mask, keep=k + len(chain)
+    )
     return logits, list(range(past, past + k + len(chain)))
 
 
@@ -187,8 +198,12 @@ def add_child(nodes: list[Node], parent: int, token: int) -> None:
 
 def expandable(node: Node, cap: int, state: DecodeState) -> bool:
     """A leaf worth a draft call: room below it, not EOS, not the end of the grammar."""
-    return (node.dist is None and node.depth < cap - 1 and node.token not in state.lm.eos_token_ids
-            and (node.matcher is None or not node.matcher.is_complete()))
+    return (
+        node.dist is None
+        and node.depth < cap - 1
+        and node.token not in state.lm.eos_token_ids
+        and (node.matcher is None or not node.matcher.is_complete())
+    )
 
 
 def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, masks: torch.Tensor | None):
@@ -212,8 +227,14 @@ def frontier_width(cost: CallCost) -> int:
 class TreeDrafter:
     """The draft model and its cache for one run, plus where the last tree's nodes sit in that cache."""
 
-    def __init__(self, state: DecodeState, options: StagedOptions, model: DraftModel | None = None,
-                 index: SuffixIndex | None = None, lower: Lower | None = None) -> None:
+    def __init__(
+        self,
+        state: DecodeState,
+        options: StagedOptions,
+        model: DraftModel | None = None,
+        index: SuffixIndex | None = None,
+        lower: Lower | None = None,
+    ) -> None:
         """`model`, `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new;
         `lower`: a lower stage to use instead of `options.lower`'s."""
         self.model = model if model is not None else DraftModel(state)
@@ -241,7 +262,7 @@ class TreeDrafter:
         return Draft([n.token for n in nodes], probs, [n.parent - 1 for n in nodes])
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        path = draft.follow(state.tokens[self.start: self.start + accepted])
+        path = draft.follow(state.tokens[self.start : self.start + accepted])
         keep_path(self.model.cache, self.start, [self.slots[n] for n in path if self.slots[n] is not None])
         self.model.rewind()
 
@@ -263,12 +284,14 @@ class TreeProposer:
     name = "tree"
     corrected = True
 
-    def __init__(self, state: DecodeState, chain: ChainProposer, suffix: SuffixProposer, cost: CostModel,
-                 clock: Clock) -> None:
+    def __init__(
+        self, state: DecodeState, chain: ChainProposer, suffix: SuffixProposer, cost: CostModel, clock: Clock
+    ) -> None:
         self.chain, self.suffix, self.cost, self.clock = chain, suffix, cost, clock
         width = frontier_width(cost.draft)
-        self.drafter = TreeDrafter(state, replace(StagedOptions(), width=width), model=chain.model,
-                                   index=suffix.index, lower=self.lower)
+        self.drafter = TreeDrafter(
+            state, replace(StagedOptions(), width=width), model=chain.model, index=suffix.index, lower=self.lower
+        )
         self.base = self.drafter.options
         self.acceptance = Acceptance(chain.acceptance.options)
         # per level of the trees drafted: draft seconds and nodes; priors: one call of `width` leaves, `branching` nodes
@@ -313,8 +336,9 @@ class TreeProposer:
         most draft calls in expectation: each guessed token the draft agrees with saves a call, each adds a row."""
         branch = propose(self.drafter.index, None, context, room, self.drafter.suffix).main_branch()
         levels = summarize(branch)
-        accept = self.suffix.acceptance.chain(len(levels), levels, [self.suffix.curve(branch.match + d)
-                                                                    for d in range(len(levels))])
+        accept = self.suffix.acceptance.chain(
+            len(levels), levels, [self.suffix.curve(branch.match + d) for d in range(len(levels))]
+        )
         model = self.chain.model
         draft_context = len(model.cache)
         fed = len(model.uncached()) if len(context) == self.step else self.base.width  # (the root's call)

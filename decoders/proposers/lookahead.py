@@ -50,12 +50,12 @@ class NgramPool:
             if continuation in known:
                 known.remove(continuation)
             known.insert(0, continuation)
-            del known[self.size:]
+            del known[self.size :]
 
     def add_text(self, tokens: list[int], n: int, start: int = 0) -> None:
         """Add every n-gram of `tokens` that ends at index >= start + n - 1, in order (so later ones rank first)."""
         for i in range(max(start, 0), len(tokens) - n + 1):
-            self.add(tokens[i - 1] if i else None, tokens[i], tuple(tokens[i + 1: i + n]))
+            self.add(tokens[i - 1] if i else None, tokens[i], tuple(tokens[i + 1 : i + n]))
 
     def candidates(self, before: int, key: int, count: int) -> list[tuple[int, ...]]:
         """Up to `count` continuations of `key`: those also matching `before` first."""
@@ -130,8 +130,9 @@ class LookaheadProposer:
     name = "lookahead"
     corrected = False
 
-    def __init__(self, state: DecodeState, suffix: SuffixProposer, cost: CostModel,
-                 chooser: ChooserOptions | None = None) -> None:
+    def __init__(
+        self, state: DecodeState, suffix: SuffixProposer, cost: CostModel, chooser: ChooserOptions | None = None
+    ) -> None:
         self.drafter, self.suffix, self.cost = LookaheadDrafter(state, LookaheadOptions()), suffix, cost
         self.acceptance = Acceptance(chooser)
         self.guesses, self.offered = Draft([]), None

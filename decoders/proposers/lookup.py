@@ -31,7 +31,7 @@ def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[in
         hits = (earlier == context[-n:]).all(dim=1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n  # most recent match
-            return tokens[start: start + k]
+            return tokens[start : start + k]
     return []
 
 

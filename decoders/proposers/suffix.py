@@ -27,8 +27,15 @@ class SuffixProposer:
     name = "suffix"
     corrected = False
 
-    def __init__(self, state: DecodeState, options: SuffixOptions, store: SuffixStore | None = None,
-                 trees: bool = True, chooser: ChooserOptions | None = None, remember_prompts: bool = False) -> None:
+    def __init__(
+        self,
+        state: DecodeState,
+        options: SuffixOptions,
+        store: SuffixStore | None = None,
+        trees: bool = True,
+        chooser: ChooserOptions | None = None,
+        remember_prompts: bool = False,
+    ) -> None:
         """`trees`: False drafts the main branch alone (a model that cannot take tree masks); `store`: earlier
         outputs to draft from, to which the run's output (and with `remember_prompts` its prompt) is added."""
         self.options, self.store, self.trees, self.remember = options, store, trees, remember_prompts
@@ -48,8 +55,15 @@ class SuffixProposer:
         self.tree = tree if self.trees else tree.main_branch()
         self.levels = summarize(self.tree)
         self.curves = [self.curve(self.tree.match + d) for d in range(len(self.levels))]
-        self.offered = Offer(self.name, self.acceptance.chain(len(self.levels), self.levels, self.curves),
-                             nodes=per_level(self.tree.parents)) if self.levels else None
+        self.offered = (
+            Offer(
+                self.name,
+                self.acceptance.chain(len(self.levels), self.levels, self.curves),
+                nodes=per_level(self.tree.parents),
+            )
+            if self.levels
+            else None
+        )
         return self.offered
 
     def current(self) -> Draft:

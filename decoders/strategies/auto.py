@@ -41,8 +41,9 @@ class AutoOptions:
         check_flags(self)
         for name in ("draft_int8", "self_int8"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be None (where measured to pay), True or False, got "
-                                 f"{getattr(self, name)!r}")
+                raise ValueError(
+                    f"{name} must be None (where measured to pay), True or False, got {getattr(self, name)!r}"
+                )
 
 
 def takes_trees(lm: LM) -> bool:
@@ -57,8 +58,13 @@ def takes_trees(lm: LM) -> bool:
 class AutoDrafter:
     """One run of `auto`: its proposers, cost model and chooser."""
 
-    def __init__(self, state: DecodeState, options: AutoOptions, clock: Callable[[], float] = time.perf_counter,
-                 chooser: Callable[[CostModel], Chooser] = Chooser) -> None:
+    def __init__(
+        self,
+        state: DecodeState,
+        options: AutoOptions,
+        clock: Callable[[], float] = time.perf_counter,
+        chooser: Callable[[CostModel], Chooser] = Chooser,
+    ) -> None:
         # in a batch no int8 copy unless asked for: its prompts' prefills and its calls stall every row
         batched = state.batch_tokens > 1
         int8 = [False if flag is None and batched else flag for flag in (options.draft_int8, options.self_int8)]
@@ -67,8 +73,9 @@ class AutoDrafter:
         self.chooser = chooser(self.cost)
         self.clock = Clock(clock, timed=not state.seeded)
         trees = takes_trees(state.lm)
-        suffix = SuffixProposer(state, SuffixOptions(max_tree=options.max_tree), trees=trees,
-                                chooser=self.chooser.options)
+        suffix = SuffixProposer(
+            state, SuffixOptions(max_tree=options.max_tree), trees=trees, chooser=self.chooser.options
+        )
         self.proposers: list[Proposer] = [suffix]
         if trees:  # (lookahead's window needs tree masks)
             lookahead = LookaheadProposer(state, suffix, self.cost, self.chooser.options)
@@ -120,7 +127,7 @@ class AutoDrafter:
             window = len(draft.window.tokens) if draft.window is not None else 0
             self.cost.observe("target", self.fed + len(draft.tokens) + window, self.context, ended - self.called)
         seconds = self.clock.elapsed(self.began, self.plan.seconds, ended) if alone else self.plan.seconds
-        step = Step(self.plan, draft, self.start, accepted, state.tokens[self.start:], seconds)
+        step = Step(self.plan, draft, self.start, accepted, state.tokens[self.start :], seconds)
         if self.fed <= 1:  # (a prompt's call says nothing of the steps' rates)
             # in a batch, a row's share of the shared call: a draft's prefill (the rent's price) stalls every row
             self.chooser.spend(step.seconds if alone else step.seconds * state.width / state.batch_tokens)
@@ -143,8 +150,13 @@ class Auto(DraftVerify):
     drafter = AutoDrafter
     takes_draft = True
 
-    def __init__(self, *, clock: Callable[[], float] = time.perf_counter,
-                 chooser: Callable[[CostModel], Chooser] = Chooser, **options) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        chooser: Callable[[CostModel], Chooser] = Chooser,
+        **options,
+    ) -> None:
         """`clock`: what auto times by; `chooser`: a run's `Chooser` from its cost model; `options`: `AutoOptions`."""
         if not (callable(clock) and callable(chooser)):
             raise TypeError("auto's clock is a function of no arguments giving seconds, its chooser a Chooser factory")
