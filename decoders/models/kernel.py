@@ -20,13 +20,14 @@ SOURCE = Path(__file__).parent / "csrc" / "step.cpp"
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+INT8 = 2  # the weight type of an int8 copy's layers (int8 rows, a bfloat16 scale each)
 
 
 class DkModel(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in
-                ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "dtype")] + [
+                ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab", "dtype", "wtype")] + [
         ("eps", ctypes.c_double), ("scale", ctypes.c_double), ("final_norm", ctypes.c_void_p),
-        ("lm_head", ctypes.c_void_p), ("weights", ctypes.POINTER(ctypes.c_void_p))]
+        ("lm_head", ctypes.c_void_p), ("lm_head_scale", ctypes.c_void_p), ("weights", ctypes.POINTER(ctypes.c_void_p))]
 
 
 class DkCall(ctypes.Structure):
@@ -72,8 +73,8 @@ def library() -> ctypes.CDLL | str:
     lib.dk_forward.argtypes = [ctypes.POINTER(DkModel), ctypes.POINTER(DkCall)]
     lib.dk_forward.restype = ctypes.c_int
     lib.dk_vectorized.restype = ctypes.c_int
-    lib.dk_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.dk_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.dk_linear.restype = ctypes.c_int
     return lib
 

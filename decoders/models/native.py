@@ -19,13 +19,14 @@ import ctypes
 import functools
 import time
 import warnings
+import weakref
 
 import torch
 from torch import nn
 
-from decoders.models.kernel import DTYPES, DkCall, DkModel, library, why_not_here
+from decoders.models.kernel import DTYPES, INT8, DkCall, DkModel, library, why_not_here
 
-PER_LAYER = 12  # pointers per layer, in csrc/step.cpp's order
+PER_LAYER = 19  # pointers per layer, in csrc/step.cpp's order
 MAX_HEAD_DIM = 512  # (the native attention's accumulator)
 
 def _rmsnorm(module) -> bool:
@@ -36,8 +37,20 @@ def _rmsnorm(module) -> bool:
 
 
 def _linear(module, bias: bool | None = None) -> bool:
-    """An `nn.Linear` (or subclass) whose bias is as asked (None: either)."""
-    return isinstance(module, nn.Linear) and (bias is None or (module.bias is not None) == bias)
+    """An `nn.Linear` (or subclass), or an int8 copy's layer on the native kernel, whose bias is as asked (None:
+    either)."""
+    native_int8 = getattr(module, "kernel", None) == "native" and hasattr(module, "weight_int8")
+    return (isinstance(module, nn.Linear) or native_int8) and (bias is None or (module.bias is not None) == bias)
+
+
+def _weight(module) -> tuple[dict, str]:
+    """Where a linear layer's weight lives: an int8 layer's int8 rows, else its weight parameter."""
+    return (module._buffers, "weight_int8") if hasattr(module, "weight_int8") else (module._parameters, "weight")
+
+
+def _scale(module) -> tuple[dict, str]:
+    """Where an int8 layer's row scales live (nowhere, for a float layer)."""
+    return (module._buffers, "scales") if hasattr(module, "weight_int8") else ({}, "scales")
 
 
 def _shape_of(lm) -> str | None:
@@ -79,7 +92,8 @@ class NativeStep:
     """The native step for one LM: its model's dimensions, and its parameters' addresses read anew at every call."""
 
     def __init__(self, lm, lib: ctypes.CDLL) -> None:
-        self.lm, self.lib = lm, lib
+        # (no reference to the LM or its top model: `attach` keeps steps by model, weakly)
+        self.name, self.lib, self.config, self.head = lm.name, lib, lm.config, lm.model.lm_head
         body, config = lm.model.model, lm.config
         attention = body.layers[0].self_attn
         self.heads = config.num_attention_heads
@@ -89,16 +103,20 @@ class NativeStep:
         self.eps = float(getattr(body.norm, "variance_epsilon", getattr(body.norm, "eps", 1e-6)))
         self.body = body
         # where each parameter lives: (module's _parameters dict, name), so a replaced parameter is seen
-        places = []
+        places = []  # in csrc/step.cpp's order: per layer 12 tensors and 7 scales, then the final norm and the head
         for layer in body.layers:
             a, m = layer.self_attn, layer.mlp
-            for module, name in ((layer.input_layernorm, "weight"), (a.q_proj, "weight"), (a.q_proj, "bias"),
-                                 (a.k_proj, "weight"), (a.k_proj, "bias"), (a.v_proj, "weight"), (a.v_proj, "bias"),
-                                 (a.o_proj, "weight"), (layer.post_attention_layernorm, "weight"),
-                                 (m.gate_proj, "weight"), (m.up_proj, "weight"), (m.down_proj, "weight")):
-                places.append((module._parameters, name))
-        places += [(body.norm._parameters, "weight"), (lm.model.lm_head._parameters, "weight")]
+            linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            places += [(layer.input_layernorm._parameters, "weight"), _weight(a.q_proj), (a.q_proj._parameters, "bias"),
+                       _weight(a.k_proj), (a.k_proj._parameters, "bias"), _weight(a.v_proj),
+                       (a.v_proj._parameters, "bias"), _weight(a.o_proj),
+                       (layer.post_attention_layernorm._parameters, "weight"), _weight(m.gate_proj),
+                       _weight(m.up_proj), _weight(m.down_proj), *map(_scale, linears)]
+        head = lm.model.lm_head
+        places += [(body.norm._parameters, "weight"), _weight(head), _scale(head)]
         self.places = places
+        self.linear = [i for i in range(len(places) - 3) if i % PER_LAYER in (1, 3, 5, 7, 9, 10, 11)]
+        self.linear.append(len(places) - 2)  # (the places of the linear layers' weights)
         self.seen: list | None = None  # the parameters the last call checked, and the model struct built from them
         self.struct: DkModel | None = None
         # the model's forward-hook dicts: a hook someone registers must see the calls, which transformers' then run
@@ -119,22 +137,38 @@ class NativeStep:
             return self.struct
         self.seen, self.struct = current, None
         present = [p for p in params if p is not None]
-        dtype = present[0].dtype
-        if any(p.device.type != "cpu" or p.dtype != dtype or not p.is_contiguous() for p in present):
+        if any(p.device.type != "cpu" or not p.is_contiguous() for p in present):
+            return None
+        weights = {params[i].dtype for i in self.linear}
+        dtype = params[0].dtype  # (the activations' and the cache's: the norms')
+        others = {p.dtype for i, p in enumerate(params) if p is not None and i not in self.linear
+                  and not self._is_scale(i)}
+        if weights == {torch.int8}:  # an int8 copy: its scales bfloat16, the rest one float dtype
+            scales = {params[i].dtype for i in range(len(params)) if self._is_scale(i) and params[i] is not None}
+            if scales != {torch.bfloat16} or len(others) != 1:
+                return None
+            dtype, wtype = next(iter(others)), INT8
+        elif weights == others == {dtype} and dtype in DTYPES:
+            wtype = DTYPES[dtype]
+        else:
             return None
         if dtype not in DTYPES:
             return None
         addresses = current[len(params):]
-        pointers = (ctypes.c_void_p * (len(params) - 2))(*[max(a, 0) for a in addresses[:-2]])
-        config = self.lm.config
+        pointers = (ctypes.c_void_p * (len(params) - 3))(*[max(a, 0) for a in addresses[:-3]])
+        config = self.config
         self.struct = DkModel(
             layers=len(self.body.layers), hidden=config.hidden_size, heads=self.heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, intermediate=config.intermediate_size,
-            vocab=self.lm.model.lm_head.out_features, dtype=DTYPES[dtype], eps=self.eps, scale=self.scale,
-            final_norm=addresses[-2], lm_head=addresses[-1], weights=pointers)
+            vocab=self.head.out_features, dtype=DTYPES[dtype], wtype=wtype, eps=self.eps,
+            scale=self.scale, final_norm=addresses[-3], lm_head=addresses[-2], lm_head_scale=max(addresses[-1], 0),
+            weights=pointers)
         self.struct._pointers = pointers  # (kept alive with the struct)
         self.dtype = dtype
         return self.struct
+
+    def _is_scale(self, i: int) -> bool:
+        return i == len(self.places) - 1 or (i < len(self.places) - 3 and i % PER_LAYER >= 12)
 
     def ready(self) -> bool:
         """Whether the native step runs the next call: the model's parameters, as they are now, suit it, and no
@@ -155,7 +189,7 @@ class NativeStep:
         Returns float32 logits [rows, keep or W, vocab] of each row's last tokens."""
         model = self._model()
         if model is None:
-            raise RuntimeError(f"{self.lm.name}: its parameters no longer suit the native step")
+            raise RuntimeError(f"{self.name}: its parameters no longer suit the native step")
         rows, width = ids.shape
         capacity = keys[0].shape[2]
         if past + width > capacity:
@@ -187,8 +221,8 @@ def why_not(lm) -> str | None:
     """None if the native step can run `lm`'s calls on this machine, else why not."""
     if lm.device.type != "cpu":
         return f"it runs on {lm.device.type}, not a CPU"
-    if any(not isinstance(m, nn.Linear) and hasattr(m, "weight_int8") for m in lm.model.modules()):
-        return "its linear layers are int8"
+    if any(hasattr(m, "weight_int8") and m.kernel != "native" for m in lm.model.modules()):
+        return "its linear layers are int8"  # (on another kernel than the native one)
     if lm.dtype not in DTYPES:
         return f"its dtype is {lm.dtype}, not float32 or bfloat16"
     shape = _shape_of(lm)
@@ -209,20 +243,29 @@ def _notice(reason: str) -> None:
                   stacklevel=4)
 
 
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch model -> its NativeStep, or why not
+
+
 def attach(lm) -> NativeStep | None:
     """The native step for `lm`, if it runs here and scores a probe as the model itself does; else None (with one
-    notice per reason where the model is a Llama-family model on a CPU that the step could have run)."""
+    notice per reason where the model is a Llama-family model on a CPU that the step could have run). Once per torch
+    model: an LM wrapping one again (`model.generate` through `decoders.hf` wraps per call) shares its step."""
     if lm.device.type != "cpu" or lm.dtype not in DTYPES:
         return None
-    reason = why_not(lm)
-    if reason == "its linear layers are int8":
-        return None  # (an int8 copy, a draft: its calls stay transformers', which it was built for; no notice)
-    if reason is None:
-        path = NativeStep(lm, library())
-        reason = _probe(lm, path)
+    verdict = _VERDICTS.get(lm.model)
+    if verdict is None:
+        reason = why_not(lm)
         if reason is None:
-            return path
-    _notice(reason)
+            step = NativeStep(lm, library())
+            reason = _probe(lm, step)
+            verdict = step if reason is None else reason
+        else:
+            verdict = reason
+        _VERDICTS[lm.model] = verdict
+    if isinstance(verdict, NativeStep):
+        return verdict
+    if verdict != "its linear layers are int8":  # (an int8 copy on another kernel, a draft: no notice)
+        _notice(verdict)
     return None
 
 

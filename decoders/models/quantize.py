@@ -1,5 +1,6 @@
 """Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original. Kernels
-(`KERNELS`, the first the device runs): fbgemm's dynamic quantized linear ("int8_activations", x86 CPUs),
+(`KERNELS`, the first the device runs): the native step's ("native", CPUs with AVX-512 BF16: the copy's calls then run
+whole in the native step where its architecture allows), fbgemm's dynamic quantized linear ("int8_activations", x86),
 `aten._weight_int8pack_mm` ("int8_mm"), the weight dequantized in the matmul ("dequantize"); calls of at least
 `float_from` rows run on the layer's shared float weight, where that was timed faster."""
 
@@ -17,10 +18,11 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from decoders.models.kernel import INT8, library, why_not_here
 from decoders.models.lm import LM, cpu_flags, synchronize
 
 SCHEMES = ("int8",)
-KERNELS = ("int8_activations", "int8_mm", "dequantize")
+KERNELS = ("native", "int8_activations", "int8_mm", "dequantize")
 
 
 class Int8Linear(nn.Module):
@@ -84,7 +86,14 @@ class Int8Linear(nn.Module):
         return self.quantized(x)
 
     def quantized(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out], with the int8 weights
-        if self.kernel == "int8_activations":
+        if self.kernel == "native":  # (float32 inputs stay float32, as in the native step of a float32 model's copy)
+            dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+            rows = x.reshape(-1, self.in_features).to(dtype).contiguous()  # [rows, in]
+            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+            library().dk_linear(rows.data_ptr(), rows.shape[0], self.in_features, self.weight_int8.data_ptr(),
+                                self.scales.data_ptr(), self.out_features, y.data_ptr(), int(dtype == torch.bfloat16),
+                                INT8, torch.get_num_threads())
+        elif self.kernel == "int8_activations":
             rows = x.reshape(-1, self.in_features).float()
             calls, reduce = rows.split(1) if self.row_by_row else [rows], _reduce_range()
             parts = [torch.ops.quantized.linear_dynamic(r, self.packed, reduce) for r in calls]
@@ -145,6 +154,8 @@ def _kernels(weight_int8: torch.Tensor, scales: torch.Tensor) -> list[str]:
     multiple of 16 (other widths crash), elsewhere "int8_mm" where a probe does not raise; always "dequantize"."""
     kernels = []
     if weight_int8.device.type == "cpu":
+        if scales.dtype == torch.bfloat16 and why_not_here(torch.bfloat16) is None:
+            kernels.append("native")  # (the native step's kernel: rows widened to bfloat16 as they are read)
         if "fbgemm" in torch.backends.quantized.supported_engines:
             kernels.append("int8_activations")
         if weight_int8.shape[1] % 16 == 0:

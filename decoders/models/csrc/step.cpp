@@ -144,13 +144,62 @@ static inline void tile(const float* x, size_t ldx, const float* w, size_t ldw, 
     }
     finish<TR, OR>(&acc[0][0], out, ldo);
 }
+
+// int8 weights (an int8 copy, `decoders.quantize`): each chunk widened exactly to the activations' type (|q| <= 127
+// fits bfloat16's mantissa), then the same chains; the row's scale multiplies its sum afterwards.
+static inline __m512bh widen32(const int8_t* p, int n) {  // n <= 32 int8 -> bfloat16, zeros past n
+    const __mmask16 lo = (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1);
+    const __mmask16 hi = (__mmask16)(n >= 32 ? 0xffff : n <= 16 ? 0 : (1u << (n - 16)) - 1);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(lo, p)));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(hi, p + 16)));
+    return _mm512_cvtne2ps_pbh(b, a);  // (the low 16 from a)
+}
+
+template <int TR, int OR>
+static inline void tile(const bf16* x, size_t ldx, const int8_t* w, size_t ldw, int K, float* out, int ldo) {
+    __m512 acc[TR][OR];
+    for (int t = 0; t < TR; t++)
+        for (int o = 0; o < OR; o++) acc[t][o] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        const int n = std::min(32, K - k);
+        const __mmask32 m = (__mmask32)(n == 32 ? 0xffffffffu : (1u << n) - 1);
+        __m512bh xv[TR];
+        for (int t = 0; t < TR; t++) xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + t * ldx + k);
+        for (int o = 0; o < OR; o++) {
+            const __m512bh wv = widen32(w + o * ldw + k, n);
+            for (int t = 0; t < TR; t++) acc[t][o] = _mm512_dpbf16_ps(acc[t][o], wv, xv[t]);
+        }
+    }
+    finish<TR, OR>(&acc[0][0], out, ldo);
+}
+
+template <int TR, int OR>
+static inline void tile(const float* x, size_t ldx, const int8_t* w, size_t ldw, int K, float* out, int ldo) {
+    __m512 acc[TR][OR];
+    for (int t = 0; t < TR; t++)
+        for (int o = 0; o < OR; o++) acc[t][o] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) {
+        const int n = std::min(16, K - k);
+        const __mmask16 m = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+        __m512 xv[TR];
+        for (int t = 0; t < TR; t++) xv[t] = _mm512_maskz_loadu_ps(m, x + t * ldx + k);
+        for (int o = 0; o < OR; o++) {
+            const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, w + o * ldw + k)));
+            for (int t = 0; t < TR; t++) acc[t][o] = _mm512_fmadd_ps(wv, xv[t], acc[t][o]);
+        }
+    }
+    finish<TR, OR>(&acc[0][0], out, ldo);
+}
 #else
 // Portable: the 16 lanes as a plain array (which compilers vectorize), added pairwise in a fixed order.
-template <int TR, int OR, typename T>
-static inline void tile(const T* x, size_t ldx, const T* w, size_t ldw, int K, float* out, int ldo) {
+static inline float to_f32(int8_t v) { return (float)v; }
+
+template <int TR, int OR, typename X, typename W>
+static inline void tile(const X* x, size_t ldx, const W* w, size_t ldw, int K, float* out, int ldo) {
     for (int t = 0; t < TR; t++)
         for (int o = 0; o < OR; o++) {
-            const T *xr = x + t * ldx, *wr = w + o * ldw;
+            const X* xr = x + t * ldx;
+            const W* wr = w + o * ldw;
             float lane[16] = {0};
             for (int k = 0; k < K; k++) lane[k % 16] += to_f32(xr[k]) * to_f32(wr[k]);
             for (int half = 8; half >= 1; half /= 2)
@@ -161,16 +210,16 @@ static inline void tile(const T* x, size_t ldx, const T* w, size_t ldw, int K, f
 #endif
 
 // Rows [n, n + rows) against weight rows [o, o + orows): the tile shape only decides which loads are shared.
-template <int TR, int OR, typename T>
-static inline void tiles(const T* x, size_t ldx, int rows, const T* w, int K, int orows, float* out, int ldo) {
+template <int TR, int OR, typename X, typename W>
+static inline void tiles(const X* x, size_t ldx, int rows, const W* w, int K, int orows, float* out, int ldo) {
     int o = 0;
     for (; o + OR <= orows; o += OR) tile<TR, OR>(x, ldx, w + (size_t)o * K, K, K, out + o, ldo);
     for (; o < orows; o++) tile<TR, 1>(x, ldx, w + (size_t)o * K, K, K, out + o, ldo);
     (void)rows;
 }
 
-template <typename T>
-static void block(const T* x, size_t ldx, int rows, const T* w, int K, int orows, float* out, int ldo) {
+template <typename X, typename W>
+static void block(const X* x, size_t ldx, int rows, const W* w, int K, int orows, float* out, int ldo) {
     // A few rows (a step, a verification): one weight row at a time, read once from memory in order, which its
     // prefetcher streams best. Many rows (a prompt): 4 x 4 or 6 x 4 tiles, whose loads feed 16 or 24 products each.
     int n = 0;
@@ -193,9 +242,9 @@ static void block(const T* x, size_t ldx, int rows, const T* w, int K, int orows
 
 // y [N, o1 - o0] (row stride ldy) = x [N, K] . w [o0:o1]: the weight rows in blocks that the core's cache holds while
 // every input row passes them, so that a prompt reads each weight from memory once.
-template <typename T>
-static void gemm(const T* x, int N, size_t ldx, const T* w, int K, int o0, int o1, float* y, int ldy) {
-    const int rows_held = std::max(4, (int)((384 * 1024) / ((size_t)K * sizeof(T))) / 4 * 4);
+template <typename X, typename W>
+static void gemm(const X* x, int N, size_t ldx, const W* w, int K, int o0, int o1, float* y, int ldy) {
+    const int rows_held = std::max(4, (int)((384 * 1024) / ((size_t)K * sizeof(W))) / 4 * 4);
     const int ob = N <= 4 ? o1 - o0 : rows_held;
     for (int o = o0; o < o1; o += ob) {
         const int orows = std::min(ob, o1 - o);
@@ -203,6 +252,22 @@ static void gemm(const T* x, int N, size_t ldx, const T* w, int K, int o0, int o
             block(x + (size_t)n * ldx, ldx, std::min(96, N - n), w + (size_t)o * K, K, orows,
                   y + (size_t)n * ldy + (o - o0), ldy);
     }
+}
+
+// A weight matrix: its elements (the model's dtype, or int8 with a bfloat16 scale per row).
+struct Mat {
+    const void* w;
+    const void* scale;
+};
+
+// gemm of `x` by the matrix `m` of weight type `wtype` (2: int8 rows times their scales, else the activations' type).
+template <typename X>
+static void product(const X* x, int N, size_t ldx, int wtype, Mat m, int K, int o0, int o1, float* y, int ldy) {
+    if (wtype != 2) return gemm(x, N, ldx, (const X*)m.w, K, o0, o1, y, ldy);
+    gemm(x, N, ldx, (const int8_t*)m.w, K, o0, o1, y, ldy);
+    const bf16* scale = (const bf16*)m.scale;
+    for (int n = 0; n < N; n++)
+        for (int o = o0; o < o1; o++) y[(size_t)n * ldy + (o - o0)] *= to_f32(scale[o]);
 }
 
 // This thread's share [begin, end) of `count` items, split in multiples of `align`.
@@ -220,11 +285,14 @@ extern "C" {
 
 struct DkModel {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;
-    int64_t dtype;  // 0: float32 weights and cache, 1: bfloat16
+    int64_t dtype;  // the activations and cache: 0 float32, 1 bfloat16
+    int64_t wtype;  // the linear layers' weights: the same as dtype, or 2: int8 with a bfloat16 scale per row
     double eps, scale;
     const void* final_norm;  // [hidden]
     const void* lm_head;     // [vocab, hidden]
-    // per layer: input norm, q, q bias, k, k bias, v, v bias, o, post-attention norm, gate, up, down (a bias may be 0)
+    const void* lm_head_scale;  // [vocab] (int8 weights)
+    // per layer: input norm, q, q bias, k, k bias, v, v bias, o, post-attention norm, gate, up, down, then the
+    // int8 weights' scales of q, k, v, o, gate, up, down (a bias or scale may be 0)
     const void* const* weights;
 };
 
@@ -239,7 +307,7 @@ struct DkCall {
     float* logits;           // [rows, keep, vocab]: the last `keep` tokens of each row
 };
 
-enum { NORM_IN, WQ, BQ, WK, BK, WV, BV, WO, NORM_POST, WG, WU, WD, PER_LAYER };
+enum { NORM_IN, WQ, BQ, WK, BK, WV, BV, WO, NORM_POST, WG, WU, WD, SQ, SK, SV, SO, SG, SU, SD, PER_LAYER };
 
 }  // extern "C"
 
@@ -332,6 +400,7 @@ static int forward(const DkModel* m, const DkCall* c) {
     const int64_t past = c->past, seen_max = past + W;  // slots a query may see: those before the call, and its own
     const int V = (int)m->vocab;
     const float scale = (float)m->scale;
+    const int wtype = (int)m->wtype;
     // the residual stream in float32; each product's input in the weights' dtype
     std::vector<float> h((size_t)N * D), q((size_t)N * QD), k((size_t)N * KD), v((size_t)N * KD);
     std::vector<float> sum((size_t)N * D), gate((size_t)N * I), up((size_t)N * I);
@@ -362,8 +431,8 @@ static int forward(const DkModel* m, const DkCall* c) {
                 const int base = part == 0 ? 0 : part == 1 ? QD : QD + KD, size = part == 0 ? QD : KD;
                 const int a = std::max(o0, base) - base, b = std::min(o1, base + size) - base;
                 float* out = part == 0 ? q.data() : part == 1 ? k.data() : v.data();
-                const T* w = (const T*)lw[part == 0 ? WQ : part == 1 ? WK : WV];
-                if (a < b) gemm(x.data(), N, D, w, D, a, b, out + a, size);
+                const Mat w = part == 0 ? Mat{lw[WQ], lw[SQ]} : part == 1 ? Mat{lw[WK], lw[SK]} : Mat{lw[WV], lw[SV]};
+                if (a < b) product(x.data(), N, D, wtype, w, D, a, b, out + a, size);
             }
 #pragma omp barrier
             // biases, rotary positions on q and k; k and v written to their slots (row r's token w at slot past + w)
@@ -414,7 +483,7 @@ static int forward(const DkModel* m, const DkCall* c) {
 #pragma omp barrier
             // the attention's output projection, added to the residual by the thread that computed it
             share(D, 8, &o0, &o1);
-            gemm(x.data(), N, QD, (const T*)lw[WO], QD, o0, o1, sum.data() + o0, D);
+            product(x.data(), N, QD, wtype, Mat{lw[WO], lw[SO]}, QD, o0, o1, sum.data() + o0, D);
             for (int n = 0; n < N; n++)
                 for (int o = o0; o < o1; o++) h[(size_t)n * D + o] += sum[(size_t)n * D + o];
 #pragma omp barrier
@@ -423,8 +492,8 @@ static int forward(const DkModel* m, const DkCall* c) {
 #pragma omp barrier
             // the MLP: silu(gate) * up of this thread's rows, then the down projection
             share(I, 8, &o0, &o1);
-            gemm(x.data(), N, D, (const T*)lw[WG], D, o0, o1, gate.data() + o0, I);
-            gemm(x.data(), N, D, (const T*)lw[WU], D, o0, o1, up.data() + o0, I);
+            product(x.data(), N, D, wtype, Mat{lw[WG], lw[SG]}, D, o0, o1, gate.data() + o0, I);
+            product(x.data(), N, D, wtype, Mat{lw[WU], lw[SU]}, D, o0, o1, up.data() + o0, I);
             for (int n = 0; n < N; n++) {
                 float *gn = &gate[(size_t)n * I], *un = &up[(size_t)n * I];
                 std::vector<float>& e = expbuf[omp_get_thread_num()];
@@ -434,7 +503,7 @@ static int forward(const DkModel* m, const DkCall* c) {
             }
 #pragma omp barrier
             share(D, 8, &o0, &o1);
-            gemm(act.data(), N, I, (const T*)lw[WD], I, o0, o1, sum.data() + o0, D);
+            product(act.data(), N, I, wtype, Mat{lw[WD], lw[SD]}, I, o0, o1, sum.data() + o0, D);
             for (int n = 0; n < N; n++)
                 for (int o = o0; o < o1; o++) h[(size_t)n * D + o] += sum[(size_t)n * D + o];
 #pragma omp barrier
@@ -448,7 +517,7 @@ static int forward(const DkModel* m, const DkCall* c) {
         }
 #pragma omp barrier
         share(V, 8, &o0, &o1);
-        gemm(x.data(), R * keep, D, (const T*)m->lm_head, D, o0, o1, c->logits + o0, V);
+        product(x.data(), R * keep, D, wtype, Mat{m->lm_head, m->lm_head_scale}, D, o0, o1, c->logits + o0, V);
     }
     return 0;
 }
@@ -461,15 +530,16 @@ int dk_forward(const DkModel* m, const DkCall* c) {
 
 int dk_vectorized(void) { return DK_AVX512; }
 
-// y [N, O] float32 = x [N, K] . w [O, K]: the step's product alone (dtype 1: bfloat16, 0: float32).
-int dk_linear(const void* x, int64_t N, int64_t K, const void* w, int64_t O, float* y, int64_t dtype,
-              int64_t threads) {
+// y [N, O] float32 = x [N, K] . w [O, K]: the step's product alone. dtype: x's (1 bfloat16, 0 float32); wtype: w's
+// (the same, or 2: int8 with `scale` [O] bfloat16).
+int dk_linear(const void* x, int64_t N, int64_t K, const void* w, const void* scale, int64_t O, float* y,
+              int64_t dtype, int64_t wtype, int64_t threads) {
 #pragma omp parallel num_threads((int)threads)
     {
         int o0, o1;
         share((int)O, 8, &o0, &o1);
-        if (dtype == 1) gemm((const bf16*)x, (int)N, K, (const bf16*)w, (int)K, o0, o1, y + o0, (int)O);
-        else gemm((const float*)x, (int)N, K, (const float*)w, (int)K, o0, o1, y + o0, (int)O);
+        if (dtype == 1) product((const bf16*)x, (int)N, K, (int)wtype, Mat{w, scale}, (int)K, o0, o1, y + o0, (int)O);
+        else product((const float*)x, (int)N, K, (int)wtype, Mat{w, scale}, (int)K, o0, o1, y + o0, (int)O);
     }
     return 0;
 }
