@@ -89,6 +89,12 @@ static inline void finish(const __m512* acc, float* out, int ldo) {
         reduce16(acc + i, sums);
         for (int j = 0; j < 16; j++) out[(i + j) / OR * ldo + (i + j) % OR] = sums[j];
     }
+    if (TR * OR - i >= 4) {  // (a tail of 4 or more: reduced 16 at a time too, padded with zeros)
+        __m512 rest[16];
+        for (int j = 0; j < 16; j++) rest[j] = i + j < TR * OR ? acc[i + j] : _mm512_setzero_ps();
+        reduce16(rest, sums);
+        for (int j = 0; i < TR * OR; i++, j++) out[i / OR * ldo + i % OR] = sums[j];
+    }
     for (; i < TR * OR; i++) out[i / OR * ldo + i % OR] = _mm512_reduce_add_ps(acc[i]);
 }
 
