@@ -23,6 +23,7 @@ import torch
 import decoders
 from decoders.drafting.cost import TARGET_SIZES, CallCost
 from decoders.models.cache import KVCache
+from decoders.models.held import Held
 from evals import suites
 
 Prompt = tuple[str, str, list[int], list[int]]  # (id, category, prompt ids, greedy output)
@@ -55,7 +56,8 @@ def stale(cost: CallCost, ratios: list[float]) -> CallCost:
 def take_over(replayed: decoders.LM, lm: decoders.LM) -> None:
     """Make `replayed` `lm` in all but its calls: same model, name, dtype and device, so the same calibration
     (`decoders.drafting.cost.calibration_key`): a replay never measures a replayed model."""
-    replayed.__dict__.update({k: v for k, v in vars(lm).items() if k not in ("_tree_mask_ok", "_self_drafts", "_slabs")})
+    replayed.__dict__.update({k: v for k, v in vars(lm).items() if k != "held"})
+    replayed.held = Held()  # (its own probe verdicts, buffers and copies: nothing of the model's)
     replayed.cuda_graphs = False  # (its cache holds token ids, not a model's keys)
     replayed.native = None
 
@@ -70,7 +72,7 @@ class ReplayLM(decoders.LM):
         take_over(self, lm)
         self.cost, self.truth, self.seconds = cost, [], 0.0
         self.noise, self.random = noise, random.Random(seed)
-        self._tree_mask_ok = True  # (it scores trees whatever the model; the tools check the model's own)
+        self.held.tree_mask = True  # (it scores trees whatever the model; the tools check the model's own)
 
     def noisy(self, length: int) -> float:
         """A call's factor of noise: a log-normal one of spread `noise`, STALL in a share STALLS of the calls, none for
@@ -155,7 +157,7 @@ class ReplayDraft(ReplayLM):
     def __init__(self, draft: decoders.LM, target: ReplayLM, cost: CallCost, shares_cache: bool = False) -> None:
         take_over(self, draft)
         self.target, self.cost, self.recorded = target, cost, Recorded(0, [], [])
-        self._tree_mask_ok = False  # (its trees would need more than its first choices)
+        self.held.tree_mask = False  # (its trees would need more than its first choices)
         self.quantized_from = weakref.ref(target) if shares_cache else None
 
     @property

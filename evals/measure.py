@@ -15,7 +15,7 @@ from importlib import metadata
 import torch
 
 from decoders.models import linear
-from decoders.models.lm import cpu_model, synchronize
+from decoders.models.device import cpu_model, synchronize
 
 
 class ForwardMeter:

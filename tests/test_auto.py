@@ -16,6 +16,7 @@ from conftest import PROMPTS, tiny_lm, transformers_lm
 from decoders.drafting import Draft, DraftVerify, chooser, copies
 from decoders.drafting.cost import CallCost, CostModel
 from decoders.drafting.tree import first_branch
+from decoders.models.held import shared
 from decoders.proposers import draft_tree
 from decoders.proposers.base import Fixed
 from decoders.strategies import auto
@@ -24,13 +25,13 @@ from decoders.strategies import auto
 @pytest.fixture(autouse=True)
 def int8_copies_never_pay(monkeypatch):
     """Whether auto drafts with an int8 copy is decided by timing its calls against the original's (`copies.pays`),
-    which on tiny models is noise, and once decided holds for the model (`copies.INT8_PAYS`, on its torch module): a
+    which on tiny models is noise, and once decided holds for the model (`held.shared`, for its torch module): a
     copy measured cheaper in one test made the tiny Llama, as the draft of itself, draft as its own int8 copy on the
     target's cache in the tests after it, where no tree is offered. Here a copy costs what its original costs (so it
     never pays) unless a test says otherwise (`draft_int8`, `self_int8`, or its own `copies.cheaper`), and each test
     decides anew on the shared tiny models (and on their deep copies)."""
     for lm in (tiny_lm("llama"), tiny_lm("llama", 1), tiny_lm("qwen2"), tiny_lm("phi3"), tiny_lm("gpt2")):
-        monkeypatch.setattr(lm.model, copies.INT8_PAYS, {}, raising=False)  # (the earlier tests' verdicts back after)
+        monkeypatch.setattr(shared(lm.model), "int8_pays", {})  # (the earlier tests' verdicts back after)
     monkeypatch.setattr(copies, "call_cost", lambda lm, role="target", **options: CallCost((1,), (0.01,)))
 
 
@@ -711,7 +712,7 @@ def test_the_draft_drafts_as_its_int8_copy_where_the_copy_measures_cheaper(monke
     assert drafted_by(False) == "tiny-draft" and made == [draft]  # measured dearer: made, measured, let go
     assert drafted_by(True) == "tiny-draft" and len(made) == 1  # the verdict holds for this draft
     assert drafted_by(False, draft_int8=True) == "tiny-draft:int8" and len(made) == 2
-    delattr(draft.model, copies.INT8_PAYS)
+    shared(draft.model).int8_pays.clear()
     assert drafted_by(True) == "tiny-draft:int8" and len(made) == 2  # (the copy kept with the draft)
     assert drafted_by(True, draft_int8=False) == "tiny-draft"
     int8 = decoders.quantize(draft, "int8")
@@ -739,7 +740,7 @@ def test_without_a_draft_the_target_drafts_as_its_own_int8_copy_where_that_pays_
 
     monkeypatch.setattr(copies, "free_memory", lambda device: 2 * copies.int8_bytes(target) - 1)  # short of room
     assert drafted_by() == (None, 0) and not made and not bars  # (not made to be measured either)
-    delattr(target.model, copies.INT8_PAYS)
+    shared(target.model).int8_pays.clear()
     monkeypatch.setattr(copies, "free_memory", lambda device: 2 * copies.int8_bytes(target))
     name, calls = drafted_by()
     assert name == "tiny-target:int8" and calls > 0 and made == [target] and bars == [copies.SELF]

@@ -214,7 +214,7 @@ def test_a_run_reserves_the_slots_it_may_need_but_not_the_whole_context():
         del short
         static.forward([1, 2], long)
     assert long.slab.capacity == MAX_RESERVE
-    assert 2 * MIN_CAPACITY in static.__dict__["_slabs"]  # (the short run's: 300 slots)
+    assert 2 * MIN_CAPACITY in static.held.slabs  # (the short run's: 300 slots)
 
 
 # ------------------------------------------------------------------------------------------------------------ batches
@@ -238,10 +238,10 @@ def test_a_batch_on_static_caches_gives_each_row_its_own_tokens(strategy, arch):
     prompts = [PROMPTS[3], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4]]
     got = decoders.generate(static, prompts, strategy=strategy, draft=draft, batch_size=3, max_new_tokens=20)
     assert [r.tokens for r in got] == [decoders.generate(dynamic, p, max_new_tokens=20).tokens for p in prompts]
-    assert static.__dict__["_batch_slabs"]
-    assert draft is None or draft.__dict__.get("_batch_slabs")
+    assert static.held.batch_slabs
+    assert draft is None or draft.held.batch_slabs
     if static.device.type == "cuda":  # (the test device): the calls replayed graphs
-        assert any(graph not in (None, False) for slab in static.__dict__["_batch_slabs"].values()
+        assert any(graph not in (None, False) for slab in static.held.batch_slabs.values()
                    for graph, _, _ in slab.graphs.values())
 
 
@@ -258,7 +258,7 @@ def test_a_batchs_int8_copy_and_translated_draft_draft_on_static_caches_of_their
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[4]]
     got = decoders.generate(static, prompts, strategy="speculative", draft=draft, batch_size=3, max_new_tokens=20)
     assert [r.tokens for r in got] == [decoders.generate(dynamic, p, max_new_tokens=20).tokens for p in prompts]
-    assert sum(r.stats.draft_calls for r in got) > 0 and draft.__dict__.get("_batch_slabs")
+    assert sum(r.stats.draft_calls for r in got) > 0 and draft.held.batch_slabs
 
 
 @pytest.fixture
@@ -284,7 +284,7 @@ def test_a_batchs_calls_padded_to_a_graphs_width_score_as_unpadded(failing_captu
         got = decoders.generate(static, prompts, strategy=strategy, draft=draft, batch_size=2, max_new_tokens=24)
     assert any("batch calls of 2 x 1 tokens could not be captured" in str(w.message) for w in caught)
     assert [r.tokens for r in got] == [decoders.generate(dynamic, p, max_new_tokens=24).tokens for p in prompts]
-    widths = {key[0] for slab in static.__dict__["_batch_slabs"].values() for key in slab.graphs}
+    widths = {key[0] for slab in static.held.batch_slabs.values() for key in slab.graphs}
     assert widths <= set(graphs.BUCKETS) and (strategy == "greedy") == (widths == {1})
 
 
@@ -293,4 +293,4 @@ def test_a_batch_outgrowing_its_slab_moves_to_a_larger_one_and_scores_the_same()
     prompts = [LONG_PROMPT, PROMPTS[0], LONG_PROMPT[::-1]]  # (slots grow with each call: past 256 before compacting)
     got = decoders.generate(static, prompts, batch_size=2, max_new_tokens=120)
     assert [r.tokens for r in got] == [decoders.generate(dynamic, p, max_new_tokens=120).tokens for p in prompts]
-    assert {capacity for _, capacity in static.__dict__["_batch_slabs"]} == {MIN_CAPACITY, 2 * MIN_CAPACITY}
+    assert {capacity for _, capacity in static.held.batch_slabs} == {MIN_CAPACITY, 2 * MIN_CAPACITY}

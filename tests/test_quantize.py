@@ -234,7 +234,7 @@ def test_lms_wrapping_one_module_share_its_self_draft_for_as_long_as_the_module_
     import weakref
 
     from conftest import tiny_model, tiny_tokenizer
-    from decoders.models import lm as lm_module, quantize as quantizing
+    from decoders.models import held, quantize as quantizing
 
     made, quantize_lm = [], quantizing.quantize
     monkeypatch.setattr(quantizing, "quantize", lambda lm, scheme: made.append(lm) or quantize_lm(lm, scheme))
@@ -247,7 +247,7 @@ def test_lms_wrapping_one_module_share_its_self_draft_for_as_long_as_the_module_
     got = decoders.generate(second, prompt, strategy="speculative", draft="self:int8", max_new_tokens=12)
     assert got.tokens == want and got.stats.accepted > 0 and len(made) == 1
     alive = weakref.ref(module)
-    assert alive() in lm_module.COPIES
+    assert alive() in held._SHARED
     del first, second, copy_first, copy_second, module, got, made[:]
     gc.collect()
     assert alive() is None  # the copy kept nothing of the module alive: no model outlives its last user

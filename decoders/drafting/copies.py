@@ -5,13 +5,14 @@ from __future__ import annotations
 import warnings
 
 from decoders.drafting.cost import CallCost, call_cost
-from decoders.models.lm import LM, free_memory
+from decoders.models.device import free_memory
+from decoders.models.held import shared
+from decoders.models.lm import LM
 from decoders.models.quantize import int8_bytes
 
 CHEAPER = 0.8  # the draft's int8 copy drafts where its one-token call measures at most this share of the draft's
 SELF = 0.7  # the same share for the target's own int8 copy against the target, where there is no draft model
 MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
-INT8_PAYS = "_decodekit_int8_pays"  # the torch module's role -> whether its int8 copy pays: decided once per module
 
 
 def drafting_model(
@@ -29,7 +30,7 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
     most `bar` of `model`'s in `role` and it takes at most MEMORY of the free memory (decided once per model, role)."""
     if int8 is False or model.quantized_from is not None:
         return None
-    verdicts = vars(model.model).setdefault(INT8_PAYS, {})
+    verdicts = shared(model.model).int8_pays  # (decided once per torch module and role)
     if int8 is None and role not in verdicts:
         free = free_memory(model.device)
         verdicts[role] = (free is None or int8_bytes(model) <= MEMORY * free) and pays(model, role, context, bar)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from decoders.models.device import cpu_model
 from decoders.models.linear import native_count
-from decoders.models.lm import cpu_model
 
 VERSION = 7  # of the cache file format and what it measures: files of another version are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # the target's measured n; dense, as its curve need not be convex

@@ -260,7 +260,7 @@ def capture(owner, lm, call, args: tuple):
         index = device.index if device.index is not None else torch.cuda.current_device()
         with contextlib.suppress(RuntimeError):
             torch._C._cuda_endAllocateToPool(index, pool)
-        owner._graph_pool = None
+        owner.held.graph_pool = None
         torch.cuda.set_stream(caller)
         generator = torch.cuda.default_generators[index]
         generator.graphsafe_set_state(generator.clone_state())  # (a copy of its seed and offset, not capturing)
@@ -273,9 +273,9 @@ def capture(owner, lm, call, args: tuple):
 
 def graph_pool(lm):
     """One memory pool for all of an LM's graphs: they never run at once, and each output is copied out."""
-    if getattr(lm, "_graph_pool", None) is None:
-        lm._graph_pool = torch.cuda.graph_pool_handle()
-    return lm._graph_pool
+    if lm.held.graph_pool is None:
+        lm.held.graph_pool = torch.cuda.graph_pool_handle()
+    return lm.held.graph_pool
 
 
 class StaticKVCache:
@@ -382,7 +382,7 @@ def lend(lm, capacity: int, cache, rows: int | None = None) -> Slab | BatchSlab:
     """The LM's slab of `capacity` (a `BatchSlab` of `rows` rows for a batch's cache), made on first use, lent to
     `cache`; a private one, never captured, if another live cache holds it (two runs of one model at once: they stay
     exact, the second runs eagerly)."""
-    slabs = lm.__dict__.setdefault("_slabs" if rows is None else "_batch_slabs", {})
+    slabs = lm.held.slabs if rows is None else lm.held.batch_slabs
     key = capacity if rows is None else (rows, capacity)
     make = functools.partial(Slab, lm, capacity) if rows is None else functools.partial(BatchSlab, lm, rows, capacity)
     slab = slabs.get(key)

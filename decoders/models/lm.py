@@ -7,10 +7,8 @@ import hashlib
 import inspect
 import json
 import os
-import platform
 import socket
 import warnings
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
@@ -19,9 +17,12 @@ import torch
 
 from decoders.models.attention import use_grouped
 from decoders.models.cache import KVCache
+from decoders.models.device import cpu_flags, synchronize  # noqa: F401  (cpu_flags: kernel.py and quantize.py's)
 from decoders.models.graphs import StaticKVCache
+from decoders.models.held import Held, shared
 from decoders.models.linear import use_native
 from decoders.models.native import NativeStep, attach
+from decoders.models.probes import probe_static_cache, probe_tree_mask
 
 _DTYPES = {
     "float32": torch.float32,
@@ -32,47 +33,6 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued work on `device` (CUDA kernels run asynchronously), so a clock read after it sees it done."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def free_memory(device: torch.device) -> int | None:
-    """Bytes free for new tensors on `device` (a CPU's available memory, a CUDA device's free memory), or None."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        import psutil
-
-        return psutil.virtual_memory().available
-    return None
-
-
-def _cpuinfo(field: str) -> str | None:
-    """The first `field` line's value in Linux's /proc/cpuinfo, or None (no such line, or no such file)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith(field)), None)
-    except OSError:
-        return None
-
-
-@functools.cache
-def cpu_model() -> str:
-    """This machine's CPU model: Linux's /proc/cpuinfo name, else `platform.processor()` or the architecture."""
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This machine's CPU feature flags (Linux's /proc/cpuinfo), none where they cannot be read."""
-    return frozenset((_cpuinfo("flags") or "").split())
-
-
-COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch module -> {scheme: quantized module}
 
 
 class LM:
@@ -91,6 +51,7 @@ class LM:
         head = model.get_output_embeddings()  # (its width without reading an int8 head's weights back)
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]  # may exceed len(tokenizer)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.held = Held()  # what decodekit keeps with this model between runs (`models.held`)
         self.quantized_from = None  # a weakref to the float LM this is a quantized copy of (`decoders.quantize`)
         self.context_length = next(
             (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
@@ -101,12 +62,21 @@ class LM:
         self.compile_calls: bool | str = False
         # on a CPU, the native step (`models.native`) runs every call on a static cache where it runs this model; None:
         # transformers' calls (in bfloat16, their linear layers' few-row products on the native kernel, `models.linear`)
-        self.native: NativeStep | None = attach(self)
+        self.native = attach(self)
         if self.native is None:
             use_native(model)
 
     def __repr__(self) -> str:
         return f"LM({self.name!r}, {type(self.model).__name__}, dtype={self.dtype}, device={self.device})"
+
+    @property
+    def native(self) -> NativeStep | None:
+        """Its native step (`models.native`), or None: transformers' calls (settable: None turns it off)."""
+        return self.held.native
+
+    @native.setter
+    def native(self, step: NativeStep | None) -> None:
+        self.held.native = step
 
     @property
     def compile_calls(self) -> bool | str:
@@ -135,15 +105,15 @@ class LM:
         `cuda_graphs` is on and the model scores on one as on transformers' cache (probed once; warned of if not)."""
         if self.native is not None:
             return True
-        if self.cuda_graphs and getattr(self, "_static_ok", None) is None:
-            self._static_ok = _probe_static_cache(self)
-            if self._static_ok is not True:
+        if self.cuda_graphs and self.held.static_cache is None:
+            self.held.static_cache = probe_static_cache(self)
+            if self.held.static_cache is not True:
                 warnings.warn(
-                    f"{self.name}: {type(self.model).__name__} {self._static_ok} on a static cache; its "
+                    f"{self.name}: {type(self.model).__name__} {self.held.static_cache} on a static cache; its "
                     "calls run eagerly on transformers' cache (no CUDA graphs)",
                     stacklevel=3,
                 )
-        return self.cuda_graphs and self._static_ok is True
+        return self.cuda_graphs and self.held.static_cache is True
 
     def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
         """An empty KV cache: static (`static_cache_ok`) or a `KVCache`. `length`: the positions a static cache
@@ -202,28 +172,29 @@ class LM:
 
     def self_draft(self, scheme: str) -> LM:
         """This model's own quantized copy (`decoders.quantize`, "self:int8"), made on first use and kept with this
-        LM; every LM wrapping the same torch module shares it (`COPIES`), as `model.generate` wraps it anew per call."""
-        copies = self.__dict__.setdefault("_self_drafts", {})
+        LM; every LM wrapping the same torch module shares its module (`held.shared`: `model.generate` wraps it anew
+        per call)."""
+        copies = self.held.copies
         if scheme not in copies:
-            from decoders.models.quantize import copy_of, quantize
+            from decoders.models import quantize as quantizing  # (quantize builds on this module)
 
-            made = COPIES.setdefault(self.model, {})
+            made = shared(self.model).copies
             if scheme in made:
-                copies[scheme] = copy_of(self, made[scheme], scheme)
+                copies[scheme] = quantizing.copy_of(self, made[scheme], scheme)
             else:
-                copies[scheme] = quantize(self, scheme)
+                copies[scheme] = quantizing.quantize(self, scheme)
                 made[scheme] = copies[scheme].model
         return copies[scheme]
 
     @property
     def copies(self) -> list[LM]:
         """The quantized copies `self_draft` made and keeps."""
-        return list(self.__dict__.get("_self_drafts", {}).values())
+        return list(self.held.copies.values())
 
     def drop_self_draft(self, scheme: str) -> None:
         """Let go of the quantized copy `self_draft` made, if any (its memory is freed once no run holds it)."""
-        self.__dict__.get("_self_drafts", {}).pop(scheme, None)
-        COPIES.get(self.model, {}).pop(scheme, None)
+        self.held.copies.pop(scheme, None)
+        shared(self.model).copies.pop(scheme, None)
 
     def check_draft(self, draft: LM) -> None:
         """Raise unless `draft` shares this model's tokenizer (the same token -> id map, the logits' padding aside)."""
@@ -268,68 +239,14 @@ class LM:
 
     def check_tree_mask(self, role: str = "target") -> None:
         """Raise naming the model's `role` unless a tree-masked call scores each node as its path would (probed)."""
-        if getattr(self, "_tree_mask_ok", None) is None:
-            self._tree_mask_ok = _probe_tree_mask(self)
-        if self._tree_mask_ok is not True:
+        if self.held.tree_mask is None:
+            self.held.tree_mask = probe_tree_mask(self)
+        if self.held.tree_mask is not True:
             raise TypeError(
                 f"{role} model {self.name!r}: {type(self.model).__name__} cannot score a token tree in one call "
-                f"(it {self._tree_mask_ok}); use a chain strategy (speculative, threshold, prompt_lookup) with this "
+                f"(it {self.held.tree_mask}); use a chain strategy (speculative, threshold, prompt_lookup) with this "
                 "model"
             )
-
-
-def _probe_tree_mask(lm: LM) -> bool | str:
-    """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do, else what
-    went wrong. An int8 copy rounds each row alone meanwhile (`quantize.row_by_row`), as its rows would skew it."""
-    from decoders.models.quantize import row_by_row  # (quantize builds on this module)
-
-    prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
-    a, b, c = (i % lm.vocab_size for i in (13, 17, 19))
-    tree = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)  # a | b -> c
-    with row_by_row(lm.model), torch.inference_mode():
-        cache = lm.new_cache()
-        try:
-            lm.forward(prefix, cache)
-            tree_logits = lm.forward([a, b, c], cache, positions=[4, 4, 5], tree_mask=tree).float()
-        except Exception as error:  # noqa: BLE001 - any failure means "no tree masks", reported to the user
-            return f"raised {type(error).__name__}: {error}"
-
-        def chain(tokens: list[int]) -> torch.Tensor:  # [3, vocab]: `tokens` after the prefix, causally
-            cache.crop(len(prefix))
-            return lm.forward(tokens, cache).float()
-
-        expected = torch.stack([chain([a, b, c])[0], *chain([b, c, a])[:2]])  # a; b then c
-    # relative to the logits' scale, far below the share of it an ignored mask moves them by
-    tolerance = (1e-3 if lm.dtype == torch.float32 else 1e-2) * float(expected.abs().max())
-    if not torch.allclose(tree_logits, expected, atol=tolerance, rtol=0):
-        return "ignores a custom attention mask"
-    return True
-
-
-def _probe_static_cache(lm: LM) -> bool | str:
-    """True if a prompt, a chain and a tree call score on a `StaticKVCache` as on a `KVCache`, else what went wrong."""
-    prompt, chain = [i % lm.vocab_size for i in (3, 5, 7, 11, 13)], [i % lm.vocab_size for i in (17, 19)]
-    tree = torch.tensor([[1, 0], [0, 1]], dtype=torch.bool)  # two siblings
-    outputs = []
-    with torch.inference_mode():
-        for cache in (KVCache(), StaticKVCache(lm)):
-            try:
-                outputs.append(
-                    torch.cat(
-                        [
-                            lm.forward(prompt, cache),
-                            lm.forward(chain, cache),
-                            lm.forward(chain, cache, positions=[7, 7], tree_mask=tree),
-                        ]
-                    ).float()
-                )
-            except Exception as error:  # noqa: BLE001 - any failure means "no static cache", reported to the user
-                return f"raised {type(error).__name__}: {error}"
-    expected, static = outputs
-    tolerance = (1e-3 if lm.dtype == torch.float32 else 3e-2) * float(expected.abs().max())
-    if not torch.allclose(static, expected, atol=tolerance, rtol=0):
-        return f"scores differently (by {float((static - expected).abs().max()):.3g})"
-    return True
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
@@ -393,9 +310,9 @@ def load(
     lm = LM(model.to(torch_device), tokenizer, name=name)
     if quantize is None:
         return lm
-    from decoders.models.quantize import quantize as quantized
+    from decoders.models import quantize as quantizing
 
-    return quantized(lm, quantize)
+    return quantizing.quantize(lm, quantize)
 
 
 def _hub_may_have(name: str) -> bool:

@@ -19,11 +19,11 @@ import ctypes
 import functools
 import time
 import warnings
-import weakref
 
 import torch
 from torch import nn
 
+from decoders.models.held import shared
 from decoders.models.kernel import DTYPES, INT8, DkCall, DkModel, library, why_not_here
 
 PER_LAYER = 19  # pointers per layer, in csrc/step.cpp's order
@@ -243,16 +243,13 @@ def _notice(reason: str) -> None:
                   stacklevel=4)
 
 
-_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch model -> its NativeStep, or why not
-
-
 def attach(lm) -> NativeStep | None:
     """The native step for `lm`, if it runs here and scores a probe as the model itself does; else None (with one
     notice per reason where the model is a Llama-family model on a CPU that the step could have run). Once per torch
     model: an LM wrapping one again (`model.generate` through `decoders.hf` wraps per call) shares its step."""
     if lm.device.type != "cpu" or lm.dtype not in DTYPES:
         return None
-    verdict = _VERDICTS.get(lm.model)
+    verdict = shared(lm.model).native  # (its NativeStep, or why not)
     if verdict is None:
         reason = why_not(lm)
         if reason is None:
@@ -261,7 +258,7 @@ def attach(lm) -> NativeStep | None:
             verdict = step if reason is None else reason
         else:
             verdict = reason
-        _VERDICTS[lm.model] = verdict
+        shared(lm.model).native = verdict
     if isinstance(verdict, NativeStep):
         return verdict
     if verdict != "its linear layers are int8":  # (an int8 copy on another kernel, a draft: no notice)

@@ -1,0 +1,46 @@
+"""The machine a model runs on: waiting for a device, its free memory, the CPU's model and feature flags."""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on `device` (CUDA kernels run asynchronously), so a clock read after it sees it done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on `device` (a CPU's available memory, a CUDA device's free memory), or None."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    return None
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first `field` line's value in Linux's /proc/cpuinfo, or None (no such line, or no such file)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith(field)), None)
+    except OSError:
+        return None
+
+
+@functools.cache
+def cpu_model() -> str:
+    """This machine's CPU model: Linux's /proc/cpuinfo name, else `platform.processor()` or the architecture."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (Linux's /proc/cpuinfo), none where they cannot be read."""
+    return frozenset((_cpuinfo("flags") or "").split())
