@@ -89,6 +89,13 @@ def test_a_cast_layer_computes_as_a_plain_one():
         assert torch.equal(fast(x), nn.functional.linear(x, fast.weight, fast.bias))
 
 
+def test_a_moved_layer_computes_where_it_now_is():
+    torch.manual_seed(0)
+    fast = native(nn.Linear(32, 16).to(torch.bfloat16)).to("meta")
+    out = fast(torch.randn(3, 32, dtype=torch.bfloat16, device="meta"))
+    assert out.device.type == "meta" and out.shape == (3, 16)
+
+
 def test_gradients_flow_through_the_plain_call():
     layer = nn.Linear(16, 8).to(torch.bfloat16)
     native(layer)(torch.randn(2, 16, dtype=torch.bfloat16)).float().sum().backward()

@@ -1,5 +1,6 @@
-// One model call of a Llama-family decoder (Llama, Mistral, Qwen2) on a CPU: every layer, for `rows` runs of `width`
-// tokens each, against their keys and values in preallocated slots. Called through ctypes by decoders/models/fast.py.
+// One model call of a Llama-family decoder (Llama, Qwen2 and kin) on a CPU: every layer, for `rows` runs of `width`
+// tokens each, against their keys and values in preallocated slots. Called through ctypes by decoders/models/native.py
+// (the step) and linear.py / quantize.py (`dk_linear`, the product alone). Design: docs/design/native.md.
 //
 // Why it is fast: one call into native code per model call (no per-op dispatch), and matrix products that read each
 // weight row once per call, whatever the rows (bfloat16 pairs through AVX512-BF16's dot product where the CPU has it).
@@ -407,80 +408,79 @@ static int forward(const DkModel* m, const DkCall* c) {
     const int V = (int)m->vocab;
     const float scale = (float)m->scale;
     const int wtype = (int)m->wtype;
-    // the residual stream in float32; each product's input in the weights' dtype
+    // the residual stream in float32; each product's input in the activations' dtype
     std::vector<float> h((size_t)N * D), q((size_t)N * QD), k((size_t)N * KD), v((size_t)N * KD);
     std::vector<float> sum((size_t)N * D), gate((size_t)N * I), up((size_t)N * I);
-    std::vector<T> x((size_t)N * std::max(D, QD)), act((size_t)N * I);
+    std::vector<T> att((size_t)N * QD), act((size_t)N * I);
     const T* emb = (const T*)c->embeddings;
     for (size_t i = 0; i < (size_t)N * D; i++) h[i] = to_f32(emb[i]);
 
     const int threads = (int)std::max<int64_t>(1, c->threads);
     std::vector<float> scores((size_t)threads * seen_max);
     std::vector<std::vector<float>> expbuf(threads, std::vector<float>(I));
+    // each thread normalizes every row for itself (a few microseconds) rather than wait for the other at a barrier
+    std::vector<std::vector<T>> normed(threads, std::vector<T>((size_t)N * D));
 
 #pragma omp parallel num_threads(threads)
     {
-        int n0, n1, o0, o1;
-        float* sc = scores.data() + (size_t)omp_get_thread_num() * seen_max;
+        int o0, o1;
+        const int me = omp_get_thread_num();
+        float* sc = scores.data() + (size_t)me * seen_max;
+        T* xn = normed[me].data();
         for (int64_t l = 0; l < m->layers; l++) {
             const void* const* lw = m->weights + l * PER_LAYER;
             const T *bq = (const T*)lw[BQ], *bk = (const T*)lw[BK], *bv = (const T*)lw[BV];
             T* kc = (T*)c->keys[l];
             T* vc = (T*)c->values[l];
 
-            share(N, 1, &n0, &n1);
-            rmsnorm_rows(h.data(), n0, n1, D, (const T*)lw[NORM_IN], m->eps, x.data());
-#pragma omp barrier
-            // q, k and v as one product's rows, split between the threads
-            share(QD + 2 * KD, 8, &o0, &o1);
+            rmsnorm_rows(h.data(), 0, N, D, (const T*)lw[NORM_IN], m->eps, xn);
+            // q, k and v as one product's rows, split between the threads by whole heads: each thread adds the biases
+            // and rotary positions to its own heads and writes its keys and values to their slots (row r's token w
+            // at slot past + w)
+            int h0, h1;
+            share(H + 2 * KV, 1, &h0, &h1);
             for (int part = 0; part < 3; part++) {
-                const int base = part == 0 ? 0 : part == 1 ? QD : QD + KD, size = part == 0 ? QD : KD;
-                const int a = std::max(o0, base) - base, b = std::min(o1, base + size) - base;
+                const int base = part == 0 ? 0 : part == 1 ? H : H + KV, count = part == 0 ? H : KV;
+                const int a = std::max(h0, base) - base, b = std::min(h1, base + count) - base;
+                if (a >= b) continue;
                 float* out = part == 0 ? q.data() : part == 1 ? k.data() : v.data();
+                const T* bias = part == 0 ? bq : part == 1 ? bk : bv;
+                const int width = count * HD;
                 const Mat w = part == 0 ? Mat{lw[WQ], lw[SQ]} : part == 1 ? Mat{lw[WK], lw[SK]} : Mat{lw[WV], lw[SV]};
-                if (a < b) product(x.data(), N, D, wtype, w, D, a, b, out + a, size);
-            }
-#pragma omp barrier
-            // biases, rotary positions on q and k; k and v written to their slots (row r's token w at slot past + w)
-            share(N, 1, &n0, &n1);
-            for (int n = n0; n < n1; n++) {
-                float *qn = &q[(size_t)n * QD], *kn = &k[(size_t)n * KD], *vn = &v[(size_t)n * KD];
-                if (bq)
-                    for (int i = 0; i < QD; i++) qn[i] += to_f32(bq[i]);
-                if (bk)
-                    for (int i = 0; i < KD; i++) kn[i] += to_f32(bk[i]);
-                if (bv)
-                    for (int i = 0; i < KD; i++) vn[i] += to_f32(bv[i]);
-                const float *cs = c->cos + (size_t)n * HD, *sn = c->sin + (size_t)n * HD;
-                const int half = HD / 2, r = n / W, w = n % W;
-                for (int head = 0; head < H + KV; head++) {
-                    float* p = head < H ? qn + head * HD : kn + (head - H) * HD;
-                    for (int i = 0; i < half; i++) {
-                        const float a = p[i], b = p[i + half];
-                        p[i] = a * cs[i] - b * sn[i];
-                        p[i + half] = b * cs[i + half] + a * sn[i + half];
-                    }
-                }
-                for (int g = 0; g < KV; g++) {
-                    const size_t slot = (((size_t)r * KV + g) * CAP + past + w) * HD;
-                    for (int i = 0; i < HD; i++) {
-                        store(kc + slot + i, kn[g * HD + i]);
-                        store(vc + slot + i, vn[g * HD + i]);
+                product(xn, N, D, wtype, w, D, a * HD, b * HD, out + a * HD, width);
+                for (int n = 0; n < N; n++) {
+                    float* row = out + (size_t)n * width;
+                    if (bias)
+                        for (int i = a * HD; i < b * HD; i++) row[i] += to_f32(bias[i]);
+                    const float *cs = c->cos + (size_t)n * HD, *sn = c->sin + (size_t)n * HD;
+                    const int half = HD / 2, r = n / W, t = n % W;
+                    for (int head = a; head < b; head++) {
+                        float* p = row + head * HD;
+                        if (part < 2)
+                            for (int i = 0; i < half; i++) {
+                                const float x0 = p[i], x1 = p[i + half];
+                                p[i] = x0 * cs[i] - x1 * sn[i];
+                                p[i + half] = x1 * cs[i + half] + x0 * sn[i + half];
+                            }
+                        if (part > 0) {
+                            T* cache = (part == 1 ? kc : vc) + (((size_t)r * KV + head) * CAP + past + t) * HD;
+                            for (int i = 0; i < HD; i++) store(cache + i, p[i]);
+                        }
                     }
                 }
             }
 #pragma omp barrier
             // attention: each (row, token, key/value head) with its group of query heads, over the slots it sees; the
             // units dealt out in turn, as later tokens of a prompt see more slots
-            for (int unit = omp_get_thread_num(); unit < N * KV; unit += omp_get_num_threads()) {
-                const int n = unit / KV, g = unit % KV, r = n / W, w = n % W;
-                const uint8_t* allow = c->allowed ? c->allowed + ((size_t)r * W + w) * CAP : nullptr;
-                const int64_t last = allow ? seen_max : past + w + 1;
+            for (int unit = me; unit < N * KV; unit += threads) {
+                const int n = unit / KV, g = unit % KV, r = n / W, t = n % W;
+                const uint8_t* allow = c->allowed ? c->allowed + ((size_t)r * W + t) * CAP : nullptr;
+                const int64_t last = allow ? seen_max : past + t + 1;
                 const T* kr = kc + ((size_t)r * KV + g) * CAP * HD;
                 const T* vr = vc + ((size_t)r * KV + g) * CAP * HD;
                 for (int j = 0; j < G; j++) {
                     const float* qh = &q[(size_t)n * QD + (g * G + j) * HD];
-                    T* dst = x.data() + (size_t)n * QD + (g * G + j) * HD;
+                    T* dst = att.data() + (size_t)n * QD + (g * G + j) * HD;
                     if (HD == 64) attend<64>(qh, kr, vr, HD, last, allow, scale, sc, dst);
                     else if (HD == 128) attend<128>(qh, kr, vr, HD, last, allow, scale, sc, dst);
                     else attend<0>(qh, kr, vr, HD, last, allow, scale, sc, dst);
@@ -489,20 +489,18 @@ static int forward(const DkModel* m, const DkCall* c) {
 #pragma omp barrier
             // the attention's output projection, added to the residual by the thread that computed it
             share(D, 8, &o0, &o1);
-            product(x.data(), N, QD, wtype, Mat{lw[WO], lw[SO]}, QD, o0, o1, sum.data() + o0, D);
+            product(att.data(), N, QD, wtype, Mat{lw[WO], lw[SO]}, QD, o0, o1, sum.data() + o0, D);
             for (int n = 0; n < N; n++)
                 for (int o = o0; o < o1; o++) h[(size_t)n * D + o] += sum[(size_t)n * D + o];
 #pragma omp barrier
-            share(N, 1, &n0, &n1);
-            rmsnorm_rows(h.data(), n0, n1, D, (const T*)lw[NORM_POST], m->eps, x.data());
-#pragma omp barrier
             // the MLP: silu(gate) * up of this thread's rows, then the down projection
+            rmsnorm_rows(h.data(), 0, N, D, (const T*)lw[NORM_POST], m->eps, xn);
             share(I, 8, &o0, &o1);
-            product(x.data(), N, D, wtype, Mat{lw[WG], lw[SG]}, D, o0, o1, gate.data() + o0, I);
-            product(x.data(), N, D, wtype, Mat{lw[WU], lw[SU]}, D, o0, o1, up.data() + o0, I);
+            product(xn, N, D, wtype, Mat{lw[WG], lw[SG]}, D, o0, o1, gate.data() + o0, I);
+            product(xn, N, D, wtype, Mat{lw[WU], lw[SU]}, D, o0, o1, up.data() + o0, I);
             for (int n = 0; n < N; n++) {
                 float *gn = &gate[(size_t)n * I], *un = &up[(size_t)n * I];
-                std::vector<float>& e = expbuf[omp_get_thread_num()];
+                std::vector<float>& e = expbuf[me];
                 for (int o = o0; o < o1; o++) e[o - o0] = -gn[o];
                 exp_inplace(e.data(), o1 - o0);
                 for (int o = o0; o < o1; o++) store(&act[(size_t)n * I + o], gn[o] / (1.f + e[o - o0]) * un[o]);
@@ -515,15 +513,13 @@ static int forward(const DkModel* m, const DkCall* c) {
 #pragma omp barrier
         }
         // the last `keep` tokens of each row: final norm, then the logits
-        share(R * keep, 1, &n0, &n1);
-        for (int i = n0; i < n1; i++) {
-            const int r = i / keep, w = W - keep + i % keep;
-            rmsnorm_rows(h.data() + ((size_t)r * W + w) * D, 0, 1, D, (const T*)m->final_norm, m->eps,
-                         x.data() + (size_t)i * D);
+        for (int i = 0; i < R * keep; i++) {
+            const int r = i / keep, t = W - keep + i % keep;
+            rmsnorm_rows(h.data() + ((size_t)r * W + t) * D, 0, 1, D, (const T*)m->final_norm, m->eps,
+                         xn + (size_t)i * D);
         }
-#pragma omp barrier
         share(V, 8, &o0, &o1);
-        product(x.data(), R * keep, D, wtype, Mat{m->lm_head, m->lm_head_scale}, D, o0, o1, c->logits + o0, V);
+        product(xn, R * keep, D, wtype, Mat{m->lm_head, m->lm_head_scale}, D, o0, o1, c->logits + o0, V);
     }
     return 0;
 }
