@@ -618,6 +618,7 @@ def test_a_prompt_sharing_a_kept_prompts_beginning_scores_only_the_rest(arch, st
     monkeypatch.setattr(BatchCache, "prefill", prefilling)
     for model in filter(None, (lm, draft)):
         monkeypatch.setattr(model, "forward", functools.partial(scoring, model, model.forward))
+    monkeypatch.setattr(batch.Width, "seconds", lambda self, width, context: 1.0)  # (every row drafts)
     chosen = decoders.registry.get(strategy)(**({"k": 3} if draft else {}))  # (a measured k may be 0: no draft call)
     results = decoders.generate(lm, prompts, strategy=chosen, draft=draft, batch_size=2, max_new_tokens=MAX_NEW)
     for i, (prompt, got) in enumerate(zip(prompts, results)):
