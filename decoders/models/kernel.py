@@ -85,5 +85,5 @@ def why_not_here(dtype: torch.dtype = torch.bfloat16) -> str | None:
     if isinstance(lib, str):
         return lib
     if dtype == torch.bfloat16 and not lib.dk_vectorized():
-        return "this CPU has no AVX-512 BF16 instructions (the portable build is slower than transformers here)"
+        return "this CPU has neither AVX-512 BF16 nor AVX2 (the portable build is slower than transformers here)"
     return None

@@ -8,9 +8,9 @@ layer in one call on two threads, reading each weight row once per call straight
 element the same way whatever the call's rows and tokens, so scoring tokens in one call gives exactly the logits of
 scoring them one by one: in bfloat16 too, every strategy returns greedy's tokens.
 
-`attach(lm)` is the step, or None with one notice of the reason (`why_not(lm)`): no compiler, a CPU without AVX-512
-BF16 for a bfloat16 model (the portable build is slower than transformers there), a model of another shape, or a probe
-whose logits differ from the model's own. Where it is None, calls run through transformers as before.
+`attach(lm)` is the step, or None with one notice of the reason (`why_not(lm)`): no compiler, a CPU with neither
+AVX-512 BF16 nor AVX2 for a bfloat16 model (the portable build is slower than transformers there), a model of another
+shape, or a probe whose logits differ from the model's own. Where it is None, calls run through transformers as before.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original. Kernels
-(`KERNELS`, the first the device runs): the native step's ("native", CPUs with AVX-512 BF16: the copy's calls then run
-whole in the native step where its architecture allows), fbgemm's dynamic quantized linear ("int8_activations", x86),
-`aten._weight_int8pack_mm` ("int8_mm"), the weight dequantized in the matmul ("dequantize"); calls of at least
-`float_from` rows run on the layer's shared float weight, where that was timed faster."""
+(`KERNELS`, the first the device runs): the native step's ("native", CPUs with AVX-512 BF16 or AVX2: the copy's calls
+then run whole in the native step where its architecture allows), fbgemm's dynamic quantized linear
+("int8_activations", x86), `aten._weight_int8pack_mm` ("int8_mm"), the weight dequantized in the matmul
+("dequantize"); calls of at least `float_from` rows run on the layer's shared float weight, where that was timed
+faster."""
 
 from __future__ import annotations
 
