@@ -12,7 +12,6 @@ back from the running call; `grammar=` and `stop_strings=` need the exported fol
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import sys
@@ -194,16 +193,22 @@ class CustomGenerate:
                 **sampling,
                 **options,
             )
-            if len(prompts) == 1:
+            one = len(prompts) == 1
+            pad = 0 if one else _pad_id(generation_config)  # (refused before any run where a batch has none)
+            if one:  # (a criterion that fires ends the run)
                 run = prepare(lm, prompts[0], **arguments)
-                sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
-                results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
-            else:
-                pad = _pad_id(generation_config)
-                sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria, **arguments)
+                events = ((0, chunk, None) for chunk in run.chunks(with_text=False))
+            else:  # (every row decoded to its end: the rows share their calls)
+                events = _run_batch(lm, prompts, batch_size=len(prompts), with_text=False, **arguments)
+            new, results = _emitted(events, input_ids, stopping_criteria, streamer, until_stopped=one)
+            results = [run.result()] if one else results
+            for index, result in enumerate(results):
+                if result.error is not None:
+                    raise RuntimeError(f"row {index} of the batch: {result.error}")
+            sequences = _padded(input_ids, new, pad)
         if not generation_config.return_dict_in_generate:
             return sequences
-        stats = [_row_stats(result, new) for result, new in zip(results, kept_new)]
+        stats = [_row_stats(result, len(tokens)) for result, tokens in zip(results, new)]
         return DecodekitOutput(sequences=sequences, decodekit_stats=stats[0] if len(stats) == 1 else stats)
 
 
@@ -282,58 +287,45 @@ def _models(model, tokenizer, generation_config: GenerationConfig, assistant_mod
     return lm, draft
 
 
-def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch.Tensor:
-    """Step the run, checking the stopping criteria after every token and streaming what is kept: returns [1, T]."""
-    prompt_len = input_ids.shape[1]
-    sequence = torch.empty(1, max_length, dtype=torch.long, device=input_ids.device)  # [1, max_length]
-    sequence[:, :prompt_len] = input_ids
-    length, stopped = prompt_len, False
-    with contextlib.closing(run.chunks(with_text=False)) as steps:
-        for chunk in steps:
-            start = length
-            for token in chunk.tokens:  # a criterion that fires inside a step ends the output at that token
-                sequence[0, length] = token
-                length += 1
-                if stopping_criteria is not None and bool(stopping_criteria(sequence[:, :length], None).any()):
-                    stopped = True
-                    break
-            if streamer is not None and length > start:
-                streamer.put(sequence[:, start:length].cpu())  # [1, n]
-            if stopped:
-                break
-    if streamer is not None:
-        streamer.end()
-    return sequence[:, :length].clone()
-
-
-def _emit_batch(
-    lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: int, stopping_criteria, **arguments
-) -> tuple[torch.Tensor, list[Result], list[int]]:
-    """Decode the rows together, the stopping criteria checked on each row's own sequence [1, T + n] after every
-    token; returns the sequences [B, T + longest] padded with `pad`, the rows' results and the new tokens each kept."""
-    width, device = input_ids.shape[1], input_ids.device
-    padded = [row.tolist() for row in input_ids]
+def _emitted(
+    events, input_ids: torch.Tensor, stopping_criteria, streamer=None, until_stopped: bool = False
+) -> tuple[list[list[int]], list[Result | None]]:
+    """Each row's new tokens from the run's `events` ((index, chunk, result) as `decoders.batch` yields them), cut
+    where a stopping criterion fires on the row's own sequence (its left padding included, as transformers counts);
+    a streamer is handed each step's kept tokens. `until_stopped`: the events end once every row stopped."""
+    prompts = [row.tolist() for row in input_ids]
     new: list[list[int]] = [[] for _ in prompts]
     stopped = [False] * len(prompts)
     results: list[Result | None] = [None] * len(prompts)
-    for index, chunk, result in _run_batch(lm, prompts, batch_size=len(prompts), with_text=False, **arguments):
-        for token in [] if stopped[index] else chunk.tokens:
+    for index, chunk, result in events:
+        kept = []
+        for token in [] if stopped[index] else chunk.tokens:  # a criterion that fires inside a step ends the row there
             new[index].append(token)
-            if stopping_criteria is not None and bool(
-                stopping_criteria(torch.tensor([padded[index] + new[index]], device=device), None).any()
-            ):
+            kept.append(token)
+            sequence = torch.tensor([prompts[index] + new[index]], device=input_ids.device)  # [1, T + n]
+            if stopping_criteria is not None and bool(stopping_criteria(sequence, None).any()):
                 stopped[index] = True
                 break
+        if streamer is not None and kept:
+            streamer.put(torch.tensor([kept]))  # [1, n]
         if result is not None:
             results[index] = result
-    for index, result in enumerate(results):
-        if result.error is not None:
-            raise RuntimeError(f"row {index} of the batch: {result.error}")
-    sequences = torch.full((len(prompts), width + max(map(len, new))), pad, dtype=torch.long, device=device)
+        if until_stopped and all(stopped):
+            break
+    if streamer is not None:
+        streamer.end()
+    return new, results
+
+
+def _padded(input_ids: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:
+    """The prompts [B, T] and each row's new tokens, as transformers returns a batch: [B, T + longest], `pad` after
+    the rows that ended first."""
+    width = input_ids.shape[1]
+    sequences = torch.full((len(new), width + max(map(len, new))), pad, dtype=torch.long, device=input_ids.device)
     sequences[:, :width] = input_ids
     for index, tokens in enumerate(new):
         sequences[index, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    return sequences, results, [len(tokens) for tokens in new]
+    return sequences
 
 
 def _sampling(generation_config: GenerationConfig, processors: list) -> dict:

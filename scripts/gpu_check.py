@@ -404,7 +404,7 @@ def batch_curve(lm: decoders.LM, rows: int, quick: bool, deadline: float) -> dic
     """Seconds of one batch call (`BatchCache.forward`) of `rows` rows, each scoring n tokens (logits of every one)
     after L cached positions of its own, the fastest and the median of REPEATS timed calls; stops at `deadline`."""
     from decoders.base import Call
-    from decoders.batch import BatchCache
+    from decoders.models.rows import BatchCache
 
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(CONTEXTS[quick]))]
     points, stopped = [], None

@@ -155,6 +155,8 @@ class ClockedLM:
         def crop(self, length):
             self.length = length
 
+        resize = crop  # (a count of positions: growing it or cutting it alike)
+
     def __init__(self, seconds):
         self.seconds, self.now, self.scored = seconds, 0.0, []
         self.context_length, self.vocab_size = 4096, 100

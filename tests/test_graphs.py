@@ -121,7 +121,7 @@ def test_timing_resizes_a_static_cache_without_copying():
     with torch.inference_mode():
         cache = static.new_cache()
         static.forward([1, 2, 3], cache)
-        cost._resize(cache, 600)
+        cache.resize(600)
         assert len(cache) == 600 and cache.slab.capacity == 4 * MIN_CAPACITY
         assert static.forward([4], cache).shape == (1, static.vocab_size)
 
@@ -194,7 +194,8 @@ def test_a_failed_capture_leaves_random_ops_and_later_captures_working(monkeypat
 @pytest.mark.parametrize("strategy", ["speculative", "auto"])
 def test_the_targets_int8_copy_drafts_on_its_static_cache(strategy):
     """"self:int8" drafts on the target's own cache (`SharedCacheDraft`): on a static one too, with the same tokens."""
-    from decoders.drafting.draft_model import SharedCacheDraft, draft_model
+    from decoders.drafting import draft_model
+    from decoders.drafting.draft_model import SharedCacheDraft
 
     dynamic, static = twins("llama")
     for prompt in PROMPTS[:3]:

@@ -251,21 +251,6 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     return CallCost(tuple(sizes), tuple(knots), per_position, per_token, 1.0, tuple(samples))
 
 
-def _resize(cache, length: int) -> None:
-    """Make `cache` hold `length` positions: crop it, or tile its keys and values (timing does not read them)."""
-    if len(cache) >= length:
-        cache.crop(length)
-        return
-    if hasattr(cache, "resize"):  # a static cache: its slots are there already
-        cache.resize(length)
-        return
-    for layer in cache.hf.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            reps = -(-length // layer.keys.shape[-2])
-            layer.keys = layer.keys.repeat_interleave(reps, dim=-2)[..., :length, :]  # [1, heads, length, head_dim]
-            layer.values = layer.values.repeat_interleave(reps, dim=-2)[..., :length, :]
-
-
 def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
     """(samples, noise) of `lm`'s calls of `sizes` tokens (all logits kept) at SHORT until `proportional`, the least and
     most at LONG, each point's fastest of ROUNDS+ rounds in `budget` s; noise: median over points of median/min - 1."""
@@ -278,7 +263,7 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
         lm.forward(ids[:1], cache, keep=1)
 
         def call(n: int, context: int) -> float:
-            _resize(cache, context)
+            cache.resize(context)  # (its keys as they come: timing does not read them)
             lm.synchronize()
             start = time.perf_counter()
             lm.forward(ids[:n], cache, keep=n)

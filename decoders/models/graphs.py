@@ -279,7 +279,9 @@ def graph_pool(lm):
 
 
 class StaticKVCache:
-    """`KVCache`'s interface (`len`, `crop`, `keep`) over a `Slab` of the LM: its model calls go through `forward`."""
+    """A run's `Cache` over a `Slab` of the LM, rolled back by moving its length; its calls go through `forward`."""
+
+    lends = True
 
     def __init__(self, lm, reserve: int = 0) -> None:
         self.lm, self.length, self.slab = lm, 0, None
@@ -330,6 +332,10 @@ class StaticKVCache:
         """Hold `length` positions whatever their keys (a timing's context): the slots past the end as they are."""
         self._slab_for(length)
         self.length = length
+
+    def beside(self, lm, length: int):
+        """An empty cache of this run for model `lm` (a draft)."""
+        return lm.new_cache(length)
 
     def forward(
         self, lm, ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None, keep: int

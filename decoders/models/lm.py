@@ -131,7 +131,7 @@ class LM:
     def forward(
         self,
         tokens: Sequence[int] | torch.Tensor,  # [T] new token ids, after the len(cache) cached ones
-        cache: KVCache,
+        cache: KVCache | StaticKVCache,
         positions: Sequence[int] | torch.Tensor | None = None,  # [T] position ids; default len(cache) + 0..T-1
         tree_mask: torch.Tensor | None = None,  # [T, T] (or [T, len(cache) + T]) bool: i sees j; default causal
         keep: int = 0,  # compute logits for the last `keep` positions only (0 = all): skips the prompt's lm_head
