@@ -239,22 +239,12 @@ static void block(const X* x, size_t ldx, int rows, const W* w, int K, int orows
         }
         return;
     }
-#ifndef SIX_FROM
-#define SIX_FROM 48
-#endif
-    const int tr = rows >= SIX_FROM ? 6 : 4;
+    const int tr = rows >= 48 ? 6 : 4;
     for (; n + tr <= rows; n += tr) {
         if (tr == 6) tiles<6, 4>(x + n * ldx, ldx, 6, w, K, orows, out + (size_t)n * ldo, ldo);
         else tiles<4, 4>(x + n * ldx, ldx, 4, w, K, orows, out + (size_t)n * ldo, ldo);
     }
-    switch (rows - n) {  // (the rows left over, in one tile)
-        case 5: tiles<5, 4>(x + n * ldx, ldx, 5, w, K, orows, out + (size_t)n * ldo, ldo); break;
-        case 4: tiles<4, 4>(x + n * ldx, ldx, 4, w, K, orows, out + (size_t)n * ldo, ldo); break;
-        case 3: tiles<3, 4>(x + n * ldx, ldx, 3, w, K, orows, out + (size_t)n * ldo, ldo); break;
-        case 2: tiles<2, 4>(x + n * ldx, ldx, 2, w, K, orows, out + (size_t)n * ldo, ldo); break;
-        case 1: tiles<1, 4>(x + n * ldx, ldx, 1, w, K, orows, out + (size_t)n * ldo, ldo); break;
-        default: break;
-    }
+    for (; n < rows; n++) tiles<1, 4>(x + n * ldx, ldx, 1, w, K, orows, out + (size_t)n * ldo, ldo);
 }
 
 // y [N, o1 - o0] (row stride ldy) = x [N, K] . w [o0:o1]: the weight rows in blocks that the core's cache holds while
