@@ -15,7 +15,8 @@ from decoders.drafting.chooser import Offer
 from decoders.drafting.suffix_index import SuffixStore
 from decoders.driver import generate, stream
 from decoders.models.cache import KVCache
-from decoders.models.lm import LM, load, wrap
+from decoders.models.lm import LM, wrap
+from decoders.models.loading import load
 from decoders.proposers.base import Fixed, Proposer
 from decoders.registry import available, register, unregister
 

@@ -10,7 +10,8 @@ from decoders import batch, registry
 from decoders.base import Chunk, Decoder, DecodeState, Result
 from decoders.capabilities import check_models, check_request
 from decoders.decoding import Decoding
-from decoders.models.lm import LM, load
+from decoders.models.lm import LM
+from decoders.models.loading import load
 from decoders.options import whole
 from samplers import SamplingConfig, make_generator
 
