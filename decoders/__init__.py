@@ -12,7 +12,7 @@ runs many at once in shared calls, driver.py checks a request and runs it (docs/
 from decoders.base import Chunk, Decoder, DecodeState, Result, Stats
 from decoders.drafting import Draft, DraftVerify
 from decoders.drafting.chooser import Offer
-from decoders.drafting.suffix_index import SuffixStore
+from decoders.drafting.suffix_store import SuffixStore
 from decoders.driver import generate, stream
 from decoders.models.cache import KVCache
 from decoders.models.lm import LM, wrap

@@ -16,7 +16,8 @@ from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
 from decoders.drafting.draft import Draft, Drafting
 from decoders.drafting.draft_model import DraftModel
 from decoders.drafting.growth import Lower, StagedOptions, grow_tree
-from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, propose
+from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions
+from decoders.drafting.suffix_store import propose
 from decoders.drafting.tree import depth, first_branch, keep_path
 from decoders.models.cache import shared_length
 from decoders.proposers.base import Clock, Setup, Step

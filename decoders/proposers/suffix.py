@@ -6,7 +6,8 @@ from decoders.base import DecodeState
 from decoders.capabilities import takes_trees
 from decoders.drafting.chooser import Acceptance, ChooserOptions, Offer, Plan, given_above
 from decoders.drafting.draft import Draft
-from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, SuffixStore, propose
+from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions
+from decoders.drafting.suffix_store import SuffixStore, propose
 from decoders.drafting.tree import depth, depths, levels_above, per_level
 from decoders.proposers.base import Setup, Step
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from decoders.base import DecodeState
 from decoders.drafting import DraftVerify
-from decoders.drafting.suffix_index import SuffixOptions, SuffixStore
+from decoders.drafting.suffix_index import SuffixOptions
+from decoders.drafting.suffix_store import SuffixStore
 from decoders.options import check_flags
 from decoders.proposers.base import Fixed
 from decoders.proposers.suffix import SuffixProposer
