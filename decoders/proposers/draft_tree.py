@@ -12,7 +12,8 @@ import torch
 from decoders.base import DecodeState
 from decoders.capabilities import takes_trees
 from decoders.drafting.chooser import Acceptance, Offer, Plan, at_least
-from decoders.drafting.cost import CallCost, CostModel, RunningMean, call_cost
+from decoders.drafting.cost import CallCost, CostModel, call_cost
+from decoders.drafting.curve import RunningMean
 from decoders.drafting.draft import Draft, Drafting
 from decoders.drafting.draft_model import DraftModel
 from decoders.drafting.growth import Lower, StagedOptions, grow_tree
