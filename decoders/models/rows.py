@@ -20,7 +20,8 @@ from transformers.cache_utils import DynamicCache
 
 from decoders.models.cache import KVCache, shared_length
 from decoders.models.call import Call
-from decoders.models.graphs import BUCKETS, MIN_CAPACITY, StaticKVCache, lend
+from decoders.models.graphs import StaticKVCache
+from decoders.models.slabs import BUCKETS, MIN_CAPACITY, lend
 
 if TYPE_CHECKING:
     from decoders.models.lm import LM
