@@ -199,8 +199,8 @@ class CostModel:
 
     target: CallCost
     draft: CallCost | None = None  # None: no draft model
-    batch_tokens: int = 0  # in a batch, the tokens its shared target call scores in all rows (`DecodeState`)
-    stall: float = 1.0  # in a batch, what a second of a row's drafting costs the batch in rows' seconds (`DecodeState`)
+    batch_tokens: int = 0  # in a batch, the tokens its shared target call scores in all rows (the step's `Budget`)
+    stall: float = 1.0  # in a batch, what a second of a row's drafting costs the batch in rows' seconds (`Budget`)
 
     def __post_init__(self):
         if self.draft is not None:
