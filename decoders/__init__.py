@@ -5,16 +5,19 @@
     results = decoders.generate(lm, ["def add(a, b):", "Once upon a time"], strategy="suffix")  # batched
 
 strategies/ holds one file per strategy, proposers/ one per source of guesses, drafting/ the draft-then-verify
-machinery, models/ the model wrapper, cache, zoo and quantization; batch.py runs many prompts in shared calls.
+machinery, models/ the model wrapper, its caches, zoo and quantization; decoding.py is one run's lifecycle, batch.py
+runs many at once in shared calls, driver.py checks a request and runs it (docs/design/architecture.md).
 """
 
 from decoders.base import Chunk, Decoder, DecodeState, Result, Stats
 from decoders.drafting import Draft, DraftVerify
-from decoders.drafting.suffix_index import SuffixStore
+from decoders.drafting.chooser import Offer
+from decoders.drafting.suffix_store import SuffixStore
 from decoders.driver import generate, stream
 from decoders.models.cache import KVCache
-from decoders.models.lm import LM, load, wrap
-from decoders.proposers.base import Proposer
+from decoders.models.lm import LM, wrap
+from decoders.models.loading import load
+from decoders.proposers.base import Fixed, Proposer
 from decoders.registry import available, register, unregister
 
 
@@ -38,6 +41,8 @@ __all__ = [
     "Draft",
     "DraftVerify",
     "Proposer",
+    "Offer",
+    "Fixed",
     "SuffixStore",
     "load",
     "wrap",

@@ -1,4 +1,5 @@
-"""What every strategy shares: the `Decoder` base class, the per-run `DecodeState`, and the `Result` it produces.
+"""What every strategy shares: the `Decoder` base class, the per-run `DecodeState`, the `Budget` a batch hands a
+step and the `Verified` record a drafting step returns, and the `Result` a run produces.
 
 A strategy is stateless apart from its frozen options: everything a run changes lives in its `DecodeState`.
 """
@@ -6,38 +7,58 @@ A strategy is stateless apart from its frozen options: everything a run changes 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from decoders.models.cache import KVCache
+from decoders.models.cache import Cache
+from decoders.models.call import Call
 from decoders.models.lm import LM
 from samplers import SamplingConfig, sample
 
 if TYPE_CHECKING:
-    from decoders.batch import RowCache
-    from decoders.drafting.draft import Drafter
-    from decoders.models.graphs import StaticKVCache
     from grammars import GrammarMatcher
 
 SLACK = 64  # positions past the run's last token that a call checking a draft may write (`expected_length`)
 
 
-@dataclass
-class Call:
-    """One model call a step yields, the target's or a draft's (`lm`): a batch runs each model's in one forward."""
+@dataclass(frozen=True)
+class Budget:
+    """What a batch hands a row's step: how wide its target call may be, and what that call and drafting cost there.
+    A run alone gets `ALONE`: no limit, a call of its own."""
 
-    tokens: list[int]  # [T]
-    positions: list[int] | None = None  # [T] position ids; None: len(cache) + 0..T-1
-    tree_mask: torch.Tensor | None = None  # [T, T] (or [T, len(cache) + T]) bool: token i sees j; None: causal
-    keep: int = 0  # logits of the last `keep` positions only (0: all)
-    lm: LM | None = None  # a draft model's call: that model; None: the run's target
-    cache: KVCache | StaticKVCache | RowCache | None = None  # a draft model's call: the draft's cache (or batch row)
+    width: int = 0  # the most tokens the step's target call may score; 0: no limit
+    tokens: int = 0  # the tokens the batch's shared target call scores in all its rows (what a call costs); 0: alone
+    stall: float = 1.0  # rows a second of this row's drafting holds up, per row drafting beside it
+    trying: bool = False  # the width is a try or a guess, not the batch's best: rent no draft model on it
+
+    @property
+    def batched(self) -> bool:
+        return self.tokens > 1
 
 
-Steps = Generator[Call, torch.Tensor, None]  # a step: yields each model call, is sent its logits [keep or T, vocab]
+ALONE = Budget()
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What a drafting step's verification tells the batch's `Width`: the gain it would have had at narrower widths."""
+
+    width: int  # the most tokens its target call could score (0: no limit)
+    fed: int  # tokens the call scored before the draft
+    path: list[int]  # the draft nodes accepted
+
+
+Steps = Generator[Call, torch.Tensor, Verified | None]  # a step: yields each model call, is sent its logits
+# [keep or T, vocab]; returns what a batch learns from it (a drafting step's `Verified`), or None
+
+
+def takes_budget(method: Callable) -> bool:
+    """Whether a strategy's `start` or `steps` names a `budget`: a batch hands those its `Budget` (alone: `ALONE`)."""
+    return "budget" in inspect.signature(method).parameters
 
 
 def drive(steps: Generator[Call, torch.Tensor, Any], forward: Callable[[Call], torch.Tensor]) -> Any:
@@ -79,14 +100,16 @@ class Decoder:
         return f"{type(self).__name__}({self.options})"
 
     def start(self, state: DecodeState) -> None:
-        """Set up per-run helpers (a drafter, in `state.drafter`) before the first step."""
+        """Set up per-run helpers (a drafter, in `state.drafter`) before the first step (a strategy that plans by a
+        batch's `Budget` takes `budget` too)."""
 
     def step(self, state: DecodeState) -> None:
         """Append at least one token to the run with `state.accept` (by default: `steps`, its calls run at once)."""
         drive(self.steps(state), state.forward)
 
     def steps(self, state: DecodeState) -> Steps:
-        """`step` as a generator that yields its `Call`s and is sent their logits (a batch's rows share a forward)."""
+        """`step` as a generator that yields its `Call`s and is sent their logits (a batch's rows share a forward). A
+        strategy whose drafts a batch's width limits takes `budget` too (`DraftVerify`) and returns a `Verified`."""
         raise NotImplementedError(f"strategy {self.name!r} implements neither step nor steps")
 
     @classmethod
@@ -157,17 +180,11 @@ class DecodeState:
     seeded: bool = False  # sampling from a seed the caller gave (`auto` then plans by no clock: `AutoDrafter.timed`)
     stop: tuple[str, ...] = ()
     grammar: GrammarMatcher | None = None  # advanced with accepted tokens only
-    cache: KVCache = field(init=False)  # target cache; holds tokens[:len(cache)]
+    cache: Cache = field(init=False)  # target cache; holds tokens[:len(cache)]
     sources: list[str] = field(default_factory=list)  # one per new token
     stats: Stats = field(default_factory=Stats)
     finish_reason: str | None = None  # "eos", "stop" or "length" once finished
-    drafter: Drafter | None = None  # a drafting strategy's per-run drafter (its draft cache, adaptive settings)
-    width: int = 0  # in a batch, the most tokens its next target call may score (`batch.Width`); 0: alone, no limit
-    batch_tokens: int = 0  # in a batch, the tokens the shared target call scores in all rows: what the call costs
-    stall: float = 1.0  # in a batch, the rows a second of this row's drafting holds up per row drafting beside it
-    trying: bool = False  # in a batch, the width is a guess or a try, not the batch's best: rent no draft model on it
-    verified: tuple[int, int, list[int]] | None = None  # a drafting step's (width, tokens before its draft, path),
-    # for `batch.Width` (auto reports a step with no room to draft as one token wider: `AutoDrafter.update`)
+    drafter: Any = None  # a drafting strategy's per-run `Drafter` (its draft cache, adaptive settings)
 
     def __post_init__(self) -> None:
         self.cache = self.lm.new_cache(self.expected_length)

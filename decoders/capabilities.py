@@ -53,3 +53,12 @@ def check_models(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = N
         lm.check_tree_mask()  # the error names it the target
     if draft is not None and strategy.draft_needs_tree_mask:
         draft.check_tree_mask("draft")
+
+
+def takes_trees(lm: LM) -> bool:
+    """Whether `lm` scores a token tree in one call (probed once per model: `LM.check_tree_mask`)."""
+    try:
+        lm.check_tree_mask()
+    except TypeError:
+        return False
+    return True

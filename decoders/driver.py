@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from numbers import Integral
 
-import torch
-
-from decoders import registry
+from decoders import batch, registry
 from decoders.base import Chunk, Decoder, DecodeState, Result
 from decoders.capabilities import check_models, check_request
-from decoders.models.lm import LM, load
+from decoders.decoding import Decoding
+from decoders.models.lm import LM
+from decoders.models.loading import load
 from decoders.options import whole
 from samplers import SamplingConfig, make_generator
 
@@ -62,58 +61,6 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
     for _ in run.chunks(with_text=False):
         pass
     return run.result()
-
-
-class Decoding:
-    """One checked, ready run: `chunks()` steps it, `result()` reads it, `state` holds its live counters."""
-
-    def __init__(self, state: DecodeState, decoder: Decoder) -> None:
-        self.state, self.decoder = state, decoder
-
-    def chunks(self, with_text: bool = True) -> Iterator[Chunk]:
-        """Step the strategy to the end, timing it and yielding what each step adds (its text if `with_text`)."""
-        state, decoder = self.state, self.decoder
-        state.lm.synchronize()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            decoder.start(state)
-        text = ""
-        while not state.finished:
-            before = len(state.tokens)
-            # inference_mode per step, not around the generator: a consumer's code between yields stays unaffected
-            with torch.inference_mode():
-                decoder.step(state)
-                if state.finished:
-                    decoder.finish(state)
-            added = state.tokens[before:]
-            if not added and not state.finished:
-                raise RuntimeError(f"strategy {decoder.name!r} made a step that accepted no token")
-            state.lm.synchronize()
-            elapsed = time.perf_counter() - start
-            if state.stats.ttft_seconds == 0.0:
-                state.stats.ttft_seconds = elapsed
-            state.stats.seconds = elapsed
-            piece = ""
-            if with_text:
-                full = state.lm.decode(state.new_tokens)
-                if full.endswith("\ufffd") and not state.finished:
-                    full = full[:-1]  # an incomplete UTF-8 character: emit it with the next step
-                piece, text = full[len(text) :], full
-            yield Chunk(tokens=added, text=piece, sources=state.sources[len(state.sources) - len(added) :])
-
-    def result(self, error: Exception | None = None) -> Result:
-        """The run's outcome (what it has so far, if `chunks()` was not run to the end); `error`: what ended it."""
-        state = self.state
-        return Result(
-            text=state.lm.decode(state.new_tokens),
-            tokens=state.new_tokens,
-            sources=state.sources,
-            stats=state.stats,
-            finish_reason=state.finish_reason,
-            prompt_tokens=state.tokens[: state.prompt_len],
-            strategy=self.decoder.name,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-        )
 
 
 def prepare(lm: LM, prompt: Prompt, **kwargs) -> Decoding:
@@ -219,8 +166,6 @@ def _run_batch(
 ):
     """Check every prompt (an error names its index) before any runs, then decode them batched (`decoders.batch`).
     No prompts: nothing runs, but what needs no prompt is checked."""
-    from decoders import batch
-
     batch_size = whole("batch_size", batch_size)
     if not prompts:  # nothing to decode, but a wrong strategy, option or max_new_tokens is still refused
         request = inspect.signature(_prepare).bind(lm, None, **kwargs)
@@ -243,7 +188,7 @@ def _run_batch(
     runs = []
     for i, prompt in enumerate(prompts):
         try:
-            runs.append(_prepare(lm, prompt, seed=seeds[i], grammar=grammars[i], stop=stops[i], **kwargs))
+            runs.append(prepare(lm, prompt, seed=seeds[i], grammar=grammars[i], stop=stops[i], **kwargs))
         except (TypeError, ValueError) as error:
             raise type(error)(f"prompt {i}: {error}") from None
     yield from batch.run(lm, runs, batch_size, with_text)

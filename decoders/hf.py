@@ -12,7 +12,6 @@ back from the running call; `grammar=` and `stop_strings=` need the exported fol
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import sys
@@ -21,69 +20,17 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation import (
-    GenerateDecoderOnlyOutput,
-    LogitNormalization,
-    MinPLogitsWarper,
-    StoppingCriteriaList,
-    StopStringCriteria,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers.generation import GenerateDecoderOnlyOutput, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerationMixin
 
 from decoders import registry
 from decoders.base import Decoder, Result
 from decoders.capabilities import check_request
 from decoders.driver import _run_batch, prepare, resolve_draft
+from decoders.hf_arguments import check_call, pad_id, sampling_settings
 from decoders.models.attention import restored
 from decoders.models.lm import LM
 
-# The logits warpers decodekit's sampling reproduces, in the order both apply them, and the setting each carries.
-_WARPERS = (
-    (TemperatureLogitsWarper, "temperature"),
-    (TopKLogitsWarper, "top_k"),
-    (TopPLogitsWarper, "top_p"),
-    (MinPLogitsWarper, "min_p"),
-)
-# Processors transformers adds for a generate argument, by class name: named in the error that refuses them.
-_PROCESSOR_ARGUMENTS = {
-    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
-    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
-    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
-    "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
-    "NoBadWordsLogitsProcessor": "bad_words_ids",
-    "SequenceBiasLogitsProcessor": "sequence_bias",
-    "MinLengthLogitsProcessor": "min_new_tokens / min_length",  # transformers turns min_new_tokens into min_length
-    "MinNewTokensLengthLogitsProcessor": "min_new_tokens",
-    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
-    "ForcedBOSTokenLogitsProcessor": "forced_bos_token_id",
-    "ForcedEOSTokenLogitsProcessor": "forced_eos_token_id",
-    "InfNanRemoveLogitsProcessor": "remove_invalid_values",
-    "ExponentialDecayLengthPenalty": "exponential_decay_length_penalty",
-    "SuppressTokensLogitsProcessor": "suppress_tokens",
-    "SuppressTokensAtBeginLogitsProcessor": "begin_suppress_tokens",
-    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
-    "ClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
-    "TypicalLogitsWarper": "typical_p",
-    "EpsilonLogitsWarper": "epsilon_cutoff",
-    "EtaLogitsWarper": "eta_cutoff",
-    "TopHLogitsWarper": "top_h",
-    "HammingDiversityLogitsProcessor": "diversity_penalty",
-    "WatermarkLogitsProcessor": "watermarking_config",
-    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
-}
-# Generation-config fields of other decoding modes or outputs decodekit does not produce -> the values allowed here.
-_UNSUPPORTED_FIELDS = {
-    **dict.fromkeys(("num_beams", "num_beam_groups", "num_return_sequences"), (None, 1)),
-    "penalty_alpha": (None, 0, 0.0),
-    **dict.fromkeys(("dola_layers", "prompt_lookup_num_tokens", "assistant_early_exit"), (None,)),
-    **dict.fromkeys(
-        ("token_healing", "output_scores", "output_logits", "output_attentions", "output_hidden_states"), (None, False)
-    ),
-}
-_CACHE_INPUTS = ("cache", "past_key_values")  # generate's KV cache input: `cache` from transformers 5.24 on
 _OWN_ARGUMENTS = ("strategy", "draft", "seed", "grammar", "tokenizer")  # besides the strategies' options
 
 
@@ -157,14 +104,14 @@ class CustomGenerate:
         call_streamer, call_assistant = _generate_call_arguments(model)
         streamer = streamer if streamer is not None else call_streamer
         assistant_model = assistant_model if assistant_model is not None else call_assistant
-        kept = _check_call(input_ids, generation_config, kwargs)  # [B, T] bool: the prompts' own tokens
+        kept = check_call(input_ids, generation_config, kwargs)  # [B, T] bool: the prompts' own tokens
         if input_ids.shape[0] > 1 and streamer is not None:
             raise ValueError(
                 f"streamer= with a batch of {input_ids.shape[0]} prompts is not supported by decodekit's "
                 "custom_generate: its rows advance at their own pace, not one token per row per step; "
                 "stream one prompt at a time, or use decoders.stream(lm, prompts)"
             )
-        sampling = _sampling(generation_config, list(logits_processor or ()))
+        sampling = sampling_settings(generation_config, list(logits_processor or ()))
         if sampling["temperature"] and seed is None:
             seed = int(torch.randint(0, 2**62, ()))  # from torch's global RNG, as transformers samples
         if grammar is not None and tokenizer is None:
@@ -194,16 +141,22 @@ class CustomGenerate:
                 **sampling,
                 **options,
             )
-            if len(prompts) == 1:
+            one = len(prompts) == 1
+            pad = 0 if one else pad_id(generation_config)  # (refused before any run where a batch has none)
+            if one:  # (a criterion that fires ends the run)
                 run = prepare(lm, prompts[0], **arguments)
-                sequences = _emit(run, input_ids, generation_config.max_length, stopping_criteria, streamer)
-                results, kept_new = [run.result()], [sequences.shape[1] - input_ids.shape[1]]
-            else:
-                pad = _pad_id(generation_config)
-                sequences, results, kept_new = _emit_batch(lm, prompts, input_ids, pad, stopping_criteria, **arguments)
+                events = ((0, chunk, None) for chunk in run.chunks(with_text=False))
+            else:  # (every row decoded to its end: the rows share their calls)
+                events = _run_batch(lm, prompts, batch_size=len(prompts), with_text=False, **arguments)
+            new, results = _emitted(events, input_ids, stopping_criteria, streamer, until_stopped=one)
+            results = [run.result()] if one else results
+            for index, result in enumerate(results):
+                if result.error is not None:
+                    raise RuntimeError(f"row {index} of the batch: {result.error}")
+            sequences = _padded(input_ids, new, pad)
         if not generation_config.return_dict_in_generate:
             return sequences
-        stats = [_row_stats(result, new) for result, new in zip(results, kept_new)]
+        stats = [_row_stats(result, len(tokens)) for result, tokens in zip(results, new)]
         return DecodekitOutput(sequences=sequences, decodekit_stats=stats[0] if len(stats) == 1 else stats)
 
 
@@ -257,16 +210,6 @@ def _row_stats(result: Result, new: int) -> dict:
     }
 
 
-def _pad_id(generation_config: GenerationConfig) -> int:
-    """What transformers pads a batch's finished rows with: pad_token_id, else the first EOS id."""
-    pad = generation_config.pad_token_id
-    if pad is None and generation_config.eos_token_id is not None:
-        pad = torch.as_tensor(generation_config.eos_token_id).reshape(-1)[0]
-    if pad is None:
-        raise ValueError("a batch of prompts needs pad_token_id= (or an eos_token_id) to pad the rows that end first")
-    return int(pad)
-
-
 def _models(model, tokenizer, generation_config: GenerationConfig, assistant_model, draft) -> tuple[LM, LM | None]:
     """The target `LM`, ending at the EOS ids this call resolved, and the draft `LM` (or None)."""
     lm = LM(model, tokenizer if tokenizer is not None else TokenIds())
@@ -282,143 +225,42 @@ def _models(model, tokenizer, generation_config: GenerationConfig, assistant_mod
     return lm, draft
 
 
-def _emit(run, input_ids, max_length: int, stopping_criteria, streamer) -> torch.Tensor:
-    """Step the run, checking the stopping criteria after every token and streaming what is kept: returns [1, T]."""
-    prompt_len = input_ids.shape[1]
-    sequence = torch.empty(1, max_length, dtype=torch.long, device=input_ids.device)  # [1, max_length]
-    sequence[:, :prompt_len] = input_ids
-    length, stopped = prompt_len, False
-    with contextlib.closing(run.chunks(with_text=False)) as steps:
-        for chunk in steps:
-            start = length
-            for token in chunk.tokens:  # a criterion that fires inside a step ends the output at that token
-                sequence[0, length] = token
-                length += 1
-                if stopping_criteria is not None and bool(stopping_criteria(sequence[:, :length], None).any()):
-                    stopped = True
-                    break
-            if streamer is not None and length > start:
-                streamer.put(sequence[:, start:length].cpu())  # [1, n]
-            if stopped:
-                break
-    if streamer is not None:
-        streamer.end()
-    return sequence[:, :length].clone()
-
-
-def _emit_batch(
-    lm: LM, prompts: list[list[int]], input_ids: torch.Tensor, pad: int, stopping_criteria, **arguments
-) -> tuple[torch.Tensor, list[Result], list[int]]:
-    """Decode the rows together, the stopping criteria checked on each row's own sequence [1, T + n] after every
-    token; returns the sequences [B, T + longest] padded with `pad`, the rows' results and the new tokens each kept."""
-    width, device = input_ids.shape[1], input_ids.device
-    padded = [row.tolist() for row in input_ids]
+def _emitted(
+    events, input_ids: torch.Tensor, stopping_criteria, streamer=None, until_stopped: bool = False
+) -> tuple[list[list[int]], list[Result | None]]:
+    """Each row's new tokens from the run's `events` ((index, chunk, result) as `decoders.batch` yields them), cut
+    where a stopping criterion fires on the row's own sequence (its left padding included, as transformers counts);
+    a streamer is handed each step's kept tokens. `until_stopped`: the events end once every row stopped."""
+    prompts = [row.tolist() for row in input_ids]
     new: list[list[int]] = [[] for _ in prompts]
     stopped = [False] * len(prompts)
     results: list[Result | None] = [None] * len(prompts)
-    for index, chunk, result in _run_batch(lm, prompts, batch_size=len(prompts), with_text=False, **arguments):
-        for token in [] if stopped[index] else chunk.tokens:
+    for index, chunk, result in events:
+        kept = []
+        for token in [] if stopped[index] else chunk.tokens:  # a criterion that fires inside a step ends the row there
             new[index].append(token)
-            if stopping_criteria is not None and bool(
-                stopping_criteria(torch.tensor([padded[index] + new[index]], device=device), None).any()
-            ):
+            kept.append(token)
+            sequence = torch.tensor([prompts[index] + new[index]], device=input_ids.device)  # [1, T + n]
+            if stopping_criteria is not None and bool(stopping_criteria(sequence, None).any()):
                 stopped[index] = True
                 break
+        if streamer is not None and kept:
+            streamer.put(torch.tensor([kept]))  # [1, n]
         if result is not None:
             results[index] = result
-    for index, result in enumerate(results):
-        if result.error is not None:
-            raise RuntimeError(f"row {index} of the batch: {result.error}")
-    sequences = torch.full((len(prompts), width + max(map(len, new))), pad, dtype=torch.long, device=device)
+        if until_stopped and all(stopped):
+            break
+    if streamer is not None:
+        streamer.end()
+    return new, results
+
+
+def _padded(input_ids: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:
+    """The prompts [B, T] and each row's new tokens, as transformers returns a batch: [B, T + longest], `pad` after
+    the rows that ended first."""
+    width = input_ids.shape[1]
+    sequences = torch.full((len(new), width + max(map(len, new))), pad, dtype=torch.long, device=input_ids.device)
     sequences[:, :width] = input_ids
     for index, tokens in enumerate(new):
         sequences[index, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    return sequences, results, [len(tokens) for tokens in new]
-
-
-def _sampling(generation_config: GenerationConfig, processors: list) -> dict:
-    """decodekit's sampling settings from the logits warpers (greedy unless do_sample); other processors are refused."""
-    settings: dict[str, Any] = {
-        "temperature": 1.0 if generation_config.do_sample else 0.0,
-        "top_k": None,
-        "top_p": None,
-        "min_p": None,
-    }
-    last = -1
-    for processor in processors:
-        name = type(processor).__name__
-        index = next((i for i, (cls, _) in enumerate(_WARPERS) if type(processor) is cls), None)
-        if index is None:
-            if isinstance(processor, LogitNormalization):
-                continue  # renormalize_logits: a log-softmax leaves the distribution as it is
-            argument = _PROCESSOR_ARGUMENTS.get(name)
-            cause = f"{argument} (adds {name})" if argument else f"logits_processor=[{name}(...)]"
-            raise ValueError(
-                f"{cause} is not supported by decodekit's custom_generate: its strategies sample from "
-                "the model's distribution after temperature, top_k, top_p and min_p only; drop it"
-            )
-        if (
-            index <= last
-            or getattr(processor, "min_tokens_to_keep", 1) != 1
-            or getattr(processor, "filter_value", float("-inf")) != float("-inf")
-        ):
-            raise ValueError(
-                f"logits_processor: {name} as given is not supported by decodekit's custom_generate: "
-                "temperature, top_k, top_p and min_p apply once each, in that order, dropping tokens "
-                "to -inf and keeping at least one; set them as generate arguments instead"
-            )
-        last = index
-        if generation_config.do_sample:  # in greedy mode a warper never changes the argmax
-            field = _WARPERS[index][1]
-            settings[field] = getattr(processor, field)
-    return settings
-
-
-def _left_padding(mask: torch.Tensor) -> torch.Tensor:
-    """The [B, T] bool mask of each row's own tokens from a left-padding `attention_mask`; anything else raises."""
-    kept = mask.to(torch.bool).cpu()
-    counts = kept.sum(1)
-    left = torch.arange(kept.shape[1])[None, :] >= (kept.shape[1] - counts)[:, None]  # zeros first, then ones
-    if not torch.equal(kept, left) or bool((counts == 0).any()):
-        raise ValueError(
-            "attention_mask with right padding (or zeros between ones, or an empty row) is not supported "
-            "by decodekit's custom_generate: pad prompts on the left (tokenizer padding_side='left'), as "
-            "transformers' generate expects"
-        )
-    return kept
-
-
-def _check_call(input_ids: torch.Tensor, generation_config: GenerationConfig, model_kwargs: dict) -> torch.Tensor:
-    """Refuse, naming the argument, what decodekit cannot honor; returns the prompts' own tokens ([B, T] bool)."""
-    for field, allowed in _UNSUPPORTED_FIELDS.items():  # first: beams and return sequences also widen the batch
-        value = getattr(generation_config, field, None)
-        if value not in allowed:
-            raise ValueError(
-                f"{field}={value!r} is not supported by decodekit's custom_generate "
-                f"(it runs one decodekit strategy and returns sequences and decodekit_stats); drop it"
-            )
-    mask = model_kwargs.get("attention_mask")
-    kept = torch.ones(input_ids.shape, dtype=torch.bool) if mask is None else _left_padding(mask)
-    for name, value in model_kwargs.items():
-        if value is None or name in ("use_cache", "logits_to_keep", "cache_position", "attention_mask"):
-            continue
-        if (
-            name == "position_ids"
-            and value.numel() == input_ids.numel()
-            and all(
-                torch.equal(row[keep], torch.arange(int(keep.sum())))
-                for row, keep in zip(value.reshape(input_ids.shape).cpu(), kept)
-            )
-        ):
-            continue
-        if name in _CACHE_INPUTS and getattr(value, "get_seq_length", lambda: 1)() == 0:
-            continue  # the empty cache transformers made
-        why = {
-            "position_ids": "position_ids other than 0..n-1 over each prompt's own tokens",
-            **{cache: f"a prefilled {cache} cache" for cache in _CACHE_INPUTS},
-        }.get(name, f"the model input {name}=")
-        raise ValueError(
-            f"{why} is not supported by decodekit's custom_generate: it decodes the prompts of "
-            "input_ids (left padding dropped by attention_mask), from scratch"
-        )
-    return kept
+    return sequences

@@ -20,12 +20,15 @@ not its cost model's errors), and greedy's estimate too:
 Both keep the calibrated context terms.
 
 The mechanisms (`MECHANISMS`), each switched off by a subclass of `AutoDrafter` passed to the replay as the drafter
-of an `Auto` subclass (`variant`), so the replay runs auto's own proposers and chooser with one thing changed:
+of an `Auto` subclass (`variant`), so the replay runs auto's own proposers and chooser with one thing changed: a
+proposer switched off by name (`AutoDrafter.off`, the ones that read it falling with it), one swapped in auto's list
+(`AutoDrafter.kinds`), or a setting of one:
 - `online_correction`: the costs corrected by the run's call times (off: its `Clock` is untimed, as in a seeded run:
   the calibrated curve alone, steps judged by their planned seconds);
 - `match_curves`: the suffix index's guesses estimated on one calibration curve per length of their match (off: a
   `SuffixProposer` whose `curve` gives one name for every length);
-- `suffix_trees`: the suffix index's trees (off: its main branch alone, `SuffixProposer(trees=False)`).
+- `suffix_trees`: the suffix index's trees (off: its main branch alone, `AutoDrafter.suffix_trees`);
+- `lookahead`, `merged`: those proposers (off: `AutoDrafter.off`).
 
 What the replay cannot judge: without noise every call costs what auto predicts, so `online_correction` has nothing to
 correct there (but in `stale`), and its row (and the float rounding of the replay's clock, which can flip a tie
@@ -47,7 +50,7 @@ from tqdm.auto import tqdm
 import decoders
 from decoders.drafting.cost import TARGET_SIZES, CallCost, call_cost
 from decoders.proposers.suffix import SuffixProposer
-from decoders.strategies.auto import Auto, AutoDrafter
+from decoders.strategies.auto import PROPOSERS, Auto, AutoDrafter
 from devtools.replay import load_prompts, stale
 from devtools.replay_auto import replay
 
@@ -110,58 +113,29 @@ class OneCurve(SuffixProposer):
         return "suffix"
 
 
-class SuffixSwapped(Planned):
-    """`auto`'s drafter with its suffix proposer replaced by a `suffix` one (trees as `trees` says; None: as auto
-    decides), built as auto builds it. (Without a draft model no other proposer holds the one replaced.)"""
-
-    suffix: type[SuffixProposer] = SuffixProposer
-    trees: bool | None = None
-
-    def __init__(self, state, options, *args, **kwargs) -> None:
-        super().__init__(state, options, *args, **kwargs)
-        old = self.by_name[SuffixProposer.name]
-        new = self.suffix(state, old.options, old.store, trees=old.trees if self.trees is None else self.trees,
-                          chooser=self.chooser.options, remember_prompts=old.remember)
-        self.proposers[self.proposers.index(old)] = self.by_name[new.name] = new
-        for proposer in self.proposers:  # (lookahead credits its guesses against the suffix index's)
-            if getattr(proposer, "suffix", None) is old:
-                proposer.suffix = new
-
-
-class OneCurveDrafter(SuffixSwapped):
+class OneCurveDrafter(Planned):
     """`match_curves`: the suffix index's guesses estimated on one calibration curve, not one per match length."""
 
-    suffix = OneCurve
+    kinds = tuple(OneCurve if kind is SuffixProposer else kind for kind in PROPOSERS)
 
 
-class MainBranch(SuffixSwapped):
+class MainBranch(Planned):
     """`suffix_trees`: the suffix index drafts its main branch alone, never a tree."""
 
-    trees = False
+    suffix_trees = False
 
 
-class Without(Planned):
-    """`auto`'s drafter without the proposers named in `dropped`."""
+class NoLookahead(Planned):
+    """`lookahead`: no lookahead guesses, alone or merged (which reads them), and no window rides. The replay
+    undervalues it: its window's tokens are off greedy's path, so their predictions never see the future."""
 
-    dropped: tuple[str, ...] = ()
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.proposers = [p for p in self.proposers if p.name not in self.dropped]
-        self.by_name = {p.name: p for p in self.proposers}
+    off = ("lookahead",)
 
 
-class NoLookahead(Without):
-    """`lookahead`: no lookahead guesses, alone or merged, and no window rides. The replay undervalues it: its
-    window's tokens are off greedy's path, so their predictions never see the future."""
-
-    dropped = ("lookahead", "merged")
-
-
-class NoMerged(Without):
+class NoMerged(Planned):
     """`merged`: the suffix index's and lookahead's guesses never checked in one tree."""
 
-    dropped = ("merged",)
+    off = ("merged",)
 
 
 MECHANISMS: dict[str, type[Planned]] = {"online_correction": Untimed, "match_curves": OneCurveDrafter,

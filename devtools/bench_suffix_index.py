@@ -22,7 +22,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions, SuffixStore, propose
+from decoders.drafting.suffix_index import SuffixIndex, SuffixOptions
+from decoders.drafting.suffix_store import SuffixStore, propose
 
 
 def source_words(count: int) -> list[int]:

@@ -169,7 +169,7 @@ def decodekit_queue(
         prepared = [
             driver.prepare(lm, r.tokens, strategy=decoder, max_new_tokens=r.limit, draft=draft) for r in requests
         ]
-        for index, _, result in batch.run(lm, [(p.state, p.decoder) for p in prepared], batch_size):
+        for index, _, result in batch.run(lm, prepared, batch_size):
             arrivals.setdefault(index, []).append(
                 (time.perf_counter() - watch.start, len(prepared[index].state.new_tokens))
             )

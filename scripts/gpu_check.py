@@ -137,7 +137,7 @@ def curve(lm: decoders.LM, quick: bool, deadline: float) -> dict:
     points, stopped = [], None
     with torch.inference_mode():
         cache = lm.new_cache()
-        lm.forward(ids[:16], cache, keep=1)  # a cache whose keys `cost._resize` tiles to each context length
+        lm.forward(ids[:16], cache, keep=1)  # a cache whose keys `resize` tiles to each context length
         for context in contexts:
             for n in sizes:
                 for shape in ("chain", "tree") if n > 1 else ("chain",):
@@ -147,7 +147,7 @@ def curve(lm: decoders.LM, quick: bool, deadline: float) -> dict:
                     mask, positions = tree(n, context) if shape == "tree" else (None, None)
 
                     def call():
-                        cost._resize(cache, context)  # (the cache grew by the last call's n)
+                        cache.resize(context)  # (the cache grew by the last call's n)
                         lm.forward(ids[:n], cache, positions=positions, tree_mask=mask, keep=n)
 
                     call()  # untimed: a new shape's first call picks its kernels
@@ -404,7 +404,7 @@ def batch_curve(lm: decoders.LM, rows: int, quick: bool, deadline: float) -> dic
     """Seconds of one batch call (`BatchCache.forward`) of `rows` rows, each scoring n tokens (logits of every one)
     after L cached positions of its own, the fastest and the median of REPEATS timed calls; stops at `deadline`."""
     from decoders.base import Call
-    from decoders.batch import BatchCache
+    from decoders.models.rows import BatchCache
 
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(CONTEXTS[quick]))]
     points, stopped = [], None

@@ -94,8 +94,8 @@ def test_a_variant_switches_its_mechanism_off_in_autos_own_proposers(suite, monk
     seen = {}  # drafter class -> (drafter, drafts it proposed)
     propose = AutoDrafter.propose
 
-    def spy(self, state, limit):
-        draft = yield from propose(self, state, limit)  # (yields its draft model's calls)
+    def spy(self, state, limit, *budget):
+        draft = yield from propose(self, state, limit, *budget)  # (yields its draft model's calls)
         seen.setdefault(type(self).__bases__[0], (self, []))[1].append(draft)
         return draft
 

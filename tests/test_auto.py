@@ -504,8 +504,8 @@ def test_a_tree_grows_only_the_nodes_and_draft_calls_that_pay_for_their_seconds(
     grown = []
 
     class Drafter(auto.AutoDrafter):
-        def propose(self, state, limit):
-            draft = yield from super().propose(state, limit)  # (yields its draft model's calls)
+        def propose(self, state, limit, *budget):
+            draft = yield from super().propose(state, limit, *budget)  # (yields its draft model's calls)
             if self.plan.proposer == "tree":
                 options = self.by_name["tree"].drafter.options
                 grown.append((options.min_prob, options.expand_prob))

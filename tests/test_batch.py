@@ -25,7 +25,8 @@ import grammars
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm, tiny_tokenizer
 from decoders import batch
 from decoders.base import Decoder, Result
-from decoders.batch import BatchCache
+from decoders.models.rows import FEED_ALONE, SHARED, BatchCache
+from decoders.width import EXPLORE, WIDTHS
 from decoders.drafting import chooser
 from decoders.drafting.cost import CallCost, CostModel
 from decoders.models.graphs import MIN_CAPACITY
@@ -600,7 +601,7 @@ def test_a_prompt_sharing_a_kept_prompts_beginning_scores_only_the_rest(arch, st
     draft = tiny_lm(arch, seed=99) if strategy == "speculative" else None
     base = lm.encode(LONG_PROMPT * 2)
     prompts = [base + lm.encode(tail)[-3:] for tail in (" one", " two", "3 three")] + [lm.encode(PROMPTS[1])]
-    assert len(base) > batch.SHARED
+    assert len(base) > SHARED
     prefills, inside = defaultdict(list), []  # model -> [tokens a prefill held, tokens it scored]; its prefill running
     prefill = BatchCache.prefill
 
@@ -636,9 +637,9 @@ def test_width_counts_what_each_narrower_call_would_have_gained():
     """A step verified at width 5 (one token fed, four drafted, the first three accepted) would have gained 1, 2, 3, 4
     tokens at widths 1, 2, 3, 5; it says nothing of wider calls."""
     width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 64), (1.0, 1.0)))
-    prior = dict(width.gained)
+    prior = {w: gains.total for w, gains in width.gains.items()}
     width.observe(5, 1, [0, 1, 2])
-    gained = {w: round(width.gained[w] - batch.DECAY * prior[w], 6) for w in batch.WIDTHS}
+    gained = {w: round(width.gains[w].total - width.options.decay * prior[w], 6) for w in WIDTHS}
     assert gained == {1: 1, 2: 2, 3: 3, 5: 4, 9: round(0.01 * prior[9], 6), 17: round(0.01 * prior[17], 6)}
 
 
@@ -650,10 +651,10 @@ def test_width_weighs_the_tokens_against_the_call_of_rows_x_width_tokens(slope, 
     width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 1000), (1.0, 1.0 + 1999 * slope)))
     for _ in range(30):
         width.observe(0, 1, list(range(16)))
-    picks = [width.next(context=10) for _ in range(3 * batch.EXPLORE)]
-    wider = batch.WIDTHS[min(batch.WIDTHS.index(want) + 1, len(batch.WIDTHS) - 1)]
+    picks = [width.next(context=10) for _ in range(3 * EXPLORE)]
+    wider = WIDTHS[min(WIDTHS.index(want) + 1, len(WIDTHS) - 1)]
     then = 1 if want != 1 else wider
-    assert picks == [want] * (batch.EXPLORE - 1) + [wider] + [want] * (2 * batch.EXPLORE - 1) + [then]
+    assert picks == [want] * (EXPLORE - 1) + [wider] + [want] * (2 * EXPLORE - 1) + [then]
 
 
 @pytest.mark.parametrize("reported", [1, 2])
@@ -663,11 +664,11 @@ def test_a_width_the_rows_report_at_narrower_calls_is_never_tried(reported):
     each 1-token call what a 2-token one would have gained (auto's guesses) need no try, and get none."""
     width = batch.Width(tiny_lm("llama"), rows=4, cost=CallCost((1, 1000), (1.0, 2000.0)))
     picks = []
-    for _ in range(4 * batch.EXPLORE):
+    for _ in range(4 * EXPLORE):
         picks.append(width.next(context=10))
         width.observe(reported, 1, [])
     tried = [i for i, pick in enumerate(picks) if pick != 1]  # (pick 0 before any report, then 1 + EXPLORE calls)
-    assert tried == ([] if reported == 2 else [batch.EXPLORE, 3 * batch.EXPLORE]) and picks[0] == 1
+    assert tried == ([] if reported == 2 else [EXPLORE, 3 * EXPLORE]) and picks[0] == 1
 
 
 def test_a_batch_limits_every_rows_call_to_its_width(monkeypatch):
@@ -697,7 +698,7 @@ def test_a_long_catch_up_is_fed_alone_and_scores_as_alone(arch, monkeypatch):
     runs alone."""
     lm = tiny_lm(arch)
     first, second = lm.encode(PROMPTS[0]), lm.encode(PROMPTS[1])
-    catch_up = lm.encode(PROMPTS[2] * 3)[: batch.FEED_ALONE + 2]
+    catch_up = lm.encode(PROMPTS[2] * 3)[: FEED_ALONE + 2]
     cache = BatchCache(lm, 2)
     cache.prefill(0, first[:-1])
     cache.prefill(1, second[:-1])

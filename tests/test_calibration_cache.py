@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
-from decoders.drafting import cost as cost_module
+from decoders.drafting import curve
 from decoders.drafting.cost import CostModel, call_cost
 from evals import cli
 
@@ -206,7 +206,7 @@ def test_a_cached_curve_that_the_runs_calls_beat_by_far_is_marked_stale_for_the_
         observe_at(CostModel(cost_of(lm)), [5.0 if i % 9 == 4 else 1.3 if i % 2 else 0.8 for i in range(40)])  # within
         # the noise, with a stall now and then: kept
         model = CostModel(cost_of(lm))
-        observe_at(model, [ratio] * (cost_module.STALE_CALLS - 1))
+        observe_at(model, [ratio] * (curve.STALE_CALLS - 1))
     assert lm.calls == measured and only_file(folder).is_file()  # read from the cache; too few calls to tell
     with pytest.warns(UserWarning, match="stale") as record:
         observe_at(model, [ratio])

@@ -62,8 +62,9 @@ def test_list_shows_strategies_peers_and_suites(capsys):
         assert name in out
 
 
-@pytest.mark.parametrize("command", [[], ["list"], ["generate"], ["compare"], ["calibrate"], ["leaderboard"],
-                                     ["models"], ["models", "pull"]])
+@pytest.mark.parametrize(
+    "command", [[], ["list"], ["generate"], ["compare"], ["calibrate"], ["leaderboard"], ["models"], ["models", "pull"]]
+)
 def test_every_help_has_examples(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(command + ["--help"])
@@ -99,10 +100,22 @@ def test_generate_json_prints_the_result(model_dir, capsys):
 @pytest.mark.skipif("guided" not in decoders.available(), reason="no grammar-constrained strategy registered")
 def test_generate_with_a_json_schema_shows_grammar_forced_tokens(model_dir, tmp_path, capsys):
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}},
-                                  "required": ["name"]}))
-    args = ["generate", "--model", model_dir, "--strategy", "guided", "--json-schema", str(schema),
-            "--max-new-tokens", "12", "--show-sources", PROMPT]
+    schema.write_text(
+        json.dumps({"type": "object", "properties": {"name": {"type": "string", "maxLength": 4}}, "required": ["name"]})
+    )
+    args = [
+        "generate",
+        "--model",
+        model_dir,
+        "--strategy",
+        "guided",
+        "--json-schema",
+        str(schema),
+        "--max-new-tokens",
+        "12",
+        "--show-sources",
+        PROMPT,
+    ]
     assert cli.main(args) == 0
     assert capsys.readouterr().out.startswith('[grammar:{"name":"')
     assert cli.main(args[:5] + args[7:]) == 2  # guided without a schema
@@ -111,10 +124,28 @@ def test_generate_with_a_json_schema_shows_grammar_forced_tokens(model_dir, tmp_
 
 def test_compare_prints_a_table_and_writes_every_report(model_dir, tmp_path, capsys):
     out = tmp_path / "results.json"
-    args = ["compare", "--model", model_dir, "--suite", "article", "--strategies", "greedy,hf:greedy",
-            "--max-new-tokens", "8", "--no-progress", "--bandwidth-mb", "8", "--out", str(out),
-            "--markdown", str(tmp_path / "report.md"), "--html", str(tmp_path / "report.html"),
-            "--plots", str(tmp_path / "plots")]
+    args = [
+        "compare",
+        "--model",
+        model_dir,
+        "--suite",
+        "article",
+        "--strategies",
+        "greedy,hf:greedy",
+        "--max-new-tokens",
+        "8",
+        "--no-progress",
+        "--bandwidth-mb",
+        "8",
+        "--out",
+        str(out),
+        "--markdown",
+        str(tmp_path / "report.md"),
+        "--html",
+        str(tmp_path / "report.html"),
+        "--plots",
+        str(tmp_path / "plots"),
+    ]
     assert cli.main(args) == 0
     stdout = capsys.readouterr().out
     assert "| strategy | lossless | tok/s ↑" in stdout and "| hf:greedy | ✓ exact" in stdout
@@ -123,27 +154,35 @@ def test_compare_prints_a_table_and_writes_every_report(model_dir, tmp_path, cap
     assert (tmp_path / "report.md").read_text().startswith("## decodekit compare")
     assert "<svg" in (tmp_path / "report.html").read_text()
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
-        "acceptance_by_position.png", "speedup_by_category.png"]
+        "acceptance_by_position.png",
+        "speedup_by_category.png",
+    ]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["compare", "--model", "unused", "--strategies", "greedyy"], "Did you mean 'greedy'?"),
-    (["compare", "--model", "unused", "--suite", "defualt"], "Did you mean 'default'?"),
-    (["compare", "--model", "unused", "--strategies", "hf:assisted"], "needs a draft model"),
-    (["compare", "--model", "unused", "-o", "k=3"], "STRATEGY.KEY=VALUE"),
-    (["generate", "--model", "unused", "--strategy", "nope", "hi"], "unknown strategy 'nope'"),
-    (["generate", "--model", "unused", "--json-schema", "/no/such/schema.json", "hi"], "cannot read a JSON schema"),
-    (["models", "pull", "smollm3"], "unknown zoo model"),
-    (["leaderboard", "/no/such/result.json"], "no such file"),
-    (["generate", "--model", "unused", "--draft", "unused", "hi"], "'greedy' takes no draft model"),
-    (["generate", "--model", "unused", ""], "the prompt is empty"),
-    (["generate", "--model", "unused", " \n "], "the prompt is empty"),
-    (["generate", "--model", "unused", "--strategy", "hf:greedy", "hi"], "is a peer"),
-    (["generate", "--model", "unused", "--strategy", "prompt_lookup@k=0", "hi"], "k must be"),
-    (["generate", "--model", "unused", "--draft-quantize", "int8", "hi"], "pass --draft MODEL too"),
-    (["compare", "--model", "unused", "--draft", "self:int8", "--draft-quantize", "int8"], "drop --draft-quantize"),
-    (["compare", "--model", "unused", "--strategies", "prompt_lookup", "-o", "prompt_lookup.kk=1"], "unknown option"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compare", "--model", "unused", "--strategies", "greedyy"], "Did you mean 'greedy'?"),
+        (["compare", "--model", "unused", "--suite", "defualt"], "Did you mean 'default'?"),
+        (["compare", "--model", "unused", "--strategies", "hf:assisted"], "needs a draft model"),
+        (["compare", "--model", "unused", "-o", "k=3"], "STRATEGY.KEY=VALUE"),
+        (["generate", "--model", "unused", "--strategy", "nope", "hi"], "unknown strategy 'nope'"),
+        (["generate", "--model", "unused", "--json-schema", "/no/such/schema.json", "hi"], "cannot read a JSON schema"),
+        (["models", "pull", "smollm3"], "unknown zoo model"),
+        (["leaderboard", "/no/such/result.json"], "no such file"),
+        (["generate", "--model", "unused", "--draft", "unused", "hi"], "'greedy' takes no draft model"),
+        (["generate", "--model", "unused", ""], "the prompt is empty"),
+        (["generate", "--model", "unused", " \n "], "the prompt is empty"),
+        (["generate", "--model", "unused", "--strategy", "hf:greedy", "hi"], "is a peer"),
+        (["generate", "--model", "unused", "--strategy", "prompt_lookup@k=0", "hi"], "k must be"),
+        (["generate", "--model", "unused", "--draft-quantize", "int8", "hi"], "pass --draft MODEL too"),
+        (["compare", "--model", "unused", "--draft", "self:int8", "--draft-quantize", "int8"], "drop --draft-quantize"),
+        (
+            ["compare", "--model", "unused", "--strategies", "prompt_lookup", "-o", "prompt_lookup.kk=1"],
+            "unknown option",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_on_stderr_and_exit_status_2(args, message, capsys):
     assert cli.main(args) == 2
     out, err = capsys.readouterr()
@@ -207,8 +246,22 @@ def test_settings_after_at_reach_the_strategy_built_once(model_dir, counted_stra
     args = ["generate", "--model", model_dir, "--strategy", "test_counted@k=3", "-o", "k=2", "--max-new-tokens", "4"]
     assert cli.main(args + ["--json", PROMPT]) == 0
     assert json.loads(capsys.readouterr().out)["strategy"] == "test_counted" and counted_strategy == [3]
-    compare = ["compare", "--model", model_dir, "--suite", "article", "--strategies", "test_counted@k=2",
-               "--repeats", "2", "--max-new-tokens", "4", "--no-progress", "--bandwidth-mb", "0"]
+    compare = [
+        "compare",
+        "--model",
+        model_dir,
+        "--suite",
+        "article",
+        "--strategies",
+        "test_counted@k=2",
+        "--repeats",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+        "--bandwidth-mb",
+        "0",
+    ]
     assert cli.main(compare) == 0
     assert "| test_counted@k=2 | ✓ exact" in capsys.readouterr().out
     assert counted_strategy == [3, 2]  # one instance for the warm-up and all six timed runs
@@ -230,8 +283,20 @@ def test_a_draft_of_another_vocabulary_stops_compare_before_any_run(model_dir, t
     tokenizer = copy.deepcopy(tiny_tokenizer())
     tokenizer.add_tokens(["zzqx"])
     tokenizer.save_pretrained(folder)
-    args = ["compare", "--model", model_dir, "--draft", str(folder), "--suite", "article", "--strategies",
-            "staged", "--no-progress", "--bandwidth-mb", "0"]
+    args = [
+        "compare",
+        "--model",
+        model_dir,
+        "--draft",
+        str(folder),
+        "--suite",
+        "article",
+        "--strategies",
+        "staged",
+        "--no-progress",
+        "--bandwidth-mb",
+        "0",
+    ]
     assert cli.main(args) == 2
     out, err = capsys.readouterr()
     assert out == "" and "staged: draft model" in err and "does not share the tokenizer" in err
@@ -247,8 +312,22 @@ def test_runs_that_raise_are_written_and_the_exit_status_is_1(model_dir, tmp_pat
 
     out = tmp_path / "results.json"
     try:
-        args = ["compare", "--model", model_dir, "--suite", "article", "--strategies", "test_raises",
-                "--max-new-tokens", "2", "--no-progress", "--bandwidth-mb", "0", "--out", str(out)]
+        args = [
+            "compare",
+            "--model",
+            model_dir,
+            "--suite",
+            "article",
+            "--strategies",
+            "test_raises",
+            "--max-new-tokens",
+            "2",
+            "--no-progress",
+            "--bandwidth-mb",
+            "0",
+            "--out",
+            str(out),
+        ]
         assert cli.main(args) == 1
     finally:
         decoders.unregister("test_raises")
@@ -259,8 +338,23 @@ def test_runs_that_raise_are_written_and_the_exit_status_is_1(model_dir, tmp_pat
 
 
 def test_a_draft_no_method_takes_is_not_loaded(model_dir, capsys):
-    args = ["compare", "--model", model_dir, "--draft", "/no/such/draft", "--suite", "article", "--strategies",
-            "prompt_lookup", "--max-new-tokens", "2", "--no-progress", "--bandwidth-mb", "0", "--no-warmup"]
+    args = [
+        "compare",
+        "--model",
+        model_dir,
+        "--draft",
+        "/no/such/draft",
+        "--suite",
+        "article",
+        "--strategies",
+        "prompt_lookup",
+        "--max-new-tokens",
+        "2",
+        "--no-progress",
+        "--bandwidth-mb",
+        "0",
+        "--no-warmup",
+    ]
     assert cli.main(args) == 0
     out, err = capsys.readouterr()
     assert "/no/such/draft" not in err and "the draft model is not used" in out and "draft: none" in out
@@ -272,8 +366,18 @@ def test_the_targets_own_int8_copy_drafts_once_and_a_draft_can_be_loaded_quantiz
     made = []
     original = quantize.quantize
     monkeypatch.setattr(quantize, "quantize", lambda lm, scheme: made.append(scheme) or original(lm, scheme))
-    args = ["compare", "--model", model_dir, "--suite", "article", "--max-new-tokens", "6", "--no-progress",
-            "--bandwidth-mb", "0"]
+    args = [
+        "compare",
+        "--model",
+        model_dir,
+        "--suite",
+        "article",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+        "--bandwidth-mb",
+        "0",
+    ]
     assert cli.main(args + ["--draft", "self:int8", "--strategies", "speculative,hf:assisted"]) == 0
     out = capsys.readouterr().out
     assert "draft: self:int8" in out and made == ["int8"]  # one copy for every run of both methods
@@ -321,8 +425,19 @@ def test_a_strategy_that_needs_a_draft_is_refused_without_one(capsys):
 def test_bench_greedy_prints_the_ratio_and_the_roofline_fraction(model_dir, capsys):
     from evals import bench_greedy
 
-    args = ["--models", model_dir, "--dtype", "float32", "--suite", "article", "--repeats", "1",
-            "--max-new-tokens", "6", "--no-progress"]
+    args = [
+        "--models",
+        model_dir,
+        "--dtype",
+        "float32",
+        "--suite",
+        "article",
+        "--repeats",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+    ]
     assert bench_greedy.main(args) == 0
     out = capsys.readouterr().out
     assert "| model | dtype | MiB/token | greedy tok/s ↑ | hf:greedy tok/s ↑ | ratio ↑" in out
@@ -337,7 +452,7 @@ def test_calibrate_prints_measured_call_costs_and_plots_them(model_dir, tmp_path
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "| role | model | tokens | context | measured ms ↓ | fit ms ↓" in out
-    where = torch.zeros(0, device=decoders.models.lm.resolve_device(None)).device  # where the CLI loads it: cuda:0
+    where = torch.zeros(0, device=decoders.models.device.resolve_device(None)).device  # where the CLI loads it: cuda:0
     assert f"device: {cost_module.machine(where)} · dtype: float32" in out  # the machine its costs are cached for
     assert f"| target | {model_dir} | 1 |" in out and "| draft | self:int8 | 1 |" in out
     assert "µs per cached position" in out and plot.stat().st_size > 1000
@@ -351,13 +466,33 @@ def test_peers_draft_with_the_draft_as_loaded_and_strategies_with_its_quantized_
 
     seen = []
     run_peer, run_decodekit = peers.run_peer, timing.run_decodekit
-    monkeypatch.setattr(peers, "run_peer", lambda *a, **kw: seen.append(("peer", is_quantized(kw["draft"])))
-                        or run_peer(*a, **kw))
-    monkeypatch.setattr("evals.runner.run_decodekit", lambda *a, **kw: seen.append(
-        ("decodekit", kw["draft"] and is_quantized(kw["draft"]))) or run_decodekit(*a, **kw))
-    args = ["compare", "--model", model_dir, "--suite", "article", "--max-new-tokens", "6", "--no-progress",
-            "--bandwidth-mb", "0", "--draft", model_dir, "--draft-quantize", "int8",
-            "--strategies", "speculative,hf:assisted"]
+    monkeypatch.setattr(
+        peers, "run_peer", lambda *a, **kw: seen.append(("peer", is_quantized(kw["draft"]))) or run_peer(*a, **kw)
+    )
+    monkeypatch.setattr(
+        "evals.runner.run_decodekit",
+        lambda *a, **kw: (
+            seen.append(("decodekit", kw["draft"] and is_quantized(kw["draft"]))) or run_decodekit(*a, **kw)
+        ),
+    )
+    args = [
+        "compare",
+        "--model",
+        model_dir,
+        "--suite",
+        "article",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+        "--bandwidth-mb",
+        "0",
+        "--draft",
+        model_dir,
+        "--draft-quantize",
+        "int8",
+        "--strategies",
+        "speculative,hf:assisted",
+    ]
     assert cli.main(args) == 0
     assert "| speculative | ✓ exact" in capsys.readouterr().out
     assert ("peer", None) in seen and ("decodekit", "int8") in seen
@@ -366,9 +501,26 @@ def test_peers_draft_with_the_draft_as_loaded_and_strategies_with_its_quantized_
 
 def test_limit_and_per_category_pick_the_prompts(model_dir, tmp_path):
     out = tmp_path / "r.json"
-    args = ["compare", "--model", model_dir, "--suite", "default", "--per-category", "1", "--limit", "2",
-            "--max-new-tokens", "3", "--no-progress", "--bandwidth-mb", "0", "--strategies", "greedy", "--out",
-            str(out)]
+    args = [
+        "compare",
+        "--model",
+        model_dir,
+        "--suite",
+        "default",
+        "--per-category",
+        "1",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--no-progress",
+        "--bandwidth-mb",
+        "0",
+        "--strategies",
+        "greedy",
+        "--out",
+        str(out),
+    ]
     assert cli.main(args) == 0
     result = json.loads(out.read_text())
     assert [p["id"] for p in result["prompts"]] == [p.id for p in suites.load("default", limit=2, per_category=1)]
@@ -377,8 +529,22 @@ def test_limit_and_per_category_pick_the_prompts(model_dir, tmp_path):
 
 def test_a_suffix_store_kept_across_the_suite(model_dir, tmp_path, capsys):
     out = tmp_path / "r.json"
-    args = ["compare", "--model", model_dir, "--suite", "article", "--max-new-tokens", "8", "--no-progress",
-            "--bandwidth-mb", "0", "--strategies", "suffix,suffix@store=run", "--out", str(out)]
+    args = [
+        "compare",
+        "--model",
+        model_dir,
+        "--suite",
+        "article",
+        "--max-new-tokens",
+        "8",
+        "--no-progress",
+        "--bandwidth-mb",
+        "0",
+        "--strategies",
+        "suffix,suffix@store=run",
+        "--out",
+        str(out),
+    ]
     assert cli.main(args) == 0
     text = capsys.readouterr().out
     assert "| suffix@store=run | ✓ exact" in text and "one SuffixStore across the suite's prompts" in text
@@ -394,8 +560,20 @@ def test_export_hub_writes_a_custom_generate_folder(tmp_path, capsys):
 
 
 def test_the_report_shows_what_auto_chose(model_dir, capsys):
-    args = ["compare", "--model", model_dir, "--suite", "article", "--max-new-tokens", "8", "--no-progress",
-            "--bandwidth-mb", "0", "--strategies", "auto"]
+    args = [
+        "compare",
+        "--model",
+        model_dir,
+        "--suite",
+        "article",
+        "--max-new-tokens",
+        "8",
+        "--no-progress",
+        "--bandwidth-mb",
+        "0",
+        "--strategies",
+        "auto",
+    ]
     assert cli.main(args) == 0
     text = capsys.readouterr().out
     assert "What the choosing strategies chose:" in text

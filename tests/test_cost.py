@@ -14,8 +14,8 @@ import torch
 import decoders
 from conftest import tiny_lm, tiny_model, tiny_tokenizer
 from decoders.drafting import cost as cost_module
-from decoders.drafting.cost import (DRAFT_SIZES, EVIDENCE, ROUNDS, TARGET_SIZES, WINDOW, CallCost, CostModel, calibrate,
-                                    fit)
+from decoders.drafting.cost import DRAFT_SIZES, ROUNDS, TARGET_SIZES, CallCost, CostModel, calibrate, fit
+from decoders.drafting.curve import EVIDENCE, WINDOW
 
 
 def linear(a: float, b: float, c: float = 0.0) -> CallCost:
@@ -154,6 +154,8 @@ class ClockedLM:
 
         def crop(self, length):
             self.length = length
+
+        resize = crop  # (a count of positions: growing it or cutting it alike)
 
     def __init__(self, seconds):
         self.seconds, self.now, self.scored = seconds, 0.0, []

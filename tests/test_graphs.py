@@ -15,7 +15,7 @@ import decoders
 from conftest import ARCHITECTURES, PROMPTS, tiny_lm
 from test_batch import LONG_PROMPT
 from decoders.drafting import cost
-from decoders.models import graphs
+from decoders.models import capture, graphs, slabs
 from decoders.models.cache import KVCache
 from decoders.models.graphs import MIN_CAPACITY, StaticKVCache
 
@@ -121,7 +121,7 @@ def test_timing_resizes_a_static_cache_without_copying():
     with torch.inference_mode():
         cache = static.new_cache()
         static.forward([1, 2, 3], cache)
-        cost._resize(cache, 600)
+        cache.resize(600)
         assert len(cache) == 600 and cache.slab.capacity == 4 * MIN_CAPACITY
         assert static.forward([4], cache).shape == (1, static.vocab_size)
 
@@ -157,7 +157,7 @@ def test_a_call_whose_capture_fails_runs_eagerly_from_then_on(monkeypatch):
         static.forward([1, 2, 3], cache)
     slab = cache.slab
     monkeypatch.setattr(slab, "capture", True)  # (as on CUDA; the capture itself fails)
-    monkeypatch.setattr(graphs, "capture", lambda *_: (_ for _ in ()).throw(RuntimeError("not capturable")))
+    monkeypatch.setattr(capture, "capture", lambda *_: (_ for _ in ()).throw(RuntimeError("not capturable")))
     ids, positions = torch.tensor([[4]]), torch.tensor([[3]])
     with pytest.warns(UserWarning, match="calls of 1 tokens could not be captured .*not capturable.*run eagerly"):
         assert slab.replay(static, ids, positions, 3, None, None) is None
@@ -194,7 +194,8 @@ def test_a_failed_capture_leaves_random_ops_and_later_captures_working(monkeypat
 @pytest.mark.parametrize("strategy", ["speculative", "auto"])
 def test_the_targets_int8_copy_drafts_on_its_static_cache(strategy):
     """"self:int8" drafts on the target's own cache (`SharedCacheDraft`): on a static one too, with the same tokens."""
-    from decoders.drafting.draft_model import SharedCacheDraft, draft_model
+    from decoders.drafting import draft_model
+    from decoders.drafting.draft_model import SharedCacheDraft
 
     dynamic, static = twins("llama")
     for prompt in PROMPTS[:3]:
@@ -264,14 +265,14 @@ def test_a_batchs_int8_copy_and_translated_draft_draft_on_static_caches_of_their
 @pytest.fixture
 def failing_captures(monkeypatch):
     """Batch slabs that capture (as on CUDA), every capture failing: calls padded to the buckets, run eagerly."""
-    init = graphs.BatchSlab.__init__
+    init = slabs.BatchSlab.__init__
 
     def capturing(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.capture = True
 
-    monkeypatch.setattr(graphs.BatchSlab, "__init__", capturing)
-    monkeypatch.setattr(graphs, "capture", lambda *_: (_ for _ in ()).throw(RuntimeError("not capturable")))
+    monkeypatch.setattr(slabs.BatchSlab, "__init__", capturing)
+    monkeypatch.setattr(capture, "capture", lambda *_: (_ for _ in ()).throw(RuntimeError("not capturable")))
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "speculative", "suffix", "lookahead"])

@@ -123,7 +123,8 @@ def test_long_calls_run_on_the_shared_float_weight_from_the_measured_size(monkey
 
 def test_a_self_draft_drafts_on_the_targets_cache_and_leaves_it_as_it_found_it(monkeypatch):
     from decoders.driver import _prepare
-    from decoders.drafting.draft_model import DraftModel, SharedCacheDraft, draft_model
+    from decoders.drafting import draft_model
+    from decoders.drafting.draft_model import DraftModel, SharedCacheDraft
 
     lm = tiny_lm("llama")
     prompt = lm.encode(PROMPTS[1])

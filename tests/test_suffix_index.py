@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, SuffixStore, _Node, propose
+from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, _Node
+from decoders.drafting.suffix_store import SuffixStore, propose
 
 
 def texts(seed: int, count: int = 6, vocab: int = 5, longest: int = 60) -> list[list[int]]:

@@ -15,7 +15,8 @@ import decoders
 import grammars
 from conftest import CORPUS, PROMPTS, tiny_lm, tiny_model
 from decoders.driver import _prepare
-from decoders.drafting.draft_model import DraftModel, draft_model
+from decoders.drafting import draft_model
+from decoders.drafting.draft_model import DraftModel
 from decoders.drafting.translate import Codec, TranslatedDraftModel, shared_tokens
 from samplers import SamplingConfig
 from stats import chi_square_fits
@@ -134,7 +135,7 @@ def test_the_draft_follows_the_run_text():
                               max_new_tokens=60)
     with torch.inference_mode():
         decoder.start(state)
-        model = state.drafter.model
+        model = state.drafter.proposer.model
         assert isinstance(model, TranslatedDraftModel)
         while not state.finished:
             decoder.step(state)

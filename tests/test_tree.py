@@ -291,7 +291,7 @@ def test_target_and_draft_caches_hold_exactly_the_accepted_tokens(strategy):
         assert len(state.cache) == len(state.tokens) - 1
         assert holds(lm, state.cache, state.tokens)
         if draft is not None:
-            draft_cache = state.drafter.model.cache
+            draft_cache = state.drafter.proposer.model.cache
             assert len(draft_cache) <= len(state.tokens) - 1
             assert holds(draft, draft_cache, state.tokens)
         side_branches += side_branch_taken(step_draft, path)

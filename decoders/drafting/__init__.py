@@ -1,7 +1,8 @@
 """The draft-then-verify machinery every drafting strategy shares, and `auto`'s cost model, chooser and copies."""
 
 from decoders.drafting.draft import Draft, Drafter, Drafting, Window, drafting
-from decoders.drafting.draft_model import DraftModel, draft_model, stack_probs
+from decoders.drafting.draft_model import DraftModel, stack_probs
+from decoders.drafting.draft_models import draft_model
 from decoders.drafting.draft_verify import DraftVerify
 
 __all__ = [

@@ -108,13 +108,31 @@ def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ..
     return given_above(reach)
 
 
+@dataclass
+class Decayed:
+    """Evidence that fades: each `add` counts the earlier values `decay` times less (about the last 1 / (1 - decay)
+    count); a prior is a starting `total` over a `weight` of pseudo-observations."""
+
+    total: float = 0.0
+    weight: float = 0.0  # the values counted, faded alike
+    decay: float = 0.99
+
+    def add(self, value: float) -> None:
+        self.total = self.decay * self.total + value
+        self.weight = self.decay * self.weight + 1
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.weight
+
+
 class Acceptance:
     """A proposer's acceptance estimates: Beta posteriors per depth, with forgetting; curves of its probabilities."""
 
     def __init__(self, options: ChooserOptions | None = None, prior: float | None = None) -> None:
         self.options = options or ChooserOptions()
         self.prior = self.options.prior_mean if prior is None else prior
-        self.counts: dict[int, list[float]] = {}  # depth -> [accepted, rejected], decayed
+        self.counts: dict[int, tuple[Decayed, Decayed]] = {}  # depth -> (accepted, rejected)
         self.fits: dict[str, np.ndarray] = {}  # curve -> [CEILINGS, GAMMAS] log-likelihoods, decayed
         self.curves: dict[str, tuple[list[float], dict[float, float]]] = {}  # curve -> ([GAMMAS] weight x mean a,
         # the probability of each confidence asked): cached until the curve learns
@@ -126,7 +144,7 @@ class Acceptance:
             return self.calibrated(curve, confidence)
         depth = min(depth, self.options.max_depth)
         prior = self.prior if depth == 1 else self.level(depth - 1)
-        accepted, rejected = self.counts.get(depth, (0.0, 0.0))
+        accepted, rejected = (count.total for count in self.counts[depth]) if depth in self.counts else (0.0, 0.0)
         strength = self.options.prior_strength
         return (accepted + strength * prior) / (accepted + rejected + strength)
 
@@ -162,8 +180,11 @@ class Acceptance:
         decay = self.options.decay
         for depth in range(1, min(accepted + 1, drafted) + 1):
             took = depth <= accepted
-            counts = self.counts.setdefault(min(depth, self.options.max_depth), [0.0, 0.0])
-            counts[0], counts[1] = decay * counts[0] + took, decay * counts[1] + (not took)
+            level = min(depth, self.options.max_depth)
+            if level not in self.counts:
+                self.counts[level] = Decayed(decay=decay), Decayed(decay=decay)
+            self.counts[level][0].add(took)
+            self.counts[level][1].add(not took)
             if confidences is not None:  # weigh every (a, gamma) of the token's curve by its likelihood
                 curve, (gammas, ceilings) = "" if curves is None else curves[depth - 1], GRID
                 p = ceilings * min(max(confidences[depth - 1], 1e-6), 1 - 1e-6) ** gammas  # [CEILINGS, GAMMAS]
@@ -180,8 +201,8 @@ class Chooser:
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
         self.taken: set[str] = set()  # proposers taken at least once this run
         self.spent = 0.0  # the run's seconds so far (what `choose` weighs a catch-up against)
-        self.realized: dict[str, list[float]] = {}  # proposer -> decayed [predicted tokens, tokens, predicted
-        # seconds, seconds] of its steps
+        self.realized: dict[str, list[Decayed]] = {}  # proposer -> [predicted tokens, tokens, predicted seconds,
+        # seconds] of its steps
 
     def evaluate(self, offer: Offer | None, k: int, context: int) -> Plan:
         """E(k) and S(k) of the first `k` levels of `offer` after `context` cached tokens."""
@@ -250,15 +271,17 @@ class Chooser:
 
     def learn_rate(self, plan: Plan, tokens: int, seconds: float) -> None:
         """A step on `plan` gave `tokens` new tokens in `seconds`, for `correction`."""
-        prior = [self.options.prior_strength * v for v in (plan.expected_tokens,) * 2 + (plan.seconds,) * 2]
-        sums = self.realized.setdefault(plan.proposer, prior)
-        for i, value in enumerate((plan.expected_tokens, tokens, plan.seconds, seconds)):
-            sums[i] = self.options.decay * sums[i] + value
+        o = self.options
+        if plan.proposer not in self.realized:
+            prior = (plan.expected_tokens,) * 2 + (plan.seconds,) * 2
+            self.realized[plan.proposer] = [Decayed(o.prior_strength * v, decay=o.decay) for v in prior]
+        for sums, value in zip(self.realized[plan.proposer], (plan.expected_tokens, tokens, plan.seconds, seconds)):
+            sums.add(value)
 
     def correction(self, proposer: str | None) -> float:
         """Realized over predicted tokens times predicted over realized seconds of `proposer`'s steps (1 before any)."""
         sums = self.realized.get(proposer)
-        return 1.0 if sums is None else sums[1] / sums[0] * sums[2] / sums[3]
+        return 1.0 if sums is None else sums[1].total / sums[0].total * sums[2].total / sums[3].total
 
     def should_continue(
         self, accept: Sequence[float], p_next: float, context: int, per_token: float, fixed: float = 0.0

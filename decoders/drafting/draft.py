@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from decoders.base import Call
+from decoders.models.call import Call
 
 if TYPE_CHECKING:
     from decoders.base import DecodeState

@@ -5,30 +5,11 @@ from collections.abc import Generator
 
 import torch
 
-from decoders.base import Call, DecodeState
-from decoders.batch import RowCache
-from decoders.models.cache import KVCache
-from decoders.models.graphs import StaticKVCache
+from decoders.base import DecodeState
+from decoders.models.call import Call
 from decoders.models.lm import LM
 
 Chain = Generator[Call, torch.Tensor, tuple[list[int], list, list[float]]]  # a chain's drafting: yields its calls
-
-
-def draft_model(state: DecodeState) -> DraftModel:
-    """The run's chain-drafting model: a `DraftModel`, a `SharedCacheDraft` for the target's own quantized copy, or
-    for a draft of another vocabulary a `TranslatedDraftModel` (it drafts through text)."""
-    if state.draft is not None and state.draft.vocab_key != state.lm.vocab_key:
-        from decoders.drafting.translate import TranslatedDraftModel
-
-        return TranslatedDraftModel(state)
-    if (
-        state.draft is not None
-        and state.draft.quantized_from is not None
-        and state.draft.quantized_from() is state.lm
-        and isinstance(state.cache, KVCache | StaticKVCache)
-    ):  # (in a batch: on the batch's cache for the copy)
-        return SharedCacheDraft(state)
-    return DraftModel(state)
 
 
 class DraftModel:
@@ -42,14 +23,12 @@ class DraftModel:
         if not self.translates and draft.vocab_key != state.lm.vocab_key:
             raise ValueError(
                 f"draft model {draft.name!r} does not share the tokenizer of {state.lm.name!r}: build "
-                "the drafter's model with decoders.drafting.draft_model.draft_model(state), which "
+                "the drafter's model with decoders.drafting.draft_model(state), which "
                 "translates through text"
             )
         self.state, self.lm = state, draft
         # a batch row drafts on its row of the batch's cache for this draft model, whose calls run in one forward
-        self.cache = (
-            state.cache.beside(draft) if isinstance(state.cache, RowCache) else draft.new_cache(state.expected_length)
-        )
+        self.cache = state.cache.beside(draft, state.expected_length)
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
         self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read
         self.warned = False

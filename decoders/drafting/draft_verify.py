@@ -6,8 +6,8 @@ from typing import ClassVar
 
 import torch
 
-from decoders.base import Decoder, DecodeState, Steps
-from decoders.drafting.draft import Draft, Drafter, drafting
+from decoders.base import ALONE, Budget, Decoder, DecodeState, Steps, Verified
+from decoders.drafting.draft import Draft, Drafter, Drafting, drafting
 from decoders.drafting.grammar import restrict_to_grammar
 from decoders.drafting.tree import depth, keep_path, tree_call
 from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
@@ -16,14 +16,15 @@ from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, 
 class DraftVerify(Decoder):
     """Base class of the drafting strategies: subclasses set `drafter(state, options) -> Drafter`, a callable. A step:
     the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft (a tree under a tree mask,
-    any `Window` along) in one call; a verifier keeps a path and adds one token; the drafter learns how far it got."""
+    any `Window` along) in one call; a verifier keeps a path and adds one token; the drafter learns how far it got.
+    In a batch the step's `Budget` bounds the call's width; the step returns what the batch learns (`Verified`)."""
 
     drafter: ClassVar[Callable[..., Drafter]]
 
-    def start(self, state: DecodeState) -> None:
+    def start(self, state: DecodeState, budget: Budget = ALONE) -> None:
         state.drafter = self.drafter(state, self.options)
 
-    def steps(self, state: DecodeState) -> Steps:
+    def steps(self, state: DecodeState, budget: Budget = ALONE) -> Steps:
         drafter = state.drafter
         grammar = state.grammar
         if grammar is not None and (forced := grammar.forced()):
@@ -31,11 +32,11 @@ class DraftVerify(Decoder):
             state.accept(forced, ["grammar"] * len(forced))
             if state.finished:
                 return
-        fed, width = len(state.uncached()), state.width
+        fed, width = len(state.uncached()), budget.width
         limit = state.remaining - 1  # (room for the target's token)
         if width:  # in a batch: its call scores at most `width` tokens a row
             limit = min(limit, width - fed)
-        draft = yield from drafting(drafter.propose(state, limit=max(limit, 0)))
+        draft = yield from drafting(self.draft(state, max(limit, 0), budget))
         draft = draft.until(state.lm.eos_token_ids)  # nothing after an EOS is ever emitted
         if width:  # (a tree `limit` deep may hold more nodes; topological order: a prefix keeps their parents)
             if draft.window is not None and fed + len(draft.window.tokens) > width:
@@ -48,7 +49,6 @@ class DraftVerify(Decoder):
         start = len(state.tokens)  # where the draft begins in the target cache after the call
         logits = yield state.call(draft.tokens) if draft.is_chain else tree_call(state, draft)  # [k + 1 (+ w), vocab]
         path, token, rows = verify(state, draft, masks, logits)
-        state.verified = width, fed, path
         sources = [draft.source_of(i) for i in path] + ["target"]
         added = state.accept([draft.tokens[i] for i in path] + [token], sources, rows)
         kept = min(len(path), added)  # fewer when the run ended (EOS, stop string) inside the accepted draft
@@ -56,7 +56,16 @@ class DraftVerify(Decoder):
         state.stats.count_accepted(drafted, kept, levels=drafted if draft.is_chain else depth(draft))
         keep_path(state.cache, start, [start + i for i in path[:kept]])  # the rest of the tree and any window go
         state.cache.crop(min(len(state.cache), len(state.tokens) - 1))
-        drafter.update(state, draft, len(path))
+        return self.learn(state, draft, Verified(width, fed, path), budget)
+
+    def draft(self, state: DecodeState, limit: int, budget: Budget) -> Draft | Drafting:
+        """The drafter's proposal of at most `limit` tokens (auto's drafter, planning by the budget, is handed it)."""
+        return state.drafter.propose(state, limit=limit)
+
+    def learn(self, state: DecodeState, draft: Draft, verified: Verified, budget: Budget) -> Verified:
+        """Tell the drafter how far `draft` was accepted; returns what the batch learns from the step."""
+        state.drafter.update(state, draft, len(verified.path))
+        return verified
 
     def finish(self, state: DecodeState) -> None:
         getattr(state.drafter, "finish", lambda state: None)(state)  # optional in the Drafter protocol

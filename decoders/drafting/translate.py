@@ -6,7 +6,7 @@ import torch
 
 from decoders.base import Call, DecodeState
 from decoders.drafting.draft_model import Chain, DraftModel
-from decoders.drafting.tree import shared_length
+from decoders.models.cache import shared_length
 from decoders.models.lm import LM
 
 REENCODE = 3  # draft tokens re-encoded with the text that follows them (their merges may change)

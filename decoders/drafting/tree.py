@@ -10,16 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decoders.base import Call
 from decoders.drafting.draft import Draft, Window
-from decoders.models.cache import KVCache
+from decoders.models.cache import Cache
+from decoders.models.call import Call
 
 if TYPE_CHECKING:
     from decoders.base import DecodeState
-
-
-def shared_length(a: Sequence, b: Sequence) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
@@ -57,7 +53,7 @@ def tree_call(state: DecodeState, draft: Draft) -> Call:
     return Call(tail + draft.tokens + window.tokens, positions, mask, keep=k + w + 1)
 
 
-def keep_path(cache: KVCache, start: int, slots: Sequence[int]) -> None:
+def keep_path(cache: Cache, start: int, slots: Sequence[int]) -> None:
     """Keep the cache's first `start` positions and `slots` (increasing): a crop where they follow on, else a gather."""
     slots = list(slots)
     if slots == list(range(start, start + len(slots))):

@@ -1,13 +1,43 @@
+"""The `Cache` protocol every KV cache implements (a run's `KVCache` or `StaticKVCache`, a batch row's `RowCache`)
+and `KVCache`, a run's cache on transformers' `DynamicCache`."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
+class Cache(Protocol):
+    """One run's keys and values of one model's calls, with rollback: what `LM.forward` (a batch's forward for a
+    `RowCache`) writes, and a step crops to the tokens it accepted."""
+
+    lends: bool  # whether another model's calls may write it: the target's own quantized copy, drafting on it
+
+    def __len__(self) -> int:
+        """The positions it holds."""
+
+    def crop(self, n: int) -> None:
+        """Keep the first `n` positions."""
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep only the positions `indices` (increasing), in that order: e.g. the prefix plus an accepted tree path."""
+
+    def beside(self, lm, length: int) -> Cache:
+        """An empty cache of this run for model `lm` (a draft), of up to `length` positions."""
+
+
+def shared_length(a: Sequence, b: Sequence) -> int:
+    """How many tokens `a` and `b` share at their start (what a cache of one holds for the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class KVCache:
     """The keys and values of the tokens a model has seen, for one sequence, with rollback (`crop`, `keep`)."""
+
+    lends = True
 
     def __init__(self) -> None:
         # No config: full-length layers even for sliding-window models (their mask slides), so any position rolls back
@@ -52,3 +82,18 @@ class KVCache:
         """Hold these positions (an empty cache): per layer keys and values [1, heads, n, head_dim]."""
         for i, (k, v) in enumerate(zip(keys, values)):
             self.hf.update(k, v, i)
+
+    def resize(self, length: int) -> None:
+        """Hold `length` positions whatever their keys (a timing's context): cropped, or its keys and values tiled."""
+        if len(self) >= length:
+            self.crop(length)
+            return
+        for layer in self.hf.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                reps = -(-length // layer.keys.shape[-2])
+                layer.keys = layer.keys.repeat_interleave(reps, dim=-2)[..., :length, :]  # [1, heads, length, head_dim]
+                layer.values = layer.values.repeat_interleave(reps, dim=-2)[..., :length, :]
+
+    def beside(self, lm, length: int) -> KVCache:
+        """An empty cache of this run for model `lm` (a draft)."""
+        return lm.new_cache(length)

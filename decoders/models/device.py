@@ -1,4 +1,5 @@
-"""The machine a model runs on: waiting for a device, its free memory, the CPU's model and feature flags."""
+"""The machine a model runs on: which device (`resolve_device`), waiting for it, its free memory, the CPU's model and
+feature flags."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def cpu_model() -> str:
 def cpu_flags() -> frozenset[str]:
     """This machine's CPU feature flags (Linux's /proc/cpuinfo), none where they cannot be read."""
     return frozenset((_cpuinfo("flags") or "").split())
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on: CUDA when available and none was asked for, else what was asked."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but this machine has no CUDA device; use device='cpu'")
+    return device

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from decoders.models.graphs import BatchSlab, Slab
+    from decoders.models.slabs import BatchSlab, Slab
 
 
 @dataclass
@@ -20,7 +20,7 @@ class Held:
     static_cache: bool | str | None = None  # `LM.static_cache_ok`'s probe, likewise
     slabs: dict[int, Slab] = field(default_factory=dict)  # capacity -> the static buffers lent to a run's cache
     batch_slabs: dict[tuple[int, int], BatchSlab] = field(default_factory=dict)  # (rows, capacity) -> a batch's
-    graph_pool: Any = None  # the memory pool all its CUDA graphs share (`graphs.capture`)
+    graph_pool: Any = None  # the memory pool all its CUDA graphs share (`capture.capture`)
     copies: dict[str, Any] = field(default_factory=dict)  # scheme -> its quantized copy, an LM (`LM.self_draft`)
 
 

@@ -1,13 +1,16 @@
-"""The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy (`Fixed`) runs it."""
+"""The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy (`Fixed`) runs it; and how
+a run's proposers are built from one ordered list of declared kinds (`assemble`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from decoders.drafting.chooser import Offer, Plan, expected_tokens
+from decoders.capabilities import takes_trees
+from decoders.drafting.chooser import Chooser, Offer, Plan, expected_tokens
+from decoders.drafting.cost import CostModel
 from decoders.drafting.draft import Draft, Drafting, drafting
 
 if TYPE_CHECKING:
@@ -39,10 +42,19 @@ class Step:
 
 
 class Proposer(Protocol):
-    """A source of guesses for one run, built from the run's state."""
+    """A source of guesses for one run, built from the run's state.
 
-    name: str  # what `result.sources`, `auto`'s report and its estimates call it
+    Besides `offer`, `draft` and `learn`, a proposer may declare (class attributes; absent: the defaults here) what it
+    needs, so that `assemble` builds it only where that is there, and after what it reads; and it may define
+    `build(setup, needed)` (how `assemble` makes it), `ride(state, draft, carried)` (what it adds, unverified, to
+    another's step: lookahead's window) and `finish(state)` (after the run's last step)."""
+
+    name: str  # what `auto`'s report and its plans call it
     corrected: bool  # its drafts run past their plans, so the chooser corrects its plans by what its steps gave
+    needs: ClassVar[tuple[str, ...]] = ()  # proposers it reads, by name: built, and asked to offer, before it
+    needs_draft: ClassVar[bool] = False  # it drafts with the run's draft model
+    needs_tree_mask: ClassVar[bool] = False  # the target scores its drafts (or its window) under a tree mask
+    carries: ClassVar[bool] = False  # another's window may ride along its steps (its guesses are one-hot)
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
         """What it could draft after `state.tokens`, at most `limit` levels; None: nothing this step."""
@@ -53,7 +65,39 @@ class Proposer(Protocol):
     def learn(self, state: DecodeState, step: Step) -> None:
         """After verification: `state.tokens` holds the step's tokens."""
 
-    # Optional: `ride(state, draft, plan) -> Draft`: the step's draft plus what rides along unverified (lookahead's).
+
+@dataclass
+class Setup:
+    """What a run's proposers are built from (`Proposer.build`)."""
+
+    state: DecodeState
+    options: Any  # the strategy's options (auto's: `AutoOptions`)
+    cost: CostModel
+    chooser: Chooser
+    clock: Clock
+    suffix_trees: bool = True  # the suffix index drafts trees, not only its main branch, where the target takes them
+
+
+def assemble(kinds: Sequence[type], setup: Setup, off: Sequence[str] = ()) -> list[Proposer]:
+    """The run's proposers, in the order of `kinds`: each built (`kind.build`) where what it declares it needs is
+    there (the proposers it reads, not switched `off`; a draft model; tree masks), none where it declines."""
+    state, trees, built = setup.state, takes_trees(setup.state.lm), {}
+    names = [kind.name for kind in kinds]
+    for i, kind in enumerate(kinds):
+        needs = getattr(kind, "needs", ())
+        late = [need for need in needs if need in names[i:]]
+        if late:
+            raise ValueError(f"proposer {kind.name!r} reads {', '.join(late)}, listed after it: list it first")
+        if kind.name in off or any(need not in built for need in needs):
+            continue
+        if getattr(kind, "needs_draft", False) and state.draft is None:
+            continue
+        if getattr(kind, "needs_tree_mask", False) and not trees:
+            continue
+        proposer = kind.build(setup, {need: built[need] for need in needs})
+        if proposer is not None:
+            built[kind.name] = proposer
+    return list(built.values())
 
 
 class Fixed:
@@ -63,11 +107,18 @@ class Fixed:
         self.proposer, self.levels = proposer, levels
         self.plan, self.start = Plan(None, 0, 1.0, 1.0), 0
 
+    @classmethod
+    def of(cls, kind: Callable[..., Proposer]) -> staticmethod:
+        """A strategy's `drafter` (`DraftVerify.drafter`): each run's `kind(state, options)`, all it offers drafted."""
+        return staticmethod(lambda state, options: cls(kind(state, options)))
+
     def propose(self, state: DecodeState, limit: int) -> Drafting:
         offer, self.start = self.proposer.offer(state, limit), len(state.tokens)
         k = self.levels(offer) if offer is not None else 0
         self.plan = Plan(self.proposer.name if k else None, k, expected_tokens(offer.accept[:k]) if k else 1.0, 1.0)
-        return (yield from drafting(self.proposer.draft(state, self.plan))) if k else Draft([])
+        draft = (yield from drafting(self.proposer.draft(state, self.plan))) if k else Draft([])
+        ride = getattr(self.proposer, "ride", None)  # (its own window rides along its steps: the `lookahead` strategy)
+        return draft if ride is None else ride(state, draft, True)
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         self.proposer.learn(state, Step(self.plan, draft, self.start, accepted, state.tokens[self.start :]))

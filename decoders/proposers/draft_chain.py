@@ -1,3 +1,5 @@
+"""A draft model's chains (`speculative`, `auto`'s `draft` plans)."""
+
 from __future__ import annotations
 
 from decoders.base import DecodeState
@@ -5,7 +7,8 @@ from decoders.drafting.chooser import Acceptance, Chooser, Offer, Plan, given_ab
 from decoders.drafting.cost import CostModel
 from decoders.drafting.draft import Draft, Drafting
 from decoders.drafting.draft_model import SELF_ACCEPTANCE, DraftModel, SharedCacheDraft, stack_probs
-from decoders.proposers.base import Clock, Step
+from decoders.drafting.draft_models import draft_model
+from decoders.proposers.base import Clock, Setup, Step
 
 
 class ChainProposer:
@@ -14,6 +17,7 @@ class ChainProposer:
 
     name = "draft"
     corrected = True
+    needs_draft = True
 
     def __init__(
         self,
@@ -32,6 +36,11 @@ class ChainProposer:
         self.offered: Offer | None = None  # this step's offer
         self.confidences: list[float] = []  # [levels] the draft's probability of each token of its last chain
         self.room = 0
+
+    @classmethod
+    def build(cls, setup: Setup, needed: dict) -> ChainProposer:
+        """`auto`'s: chains of up to its `max_draft` tokens, on past the plan while the next one pays."""
+        return cls(draft_model(setup.state), setup.cost, setup.chooser, setup.clock, setup.options.max_draft)
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
         self.offered = None

@@ -17,7 +17,7 @@ from decoders.drafting.chooser import Acceptance, ChooserOptions, Offer, Plan
 from decoders.drafting.cost import CostModel
 from decoders.drafting.tree import depth, levels_above, merge, per_level
 from decoders.options import check_whole
-from decoders.proposers.base import Step
+from decoders.proposers.base import Setup, Step
 from decoders.proposers.suffix import SuffixProposer
 
 
@@ -80,8 +80,8 @@ def window_mask(levels: int, width: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.bool).reshape(levels * width, levels * width)
 
 
-class LookaheadDrafter:
-    """One run's Jacobi window and n-gram pool."""
+class JacobiWindow:
+    """One run's Jacobi window and the n-gram pool it fills (and the prompt's and the text's n-grams)."""
 
     def __init__(self, state: DecodeState, options: LookaheadOptions) -> None:
         self.options = o = options
@@ -124,19 +124,32 @@ RIDE = 0.1  # the most a target call may grow to carry the window along in anoth
 
 
 class LookaheadProposer:
-    """`auto`'s lookahead: the pool's n-grams as guesses, the Jacobi window riding along in plain and suffix steps
-    while a ride adds at most RIDE to the call and the target calls its guesses saved pay for the rides so far."""
+    """The pool's n-grams as guesses, the Jacobi window riding along every step (`lookahead`); in `auto` only in the
+    steps of proposers that carry it (plain steps too) while a ride adds at most RIDE to the call and the target
+    calls its guesses saved pay for the rides so far."""
 
     name = "lookahead"
     corrected = False
+    needs = ("suffix",)  # (in `auto`: its guesses the suffix index holds too save nothing)
+    needs_tree_mask = True
 
     def __init__(
-        self, state: DecodeState, suffix: SuffixProposer, cost: CostModel, chooser: ChooserOptions | None = None
+        self,
+        state: DecodeState,
+        options: LookaheadOptions | None = None,
+        suffix: SuffixProposer | None = None,
+        cost: CostModel | None = None,
+        chooser: ChooserOptions | None = None,
     ) -> None:
-        self.drafter, self.suffix, self.cost = LookaheadDrafter(state, LookaheadOptions()), suffix, cost
+        """`suffix`, `cost`: auto's, whose window rides only where it pays; None: the window rides every step."""
+        self.drafter, self.suffix, self.cost = JacobiWindow(state, options or LookaheadOptions()), suffix, cost
         self.acceptance = Acceptance(chooser)
         self.guesses, self.offered = Draft([]), None
         self.rides = self.saved = 0.0  # seconds the window's rides added, seconds its guesses saved
+
+    @classmethod
+    def build(cls, setup: Setup, needed: dict) -> LookaheadProposer:
+        return cls(setup.state, LookaheadOptions(), needed["suffix"], setup.cost, setup.chooser.options)
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
         self.guesses, self.offered = self.drafter.propose(state, limit), None
@@ -153,11 +166,14 @@ class LookaheadProposer:
     def draft(self, state: DecodeState, plan: Plan) -> Draft:
         return levels_above(self.guesses, plan.k)  # (the window rides along)
 
-    def ride(self, state: DecodeState, draft: Draft, plan: Plan) -> Draft:
-        """`draft` (another proposer's) with the window along where that pays, as the class says."""
+    def ride(self, state: DecodeState, draft: Draft, carried: bool) -> Draft:
+        """`draft` with the window along, where the step `carried` it (a plain step, or a proposer that `carries`)
+        and, in `auto`, where that pays, as the class says."""
         window = self.guesses.window
-        if window is None or draft.window is not None or plan.proposer not in (None, self.suffix.name, "merged"):
+        if window is None or draft.window is not None or not carried:
             return draft
+        if self.cost is None:
+            return replace(draft, window=window)
         context, scored = len(state.cache), len(state.uncached()) + len(draft.tokens)
         call = self.cost.target_seconds(scored, context)
         extra = self.cost.target_seconds(scored + len(window.tokens), context) - call
@@ -170,8 +186,9 @@ class LookaheadProposer:
         """Learn that `accepted` levels of `draft` were accepted (`path`: the step's accepted tokens); those the
         suffix index did not hold too count as saved target calls."""
         self.acceptance.learn(depth(draft), accepted)
-        held = len(self.suffix.current().follow(path))
-        self.saved += max(0, accepted - held) * self.cost.target_seconds(1, len(state.cache))
+        if self.suffix is not None:
+            held = len(self.suffix.current().follow(path))
+            self.saved += max(0, accepted - held) * self.cost.target_seconds(1, len(state.cache))
 
     def learn(self, state: DecodeState, step: Step) -> None:
         if step.plan.proposer == self.name and step.draft.tokens:

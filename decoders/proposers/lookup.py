@@ -1,3 +1,5 @@
+"""Prompt lookup's proposer (Saxena 2023): n-gram matches in the context as the draft."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -5,8 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from decoders.base import DecodeState
-from decoders.drafting import Draft
+from decoders.drafting.chooser import Offer, Plan
+from decoders.drafting.draft import Draft
 from decoders.options import check_whole
+from decoders.proposers.base import Step
 
 
 @dataclass(frozen=True)
@@ -35,15 +39,23 @@ def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[in
     return []
 
 
-class LookupDrafter:
-    """Stateless: each proposal searches the current context."""
+class LookupProposer:
+    """Prompt lookup's guesses: what followed the latest earlier match of the context's last n-gram (no state of its
+    own: each offer searches the context)."""
+
+    name = "lookup"
+    corrected = False
 
     def __init__(self, state: DecodeState, options: PromptLookupOptions) -> None:
-        self.options = options
+        self.options, self.guess = options, []
 
-    def propose(self, state: DecodeState, limit: int) -> Draft:
+    def offer(self, state: DecodeState, limit: int) -> Offer | None:
         o = self.options
-        return Draft(lookup(state.tokens, min(o.k, limit), o.max_ngram, o.min_ngram), source="lookup")
+        self.guess = lookup(state.tokens, min(o.k, limit), o.max_ngram, o.min_ngram)
+        return Offer(self.name, (1.0,) * len(self.guess)) if self.guess else None
 
-    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+    def draft(self, state: DecodeState, plan: Plan) -> Draft:
+        return Draft(self.guess[: plan.k], source="lookup")
+
+    def learn(self, state: DecodeState, step: Step) -> None:
         pass

@@ -1,10 +1,12 @@
+"""`auto`'s merged guesses: the suffix index's and lookahead's drafts of a step as one tree, checked in one call."""
+
 from __future__ import annotations
 
 from decoders.base import DecodeState
 from decoders.drafting.chooser import Offer, Plan, union
 from decoders.drafting.draft import Draft
 from decoders.drafting.tree import common, first_branch, levels_above, merge, per_level
-from decoders.proposers.base import Step
+from decoders.proposers.base import Setup, Step
 from decoders.proposers.lookahead import LookaheadProposer
 from decoders.proposers.suffix import SuffixProposer
 
@@ -15,11 +17,18 @@ class MergedProposer:
 
     name = "merged"
     corrected = False
+    needs = ("suffix", "lookahead")  # (offered after theirs: it merges this step's)
+    needs_tree_mask = True
+    carries = True  # (one-hot guesses: lookahead's window may ride along)
 
     def __init__(self, suffix: SuffixProposer, lookahead: LookaheadProposer) -> None:
         self.suffix, self.lookahead = suffix, lookahead
         self.parts: list[tuple[Draft, Offer]] = []
         self.tree = Draft([])
+
+    @classmethod
+    def build(cls, setup: Setup, needed: dict) -> MergedProposer:
+        return cls(needed["suffix"], needed["lookahead"])
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:
         offered = [(self.suffix.current(), self.suffix.offered), (self.lookahead.current(), self.lookahead.offered)]

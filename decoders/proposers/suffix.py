@@ -1,11 +1,15 @@
+"""The suffix index's proposer (`suffix`, `auto`'s guesses): trees of what followed the longest matching suffix."""
+
 from __future__ import annotations
 
 from decoders.base import DecodeState
+from decoders.capabilities import takes_trees
 from decoders.drafting.chooser import Acceptance, ChooserOptions, Offer, Plan, given_above
 from decoders.drafting.draft import Draft
-from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions, SuffixStore, propose
+from decoders.drafting.suffix_index import SuffixDraft, SuffixIndex, SuffixOptions
+from decoders.drafting.suffix_store import SuffixStore, propose
 from decoders.drafting.tree import depth, depths, levels_above, per_level
-from decoders.proposers.base import Step
+from decoders.proposers.base import Setup, Step
 
 
 def match_curve(match: int) -> str:
@@ -26,6 +30,7 @@ class SuffixProposer:
 
     name = "suffix"
     corrected = False
+    carries = True  # (one-hot guesses: lookahead's window may ride along)
 
     def __init__(
         self,
@@ -45,6 +50,14 @@ class SuffixProposer:
         self.acceptance = Acceptance(chooser)
         self.tree, self.levels, self.curves = SuffixDraft(), [], []
         self.offered: Offer | None = None  # this step's offer
+
+    @classmethod
+    def build(cls, setup: Setup, needed: dict) -> SuffixProposer:
+        """`auto`'s: trees up to its `max_tree` nodes where the target takes tree masks, from the run's tokens only."""
+        trees = setup.suffix_trees and takes_trees(setup.state.lm)
+        return cls(
+            setup.state, SuffixOptions(max_tree=setup.options.max_tree), trees=trees, chooser=setup.chooser.options
+        )
 
     def curve(self, match: int) -> str:
         """The calibration curve of a guess continuing a `match`-token suffix (`match_curve`)."""

@@ -1,6 +1,7 @@
 """`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second: every proposer
-offers what it could draft, the `Chooser` picks the plan (or a plain step), and every proposer learns from the verified
-`Step`. Exact in both modes; a seeded sampling run plans by no clock, so the seed repeats the sample.
+(`PROPOSERS`, built where what each declares it needs is there) offers what it could draft, the `Chooser` picks the
+plan (or a plain step), and every proposer learns from the verified `Step`. Exact in both modes; a seeded sampling run
+plans by no clock, so the seed repeats the sample.
 """
 
 from __future__ import annotations
@@ -8,16 +9,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
-from decoders.base import DecodeState
-from decoders.drafting import Draft, Drafting, DraftModel, DraftVerify, draft_model, drafting
+from decoders.base import ALONE, Budget, DecodeState, Verified
+from decoders.drafting import Draft, Drafting, DraftVerify, drafting
 from decoders.drafting.chooser import Chooser, Plan
 from decoders.drafting.copies import drafting_model
 from decoders.drafting.cost import CostModel, calibrate
-from decoders.drafting.suffix_index import SuffixOptions
-from decoders.models.lm import LM
 from decoders.options import check_flags, check_whole
-from decoders.proposers.base import Clock, Proposer, Step
+from decoders.proposers.base import Clock, Proposer, Setup, Step, assemble
 from decoders.proposers.draft_chain import ChainProposer
 from decoders.proposers.draft_tree import TreeProposer
 from decoders.proposers.lookahead import LookaheadProposer
@@ -46,17 +46,16 @@ class AutoOptions:
                 )
 
 
-def takes_trees(lm: LM) -> bool:
-    """Whether the model scores a token tree in one call (probed once per model and cached on it)."""
-    try:
-        lm.check_tree_mask()
-    except TypeError:
-        return False
-    return True
+# What auto weighs, in the order they offer (each after the proposers it reads); one line adds or removes one.
+PROPOSERS = (SuffixProposer, LookaheadProposer, MergedProposer, ChainProposer, TreeProposer)
 
 
 class AutoDrafter:
     """One run of `auto`: its proposers, cost model and chooser."""
+
+    kinds: ClassVar[tuple[type, ...]] = PROPOSERS  # (an ablation swaps one for a variant of its own)
+    off: ClassVar[tuple[str, ...]] = ()  # proposers switched off by name (an ablation's), with those that read them
+    suffix_trees: ClassVar[bool] = True  # the suffix index drafts trees where the target takes them (else chains)
 
     def __init__(
         self,
@@ -64,47 +63,38 @@ class AutoDrafter:
         options: AutoOptions,
         clock: Callable[[], float] = time.perf_counter,
         chooser: Callable[[CostModel], Chooser] = Chooser,
+        budget: Budget = ALONE,
     ) -> None:
         # in a batch no int8 copy unless asked for: its prompts' prefills and its calls stall every row
-        batched = state.batch_tokens > 1
-        int8 = [False if flag is None and batched else flag for flag in (options.draft_int8, options.self_int8)]
+        int8 = [False if flag is None and budget.batched else flag for flag in (options.draft_int8, options.self_int8)]
         state.draft = drafting_model(state.lm, state.draft, len(state.tokens), *int8)
         self.cost = calibrate(state.lm, state.draft)
         self.chooser = chooser(self.cost)
         self.clock = Clock(clock, timed=not state.seeded)
-        trees = takes_trees(state.lm)
-        suffix = SuffixProposer(
-            state, SuffixOptions(max_tree=options.max_tree), trees=trees, chooser=self.chooser.options
-        )
-        self.proposers: list[Proposer] = [suffix]
-        if trees:  # (lookahead's window needs tree masks)
-            lookahead = LookaheadProposer(state, suffix, self.cost, self.chooser.options)
-            self.proposers += [lookahead, MergedProposer(suffix, lookahead)]
-        if state.draft is not None:
-            model = draft_model(state)
-            chain = ChainProposer(model, self.cost, self.chooser, self.clock, options.max_draft)
-            self.proposers.append(chain)
-            if options.draft_trees and trees and type(model) is DraftModel and takes_trees(state.draft):
-                self.proposers.append(TreeProposer(state, chain, suffix, self.cost, self.clock))
+        setup = Setup(state, options, self.cost, self.chooser, self.clock, self.suffix_trees)
+        off = (*self.off, *(() if options.draft_trees else ("tree",)))
+        self.proposers: list[Proposer] = assemble(self.kinds, setup, off)
         self.by_name = {p.name: p for p in self.proposers}
         self.plan, self.start, self.began, self.called = Plan(None, 0, 1.0, 1.0), 0, 0.0, 0.0
-        self.context, self.fed = 0, 1  # this step's cached positions and tokens fed
+        self.context, self.fed, self.budget = 0, 1, ALONE  # this step's cached positions, tokens fed and budget
         self.guessed, self.guess = False, None  # a batch's step with no room to draft: the suffix index's next token
+        self.right = False  # ... and whether the target's token was that guess
         state.stats.details = {"steps": {}, "predicted_tokens": 0.0, "predicted_seconds": 0.0}
         if state.draft is not None:
             state.stats.details["draft"] = state.draft.name
 
-    def propose(self, state: DecodeState, limit: int) -> Drafting:
+    def propose(self, state: DecodeState, limit: int, budget: Budget = ALONE) -> Drafting:
         self.began, self.context, self.fed = self.clock.now(), len(state.cache), len(state.uncached())
-        self.cost.batch_tokens, self.cost.stall = state.batch_tokens, state.stall
+        self.budget = budget
+        self.cost.batch_tokens, self.cost.stall = budget.tokens, budget.stall
         # the prompt's call is a plain one: a draft there puts the whole prompt's attention under a tree mask (a
         # 900-token prompt's call 10% dearer) for guesses no step has taught yet
         prompt = not len(state.cache)
         offers = [] if prompt else [offer for p in self.proposers if (offer := p.offer(state, limit)) is not None]
-        self.guessed = bool(state.width) and not limit and not prompt and state.remaining > 1
-        suffix = self.by_name[SuffixProposer.name]
+        suffix = self.by_name.get(SuffixProposer.name)
+        self.guessed = bool(budget.width) and not limit and not prompt and state.remaining > 1 and suffix is not None
         self.guess = suffix.current().tokens[0] if self.guessed and suffix.offer(state, 1) else None
-        if state.trying:  # a batch's try at a width: no draft model's prompt prefilled for it (every row would stall)
+        if budget.trying:  # a batch's try at a width: no draft model's prompt prefilled for it (every row would stall)
             offers = [o for o in offers if not o.catch_up or o.proposer in self.chooser.taken]
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
         self.start = len(state.tokens)
@@ -112,17 +102,19 @@ class AutoDrafter:
         details["steps"][name] = details["steps"].get(name, 0) + 1
         details["predicted_tokens"] += plan.expected_tokens
         details["predicted_seconds"] += plan.seconds
-        draft = (yield from drafting(self.by_name[plan.proposer].draft(state, plan))) if plan.proposer else Draft([])
+        planned = self.by_name.get(plan.proposer)
+        draft = (yield from drafting(planned.draft(state, plan))) if planned is not None else Draft([])
+        carried = planned is None or getattr(planned, "carries", False)  # (a plain step carries a window too)
         for proposer in self.proposers:  # what rides along unverified (lookahead's window)
             if (ride := getattr(proposer, "ride", None)) is not None and not prompt:
-                draft = ride(state, draft, plan)
+                draft = ride(state, draft, carried)
         self.called = self.clock.now()
         return draft
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
         state.lm.synchronize()
         ended = self.clock.now()
-        alone = not state.width  # (in a batch the clock also counts the other rows' work: the plan's seconds stand)
+        alone = not self.budget.width  # (in a batch the clock also counts the other rows' work: the plan's seconds)
         if self.clock.timed and alone:
             window = len(draft.window.tokens) if draft.window is not None else 0
             self.cost.observe("target", self.fed + len(draft.tokens) + window, self.context, ended - self.called)
@@ -130,16 +122,20 @@ class AutoDrafter:
         step = Step(self.plan, draft, self.start, accepted, state.tokens[self.start :], seconds)
         if self.fed <= 1:  # (a prompt's call says nothing of the steps' rates)
             # in a batch, a row's share of the shared call: a draft's prefill (the rent's price) stalls every row
-            self.chooser.spend(step.seconds if alone else step.seconds * state.width / state.batch_tokens)
+            self.chooser.spend(step.seconds if alone else step.seconds * self.budget.width / self.budget.tokens)
             proposer = self.by_name.get(self.plan.proposer)
             if proposer is not None and proposer.corrected and not self.plan.probe:
                 self.chooser.learn_rate(self.plan, len(step.tokens), step.seconds)
-        if self.guessed and state.verified is not None:
-            # a batch learns what a width gains by running it; at a step its width left no room to draft, what one
-            # token more would have gained is known for free: the suffix index's guess, right or not
-            state.verified = self.fed + 1, self.fed, [0] if step.tokens[:1] == [self.guess] else []
+        self.right = step.tokens[:1] == [self.guess]
         for proposer in self.proposers:
             proposer.learn(state, step)
+
+    def reported(self, verified: Verified) -> Verified:
+        """What the batch learns from the step: a width's gain is learnt by running it, but at a step its width left
+        no room to draft, what one token more would have gained is known for free (the suffix index's guess)."""
+        if not self.guessed:
+            return verified
+        return Verified(self.fed + 1, self.fed, [0] if self.right else [])
 
 
 @register("auto")
@@ -163,5 +159,12 @@ class Auto(DraftVerify):
         super().__init__(**options)
         self.clock, self.chooser = clock, chooser
 
-    def start(self, state: DecodeState) -> None:
-        state.drafter = self.drafter(state, self.options, self.clock, self.chooser)
+    def start(self, state: DecodeState, budget: Budget = ALONE) -> None:
+        state.drafter = self.drafter(state, self.options, self.clock, self.chooser, budget)
+
+    def draft(self, state: DecodeState, limit: int, budget: Budget) -> Drafting:
+        return state.drafter.propose(state, limit, budget)  # (it plans by the batch's budget)
+
+    def learn(self, state: DecodeState, draft: Draft, verified: Verified, budget: Budget) -> Verified:
+        state.drafter.update(state, draft, len(verified.path))
+        return state.drafter.reported(verified)

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 from decoders.drafting import DraftVerify
-from decoders.proposers.lookahead import LookaheadDrafter, LookaheadOptions
+from decoders.proposers.base import Fixed
+from decoders.proposers.lookahead import LookaheadOptions, LookaheadProposer
 from decoders.registry import register
 
 
@@ -11,5 +12,5 @@ class Lookahead(DraftVerify):
     Fu et al. 2024, "Break the Sequential Dependency of LLM Inference Using Lookahead Decoding"."""
 
     Options = LookaheadOptions
-    drafter = LookaheadDrafter
+    drafter = Fixed.of(LookaheadProposer)  # (its window rides along every step)
     needs_tree_mask = True

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 from decoders.drafting import DraftVerify
-from decoders.proposers.lookup import LookupDrafter, PromptLookupOptions
+from decoders.proposers.base import Fixed
+from decoders.proposers.lookup import LookupProposer, PromptLookupOptions
 from decoders.registry import register
 
 
@@ -11,4 +12,4 @@ class PromptLookup(DraftVerify):
     Saxena 2023, "Prompt lookup decoding": what followed the latest earlier match of the last n tokens (`lookup`)."""
 
     Options = PromptLookupOptions
-    drafter = LookupDrafter
+    drafter = Fixed.of(LookupProposer)

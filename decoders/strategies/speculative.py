@@ -38,14 +38,14 @@ def default_k(cost: CostModel, context: int, acceptance: float) -> int:
     return Chooser(cost).best(draft, context).k
 
 
-def fixed_chain(state: DecodeState, options: SpeculativeOptions) -> Fixed:
+def k_chain(state: DecodeState, options: SpeculativeOptions) -> ChainProposer:
     """The draft model's chain of exactly k tokens a step (fewer only near max_new_tokens)."""
     model, k = draft_model(state), options.k
     if k is None:
         acceptance = SELF_ACCEPTANCE if isinstance(model, SharedCacheDraft) else ACCEPTANCE
         k = default_k(calibrate(state.lm, state.draft), len(state.tokens), acceptance)
         state.stats.details = {"chosen_k": k}  # for reports
-    return Fixed(ChainProposer(model, max_draft=k))
+    return ChainProposer(model, max_draft=k)
 
 
 @register("speculative")
@@ -53,5 +53,5 @@ class Speculative(DraftVerify):
     """Speculative decoding with a fixed draft length k (by default the one this device's measured costs favour)."""
 
     Options = SpeculativeOptions
-    drafter = staticmethod(fixed_chain)
+    drafter = Fixed.of(k_chain)
     needs_draft = takes_draft = True

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 from decoders.drafting import DraftVerify
-from decoders.proposers.draft_tree import StagedOptions, TreeDrafter
+from decoders.proposers.base import Fixed
+from decoders.proposers.draft_tree import StagedOptions, StagedProposer
 from decoders.registry import register
 
 
@@ -11,6 +12,6 @@ class Staged(DraftVerify):
     Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding" (`proposers.draft_tree`)."""
 
     Options = StagedOptions
-    drafter = TreeDrafter
+    drafter = Fixed.of(StagedProposer)
     needs_draft = takes_draft = True
     needs_tree_mask = draft_needs_tree_mask = True

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from decoders.base import DecodeState
 from decoders.drafting import DraftVerify
-from decoders.drafting.suffix_index import SuffixOptions, SuffixStore
+from decoders.drafting.suffix_index import SuffixOptions
+from decoders.drafting.suffix_store import SuffixStore
 from decoders.options import check_flags
 from decoders.proposers.base import Fixed
 from decoders.proposers.suffix import SuffixProposer
@@ -28,9 +29,9 @@ class SuffixDecodingOptions(SuffixOptions):
             raise TypeError(f"store= takes a decoders.SuffixStore, got {type(self.store).__name__}")
 
 
-def suffix_drafter(state: DecodeState, options: SuffixDecodingOptions) -> Fixed:
-    """The suffix index's whole tree each step."""
-    return Fixed(SuffixProposer(state, options, options.store, remember_prompts=options.remember_prompts))
+def suffix_trees(state: DecodeState, options: SuffixDecodingOptions) -> SuffixProposer:
+    """The suffix index's whole tree each step, the run's output (and prompt) remembered in the store."""
+    return SuffixProposer(state, options, options.store, remember_prompts=options.remember_prompts)
 
 
 @register("suffix")
@@ -38,5 +39,5 @@ class Suffix(DraftVerify):
     """Draft-free decoding: token trees from a suffix index of the context and of earlier outputs."""
 
     Options = SuffixDecodingOptions
-    drafter = staticmethod(suffix_drafter)
+    drafter = Fixed.of(suffix_trees)
     needs_tree_mask = True

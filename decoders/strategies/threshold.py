@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from decoders.base import DecodeState
 from decoders.drafting import Draft, Drafting, DraftVerify, draft_model, stack_probs
+from decoders.drafting.chooser import Offer, Plan
 from decoders.options import probability, whole
+from decoders.proposers.base import Fixed, Step
 from decoders.registry import register
 
 
@@ -41,23 +43,29 @@ def adapt_threshold(threshold: float, cumulative: list[float], accepted: int, op
     return min(max(threshold, options.min_threshold), options.max_threshold)
 
 
-class ThresholdDrafter:
-    """Drafts while the draft's cumulative probability stays at or above the run's current threshold."""
+class ThresholdProposer:
+    """Chains of the draft model, drafted while its cumulative probability stays at or above the run's threshold."""
+
+    name = "threshold"
+    corrected = False
 
     def __init__(self, state: DecodeState, options: ThresholdOptions) -> None:
         self.model, self.options = draft_model(state), options
-        self.threshold = options.threshold  # per run: this object lives in state.drafter
+        self.threshold = options.threshold  # per run: this object lives with the run's drafter
         self.cumulative: list[float] = []  # [k] the last draft's cumulative probabilities
 
-    def propose(self, state: DecodeState, limit: int) -> Drafting:
-        limit = min(self.options.max_draft, limit)
-        tokens, rows, self.cumulative = yield from self.model.draft_chain(limit, lambda p: p >= self.threshold)
+    def offer(self, state: DecodeState, limit: int) -> Offer | None:
+        limit = min(self.options.max_draft, limit)  # (how far the chain goes is its threshold's to say)
+        return Offer(self.name, (1.0,) * limit) if limit > 0 else None
+
+    def draft(self, state: DecodeState, plan: Plan) -> Drafting:
+        tokens, rows, self.cumulative = yield from self.model.draft_chain(plan.k, lambda p: p >= self.threshold)
         return Draft(tokens, stack_probs(rows))
 
-    def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
+    def learn(self, state: DecodeState, step: Step) -> None:
         self.model.rewind()
-        if draft.tokens:
-            self.threshold = adapt_threshold(self.threshold, self.cumulative, accepted, self.options)
+        if step.draft.tokens:
+            self.threshold = adapt_threshold(self.threshold, self.cumulative, step.accepted, self.options)
 
 
 @register("threshold")
@@ -65,5 +73,5 @@ class Threshold(DraftVerify):
     """Speculative decoding with an adaptive, confidence-driven draft length."""
 
     Options = ThresholdOptions
-    drafter = ThresholdDrafter
+    drafter = Fixed.of(ThresholdProposer)
     needs_draft = takes_draft = True
