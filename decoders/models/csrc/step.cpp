@@ -297,14 +297,14 @@ static void block(const X* x, size_t ldx, int rows, const W* w, int K, int orows
     // (2 x 2 tiles: their accumulators and loads fit AVX2's 16 registers; 3 x 2, 4 x 1 and 2 x 3 were no faster)
     for (; n + 2 <= rows; n += 2) tiles<2, 2>(x + n * ldx, ldx, 2, w, K, orows, out + (size_t)n * ldo, ldo);
     if (n < rows) tiles<1, 2>(x + n * ldx, ldx, 1, w, K, orows, out + (size_t)n * ldo, ldo);
-    return;
-#endif
+#else
     const int tr = rows >= 48 ? 6 : 4;
     for (; n + tr <= rows; n += tr) {
         if (tr == 6) tiles<6, 4>(x + n * ldx, ldx, 6, w, K, orows, out + (size_t)n * ldo, ldo);
         else tiles<4, 4>(x + n * ldx, ldx, 4, w, K, orows, out + (size_t)n * ldo, ldo);
     }
     for (; n < rows; n++) tiles<1, 4>(x + n * ldx, ldx, 1, w, K, orows, out + (size_t)n * ldo, ldo);
+#endif
 }
 
 // y [N, o1 - o0] (row stride ldy) = x [N, K] . w [o0:o1]: the weight rows in blocks that the core's cache holds while
