@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from decoders.models.device import cpu_flags
+
 SOURCE = Path(__file__).parent / "csrc" / "step.cpp"
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17")
@@ -44,7 +46,6 @@ def _compiler() -> str | None:
 @functools.cache
 def library() -> ctypes.CDLL | str:
     """The compiled step (built once per source, compiler and CPU into the cache folder), or why it is not there."""
-    from decoders.models.lm import cpu_flags
     from decoders.models.zoo import cache_dir
 
     compiler = _compiler()

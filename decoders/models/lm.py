@@ -13,12 +13,13 @@ import torch
 
 from decoders.models.attention import use_grouped
 from decoders.models.cache import KVCache
-from decoders.models.device import cpu_flags, synchronize  # noqa: F401  (cpu_flags: kernel.py and quantize.py's)
+from decoders.models.device import synchronize
 from decoders.models.graphs import StaticKVCache
 from decoders.models.held import Held, shared
 from decoders.models.linear import use_native
 from decoders.models.native import NativeStep, attach
 from decoders.models.probes import probe_static_cache, probe_tree_mask
+from decoders.models.quantize import copy_of, quantize
 
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -164,13 +165,11 @@ class LM:
         per call)."""
         copies = self.held.copies
         if scheme not in copies:
-            from decoders.models import quantize as quantizing  # (quantize builds on this module)
-
             made = shared(self.model).copies
             if scheme in made:
-                copies[scheme] = quantizing.copy_of(self, made[scheme], scheme)
+                copies[scheme] = copy_of(self, made[scheme], scheme)
             else:
-                copies[scheme] = quantizing.quantize(self, scheme)
+                copies[scheme] = quantize(self, scheme)
                 made[scheme] = copies[scheme].model
         return copies[scheme]
 

@@ -14,13 +14,17 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from decoders.models.device import cpu_flags, synchronize
 from decoders.models.kernel import INT8, library, why_not_here
-from decoders.models.lm import LM, cpu_flags, synchronize
+
+if TYPE_CHECKING:
+    from decoders.models.lm import LM
 
 SCHEMES = ("int8",)
 KERNELS = ("native", "int8_activations", "int8_mm", "dequantize")
@@ -248,7 +252,7 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
 
 def copy_of(lm: LM, module, scheme: str) -> LM:
     """`module`, a `scheme` copy of `lm`'s (made by `quantize`), as an LM named after `lm` and known as its copy."""
-    quantized = LM(module, lm.tokenizer, name=f"{lm.name}:{scheme}")
+    quantized = type(lm)(module, lm.tokenizer, name=f"{lm.name}:{scheme}")
     quantized.quantized_from = weakref.ref(lm)  # as a draft of its original it may share its KV cache (draft_model)
     return quantized
 
