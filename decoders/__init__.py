@@ -1,12 +1,9 @@
-"""decodekit's decoding strategies over any Hugging Face causal LM, all lossless against greedy decoding.
+"""decodekit's decoding strategies over any Hugging Face causal LM, all lossless against greedy decoding
+(layout: docs/design/architecture.md).
 
     lm = decoders.load("zoo:smollm2-135m")
     result = decoders.generate(lm, "The capital of France is", strategy="greedy", max_new_tokens=32)
     results = decoders.generate(lm, ["def add(a, b):", "Once upon a time"], strategy="suffix")  # batched
-
-strategies/ holds one file per strategy, proposers/ one per source of guesses, drafting/ the draft-then-verify
-machinery, models/ the model wrapper, its caches, zoo and quantization; decoding.py is one run's lifecycle, batch.py
-runs many at once in shared calls, driver.py checks a request and runs it (docs/design/architecture.md).
 """
 
 from decoders.base import Chunk, Decoder, DecodeState, Result, Stats
@@ -28,7 +25,7 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
     return quantized(lm, scheme)
 
 
-from decoders import strategies  # noqa: E402,F401  isort: skip  (the built-in strategies register on import)
+from decoders import strategies  # noqa: E402,F401  isort: skip  (registers the built-in strategies)
 
 __all__ = [
     "LM",

@@ -1,8 +1,5 @@
-"""What every strategy shares: the `Decoder` base class, the per-run `DecodeState`, the `Budget` a batch hands a
-step and the `Verified` record a drafting step returns, and the `Result` a run produces.
-
-A strategy is stateless apart from its frozen options: everything a run changes lives in its `DecodeState`.
-"""
+"""What every strategy shares: `Decoder`, the per-run `DecodeState`, and what a batch hands a step and a run returns.
+A strategy is stateless apart from its frozen options: everything a run changes lives in its `DecodeState`."""
 
 from __future__ import annotations
 
@@ -27,11 +24,10 @@ SLACK = 64  # positions past the run's last token that a call checking a draft m
 
 @dataclass(frozen=True)
 class Budget:
-    """What a batch hands a row's step: how wide its target call may be, and what that call and drafting cost there.
-    A run alone gets `ALONE`: no limit, a call of its own."""
+    """What a batch hands a row's step: how wide its target call may be, and what that call and drafting cost there."""
 
     width: int = 0  # the most tokens the step's target call may score; 0: no limit
-    tokens: int = 0  # the tokens the batch's shared target call scores in all its rows (what a call costs); 0: alone
+    tokens: int = 0  # tokens the batch's shared target call scores in all its rows (its cost); 0: alone
     stall: float = 1.0  # rows a second of this row's drafting holds up, per row drafting beside it
     trying: bool = False  # the width is a try or a guess, not the batch's best: rent no draft model on it
 
@@ -45,19 +41,19 @@ ALONE = Budget()
 
 @dataclass(frozen=True)
 class Verified:
-    """What a drafting step's verification tells the batch's `Width`: the gain it would have had at narrower widths."""
+    """What a drafting step tells the batch's `Width`: what it would have gained at narrower widths."""
 
     width: int  # the most tokens its target call could score (0: no limit)
     fed: int  # tokens the call scored before the draft
     path: list[int]  # the draft nodes accepted
 
 
-Steps = Generator[Call, torch.Tensor, Verified | None]  # a step: yields each model call, is sent its logits
-# [keep or T, vocab]; returns what a batch learns from it (a drafting step's `Verified`), or None
+# a step: yields each model call, is sent its logits [keep or T, vocab], returns a drafting step's `Verified` or None
+Steps = Generator[Call, torch.Tensor, Verified | None]
 
 
 def takes_budget(method: Callable) -> bool:
-    """Whether a strategy's `start` or `steps` names a `budget`: a batch hands those its `Budget` (alone: `ALONE`)."""
+    """Whether a strategy's `start` or `steps` takes a `budget` (a batch's `Budget`; alone: `ALONE`)."""
     return "budget" in inspect.signature(method).parameters
 
 
@@ -81,10 +77,10 @@ class Decoder:
 
     name: ClassVar[str] = ""  # set by @register
     Options: ClassVar[type] = NoOptions
-    # What the strategy needs, declared once and checked before the clock starts (`decoders.capabilities`):
-    needs_draft: ClassVar[bool] = False  # a draft model is required
+    # what the strategy needs, checked before the clock starts (`decoders.capabilities`)
+    needs_draft: ClassVar[bool] = False
     takes_draft: ClassVar[bool] = False  # a draft model is used when given (always True when needs_draft)
-    needs_grammar: ClassVar[bool] = False  # runs only under a grammar
+    needs_grammar: ClassVar[bool] = False
     needs_tree_mask: ClassVar[bool] = False  # the target scores token trees in one call (custom 4D attention masks)
     draft_needs_tree_mask: ClassVar[bool] = False  # the draft model grows token trees in one call
 
@@ -100,21 +96,20 @@ class Decoder:
         return f"{type(self).__name__}({self.options})"
 
     def start(self, state: DecodeState) -> None:
-        """Set up per-run helpers (a drafter, in `state.drafter`) before the first step (a strategy that plans by a
-        batch's `Budget` takes `budget` too)."""
+        """Set up per-run helpers (a drafter, in `state.drafter`) before the first step; may take `budget` too."""
 
     def step(self, state: DecodeState) -> None:
-        """Append at least one token to the run with `state.accept` (by default: `steps`, its calls run at once)."""
+        """Append at least one token to the run with `state.accept`."""
         drive(self.steps(state), state.forward)
 
     def steps(self, state: DecodeState) -> Steps:
-        """`step` as a generator that yields its `Call`s and is sent their logits (a batch's rows share a forward). A
-        strategy whose drafts a batch's width limits takes `budget` too (`DraftVerify`) and returns a `Verified`."""
+        """`step` as a generator that yields its `Call`s and is sent their logits (a batch's rows share a forward); one
+        whose drafts a batch's width limits takes `budget` and returns a `Verified` (`DraftVerify`)."""
         raise NotImplementedError(f"strategy {self.name!r} implements neither step nor steps")
 
     @classmethod
     def batchable(cls) -> bool:
-        """Whether its steps can be batched with other runs' (it implements `steps`)."""
+        """Whether its steps can be batched with other runs'."""
         return cls.steps is not Decoder.steps
 
     def finish(self, state: DecodeState) -> None:
@@ -126,10 +121,10 @@ class Stats:
     """Counters of one run. The words (drafted, accepted, bonus ...) are defined in `samplers.verify`."""
 
     new_tokens: int = 0
-    target_calls: int = 0  # forward calls of the target model
-    draft_calls: int = 0  # forward calls of a draft model
-    drafted: int = 0  # draft tokens proposed to the target
-    accepted: int = 0  # draft tokens the target accepted
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: times the draft token at depth i was accepted
     draft_lengths: list[int] = field(default_factory=list)  # drafted tokens at each verification, in order
     seconds: float = 0.0
@@ -161,7 +156,7 @@ class Stats:
         self.drafted += drafted
         self.accepted += accepted
         self.draft_lengths.append(drafted)
-        self.accepted_by_position.extend([0] * (levels - len(self.accepted_by_position)))  # (none if as deep)
+        self.accepted_by_position.extend([0] * (levels - len(self.accepted_by_position)))
         for depth in range(accepted):
             self.accepted_by_position[depth] += 1
 
@@ -216,7 +211,7 @@ class DecodeState:
 
     def forward(self, call: Call) -> torch.Tensor:
         """Run `call` alone: on this run's target cache, or a draft model's call on the draft's cache."""
-        if call.lm is not None:  # (counted where it is made, `DraftModel.forward`)
+        if call.lm is not None:  # counted in `DraftModel.forward`
             return call.lm.forward(
                 call.tokens, call.cache, positions=call.positions, tree_mask=call.tree_mask, keep=call.keep
             )
@@ -284,7 +279,7 @@ class Result:
     tokens: list[int]  # the new tokens only (an ending EOS included)
     sources: list[str]  # one per new token: "target", "draft", "lookup", "lookahead" or "grammar"
     stats: Stats
-    finish_reason: str  # "eos", "stop", "length", or "error" (a batch row whose own step raised: `error`)
+    finish_reason: str  # "eos", "stop", "length", or "error" (then see `error`)
     prompt_tokens: list[int]
     strategy: str
     error: str | None = None

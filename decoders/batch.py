@@ -1,11 +1,6 @@
 """Many prompts at once: continuous batching of any strategy whose steps yield their model calls.
 
-Each row of the batch is an ordinary run (a `Decoding`: its own state, strategy, grammar and random stream); what the
-rows share is each model's forward. Every round the batch picks the width of its target call (`Width`), hands each
-row's new step its `Budget`, steps every row until its strategy asks for a call, runs the calls of all rows to one
-model in one forward (`models.rows.BatchCache`), sends each row its own logits, and learns from the `Verified` record
-each finished step returns. While any row drafts, the rows waiting for the target wait, so that one target call
-verifies every row's draft. A row whose run ends is refilled with the next prompt at once.
+Each row is an ordinary run (a `Decoding`); the rows share each model's forward (docs/design/batching.md).
 """
 
 from __future__ import annotations
@@ -33,8 +28,8 @@ class Row:
     """A run in the batch and the step it is in."""
 
     run: Decoding
-    steps: Steps | None = None  # the step in progress
-    pending: Call | None = None  # the call it waits on
+    steps: Steps | None = None
+    pending: Call | None = None  # the call its step waits on
     record: Verified | None = None  # what its last step returned, for the width
 
 
@@ -60,8 +55,8 @@ class Lap:
 
 
 def run(lm: LM, runs: list[Decoding], batch_size: int, with_text: bool = True) -> Iterator[Event]:
-    """Decode `runs` (checked, ready, numbered by their place in the list) with at most `batch_size` in flight; yields
-    each step's chunk (its text only `with_text`) with the run's index, and its `Result` once the run ended."""
+    """Decode `runs` (checked, ready) with at most `batch_size` in flight; yields each step's chunk (its text only
+    `with_text`) with the run's index in `runs`, and its `Result` once the run ended."""
     for index, decoding in enumerate(runs):
         decoding.index = index
     if min(batch_size, len(runs)) == 1:
@@ -73,7 +68,7 @@ def run(lm: LM, runs: list[Decoding], batch_size: int, with_text: bool = True) -
                 f"strategy {decoding.decoder.name!r} implements `step` only and cannot run batched; implement "
                 "`steps` (see decoders.base.Decoder) or decode its prompts one at a time"
             )
-    try:  # (rows of several lengths in one call need masks of their own)
+    try:  # rows of several lengths in one call need masks of their own
         lm.check_tree_mask()
     except TypeError as error:
         raise TypeError(f"cannot decode a batch with this model: {error}; pass batch_size=1") from None
@@ -81,7 +76,7 @@ def run(lm: LM, runs: list[Decoding], batch_size: int, with_text: bool = True) -
     batch = BatchCache(lm, min(batch_size, len(runs)))
     rows: list[Row | None] = [None] * batch.rows
     width = Width(lm, batch.rows)
-    timed = not any(decoding.state.seeded for decoding in runs)  # (seeded: widths from the calibration alone)
+    timed = not any(decoding.state.seeded for decoding in runs)  # seeded runs read no clock, so they repeat
     lap = Lap()
     drafters, drafted = set(), set()  # the rows that called a draft model before the last target call, and since
     while queue or any(rows):
@@ -94,7 +89,7 @@ def run(lm: LM, runs: list[Decoding], batch_size: int, with_text: bool = True) -
             limit = width.next(batch.slots, () if queue else [b for b, row in enumerate(rows) if row is not None])
             trying = limit != width.best or not width.verified
             for b, row in enumerate(rows):
-                if row is not None and row.run.error is None:  # (a row whose `start` raised ends this round)
+                if row is not None and row.run.error is None:  # a row whose `start` raised ends this round
                     # a second of drafting holds up every row, shared with the rows drafting beside it
                     _advance(row, None, Budget(limit, limit * batch.rows, batch.rows / len(drafters | {b}), trying))
             pending = {b: row.pending for b, row in enumerate(rows) if row is not None and row.pending is not None}
@@ -102,13 +97,13 @@ def run(lm: LM, runs: list[Decoding], batch_size: int, with_text: bool = True) -
             drafted |= drafting.keys()
             answers: dict[int, torch.Tensor] = {}
             if drafting:  # the rows waiting on the target wait for these, to verify every row's draft in one call
-                with lap.aside():  # (a draft model's calls are priced in its rows' plans, not in the width's)
+                with lap.aside():  # draft calls are priced in their rows' plans, not the width's
                     for cache in batch.drafts:
                         calls = {b: call for b, call in drafting.items() if call.cache.batch is cache}
                         if calls:
                             answers.update(cache.forward(calls))
                             cache.lm.synchronize()
-            elif pending:  # the round's target call
+            elif pending:
                 drafters, drafted = drafted, set()
                 answers = batch.forward(pending)
                 for b in answers:
@@ -119,7 +114,7 @@ def run(lm: LM, runs: list[Decoding], batch_size: int, with_text: bool = True) -
             if pending and not drafting and timed:
                 width.took(max(len(call.tokens) for call in pending.values()), lap.lap(), batch.slots)
             for b, row in enumerate(rows):
-                if row is None or row.steps is not None:  # (its step goes on)
+                if row is None or row.steps is not None:
                     continue
                 if row.record is not None:
                     width.observe(row.record.width, row.record.fed, row.record.path, row=b)
@@ -131,21 +126,19 @@ def run(lm: LM, runs: list[Decoding], batch_size: int, with_text: bool = True) -
                     rows[b] = None
                 done.append((row.run.index, chunk, row.run.result() if row.run.state.finished else None))
         for event in done:
-            with lap.aside():  # (the caller's time with the chunk is not the batch's)
+            with lap.aside():
                 yield event
 
 
 def one_at_a_time(runs: list[Decoding], with_text: bool = True) -> Iterator[Event]:
-    """`run` with one row in flight: each run alone on its own cache, as `decoders.generate` runs one prompt (a batch
-    of one shares no call: its masks, slots and widths would only cost)."""
+    """`run` with one row in flight: each run alone on its own cache (a batch of one shares no call, only its costs)."""
     for decoding in runs:
-        for chunk in decoding.chunks(with_text, raising=False):  # (a raise ends that run; the later ones go on)
+        for chunk in decoding.chunks(with_text, raising=False):  # a raise ends that run; the later ones go on
             yield decoding.index, chunk, decoding.result() if decoding.state.finished else None
 
 
 def admit(batch: BatchCache, b: int, decoding: Decoding) -> Row:
-    """Start `decoding` in row `b`: its clock, its prompt but the last token prefilled alone, its strategy's `start`
-    (told it is in a batch of `batch.rows`)."""
+    """Start `decoding` in row `b`: its clock, its prompt but the last token prefilled alone, its strategy's `start`."""
     decoding.begin()
     batch.prefill(b, decoding.state.tokens[:-1])
     decoding.state.cache = batch.row(b)

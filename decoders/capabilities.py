@@ -29,11 +29,10 @@ def check_request(strategy: type[Decoder] | Decoder, has_draft: bool, has_gramma
 
 
 def check_models(strategy: type[Decoder] | Decoder, lm: LM, draft: LM | None = None) -> None:
-    """Raise when the loaded models cannot serve `strategy`: a draft on another device than the target's, a draft of
-    another vocabulary for a strategy that grows token trees in the draft's own cache, or a model class that cannot
-    score a token tree in one call."""
+    """Raise when the loaded models cannot serve `strategy`: a draft on another device or (for trees grown in the
+    draft's own cache) of another vocabulary, or a model that cannot score a token tree in one call."""
     if draft is not None and draft is not lm:
-        # where the weights are now, not where they were when wrapped (a model may have been moved since)
+        # where the weights are now: a model may have moved since it was wrapped
         ours, theirs = (next(m.model.parameters()).device for m in (lm, draft))
         if ours != theirs:
             raise ValueError(

@@ -1,7 +1,5 @@
-"""One run's lifecycle, written once for every caller (`driver`, `batch`, `hf`, the evaluator): `begin` starts its
-clock, `start` its strategy, each step (alone: `advance`; in a batch: the generator `steps`) adds tokens, `chunk`
-reports what it added and ends the run where it finished (the strategy's `finish`), `result` reads it. A strategy's
-raise ends its own run with finish_reason "error"."""
+"""One run's lifecycle, written once for every caller (`driver`, `batch`, `hf`, the evaluator): `begin`, `start`,
+steps (alone `advance`, batched `steps`), `chunk`, `result`. A strategy's raise ends its own run as "error"."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ class Decoding:
         """`index`: the run's prompt among several decoded at once (its chunks carry it)."""
         self.state, self.decoder, self.index = state, decoder, index
         self.error: Exception | None = None  # what ended it, where the strategy raised
-        self.began = 0.0  # when its clock started
+        self.began = 0.0  # perf_counter at `begin`
         self.before = len(state.tokens)  # its tokens when the step in progress began
         self.text = ""  # the text its chunks carried so far
         self.budgeted = takes_budget(decoder.start), takes_budget(decoder.steps)  # (start, steps) take a `Budget`
@@ -31,14 +29,14 @@ class Decoding:
         self.began = time.perf_counter()
 
     def start(self, budget: Budget = ALONE) -> None:
-        """The strategy's `start` (in a batch handed its budget, where it takes one)."""
+        """The strategy's `start`, handed `budget` where it takes one."""
         try:
             with torch.inference_mode():
                 if self.budgeted[0]:
                     self.decoder.start(self.state, budget)
                 else:
                     self.decoder.start(self.state)
-        except Exception as error:  # noqa: BLE001 - where drafters are built: it ends this run, as a step's raise
+        except Exception as error:  # noqa: BLE001 - a drafter built here may raise: it ends this run
             self.error = error
 
     def advance(self) -> None:
@@ -51,7 +49,7 @@ class Decoding:
             self.error = error
 
     def steps(self, budget: Budget = ALONE) -> Steps:
-        """One step as the generator of its calls (a batch's row), handed the batch's `budget` where it takes one."""
+        """One step as the generator of its calls (a batch's row), handed `budget` where it takes one."""
         self.before = len(self.state.tokens)
         if self.budgeted[1]:
             return self.decoder.steps(self.state, budget)

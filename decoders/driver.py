@@ -18,12 +18,12 @@ from samplers import SamplingConfig, make_generator
 Prompt = str | Sequence[int]
 
 
-BATCH_SIZE = 8  # rows in flight by default: even on a 2-core CPU a call of 8 rows costs little more than one row's
+BATCH_SIZE = 8  # even on a 2-core CPU a call of 8 rows costs little more than one row's
 
 
 def stream(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Iterator[Chunk]:
-    """Run a strategy and yield the tokens of each step as they are accepted (same arguments as `generate`). With a
-    list of prompts, chunks of all of them come as their rows step, each carrying its prompt's `index`."""
+    """Run a strategy and yield the tokens of each step as they are accepted (same arguments as `generate`); with a
+    list of prompts each chunk carries its prompt's `index`."""
     if is_batch(prompt):
         for _, chunk, _ in _run_batch(lm, prompt, with_text=True, **kwargs):
             yield chunk
@@ -36,19 +36,17 @@ def generate(lm: LM, prompt: Prompt | Sequence[Prompt], **kwargs) -> Result | li
 
     Args:
         lm: the target model (`decoders.load` or `decoders.wrap`).
-        prompt: text or one sequence of token ids; or a list of those, decoded together (`decoders.batch`) into a list
-            of `Result`s in order, each row exactly its own run's (an empty list: []). A row whose strategy raises (in
-            a step, `start` or `finish`) ends with finish_reason "error" and the error in `result.error`; the other
-            rows go on.
-        batch_size: with a list of prompts, the most rows in flight at once (default BATCH_SIZE); 1: each alone.
+        prompt: text or token ids, or a list of those decoded together (`decoders.batch`) into a list of `Result`s;
+            a row whose strategy raises ends with finish_reason "error" (`result.error`), the others go on.
+        batch_size: with a list of prompts, the most rows in flight (default BATCH_SIZE); 1: each alone.
         strategy: a registered name (`decoders.available()`) or a `Decoder` instance. Default "greedy".
         max_new_tokens: the most tokens to add (> 0). Default 128.
-        draft: the draft model: an `LM`, a name for `decoders.load`, or "self:int8" (the target's own int8 copy).
+        draft: an `LM`, a name for `decoders.load`, or "self:int8" (the target's own int8 copy).
         temperature, top_k, top_p, min_p: sampling settings; temperature 0 (the default) is greedy.
-        seed: seeds the sampling generator; with a list of prompts an int s seeds row i with s + i, a list each row.
-        grammar: a `grammars` constraint; with a list of prompts, one for all or a list of one per prompt (or None).
-        stop: stop strings (EOS always stops; [] none); with a list of prompts, a string or a list of strings applies
-            to every row, a list of one entry per prompt (None or a list of strings) gives each its own.
+        seed: the sampling seed; with a list of prompts an int s seeds row i with s + i, a list each row.
+        grammar: a `grammars` constraint; with a list of prompts, one for all or one per prompt (or None).
+        stop: stop strings (EOS always stops); with a list of prompts, one string or list for all, or one entry per
+            prompt (None or a list of strings).
         **options: the strategy's options (e.g. k=5).
     """
     if is_batch(prompt):
@@ -86,7 +84,7 @@ def _prepare(
     """Validate every argument up front and build the run's state."""
     decoder, max_new_tokens = _settings(lm, strategy, max_new_tokens, options)
     if seed is not None:
-        seed = whole("seed", seed, 0, 2**64)  # (what a torch.Generator takes)
+        seed = whole("seed", seed, 0, 2**64)  # what a torch.Generator takes
     tokens = _prompt_tokens(lm, prompt)
     if lm.context_length is not None and len(tokens) + max_new_tokens > lm.context_length:
         raise ValueError(
@@ -100,7 +98,7 @@ def _prepare(
                 "grammar= takes a grammars constraint (grammars.json_schema, grammars.regex, grammars.choice, "
                 f"grammars.cfg), got {type(grammar).__name__}"
             )
-        matcher = grammar.matcher(lm)  # the index or grammar is built once per tokenizer and constraint, then cached
+        matcher = grammar.matcher(lm)  # built once per tokenizer and constraint, then cached
     sampling = SamplingConfig(temperature, top_k, top_p, min_p)
     check_request(decoder, has_draft=draft is not None, has_grammar=grammar is not None)
     draft = resolve_draft(lm, draft)
@@ -138,8 +136,7 @@ def _settings(lm: LM, strategy: str | Decoder, max_new_tokens: int, options: dic
 
 
 def is_batch(prompt) -> bool:
-    """Whether `prompt` is a list of prompts (strings or sequences of ids), not one prompt; an empty list is one of
-    no prompts."""
+    """Whether `prompt` is a list of prompts (strings or sequences of ids), not one prompt; [] is a list of none."""
     return isinstance(prompt, list | tuple) and all(
         isinstance(p, str) or (isinstance(p, Iterable) and not isinstance(p, bytes)) for p in prompt
     )
@@ -167,7 +164,7 @@ def _run_batch(
     """Check every prompt (an error names its index) before any runs, then decode them batched (`decoders.batch`).
     No prompts: nothing runs, but what needs no prompt is checked."""
     batch_size = whole("batch_size", batch_size)
-    if not prompts:  # nothing to decode, but a wrong strategy, option or max_new_tokens is still refused
+    if not prompts:
         request = inspect.signature(_prepare).bind(lm, None, **kwargs)
         request.apply_defaults()
         _settings(lm, *(request.arguments[name] for name in ("strategy", "max_new_tokens", "options")))
@@ -180,7 +177,7 @@ def _run_batch(
     per_row_stop = (
         isinstance(stop, list | tuple)
         and len(stop) > 0
-        and all(  # (an empty list: no stop strings)
+        and all(  # an empty list: no stop strings
             s is None or isinstance(s, list | tuple) for s in stop
         )
     )

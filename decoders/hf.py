@@ -2,12 +2,10 @@
 
     out = model.generate(**inputs, custom_generate=custom_generate, strategy="staged", assistant_model=draft)
 
-Honoured: the generation config's length, EOS ids and do_sample with the temperature / top-k / top-p / min-p warpers
-(seeded by `seed=`, else by torch's global RNG), stopping_criteria (after every token), a streamer (one `put` per
-step), `assistant_model=` (or `draft=`), `return_dict_in_generate` (a `DecodekitOutput`) and a left-padded batch
-(`decoders.batch`; `seed=s` seeds row i with s + i). Anything else is refused by name. transformers 5.x drops
-`tokenizer=`, `streamer=` and `assistant_model=` before calling a callable `custom_generate`: the latter two are read
-back from the running call; `grammar=` and `stop_strings=` need the exported folder (`hub_generate`).
+Honoured: the generation config's length, EOS ids and sampling warpers, stopping_criteria, a streamer,
+`assistant_model=` (or `draft=`), `return_dict_in_generate` and a left-padded batch; anything else is refused by name.
+transformers 5.x drops `tokenizer=` before calling a callable `custom_generate`, so `grammar=` and `stop_strings=` need
+the exported folder (`hub_generate`).
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ class TokenIds:
 
 class CustomGenerate:
     """transformers' `custom_generate` callable running a decodekit strategy. Its signature (transformers reads it
-    to tell our keyword arguments) lists our own arguments and every option of every registered strategy."""
+    to tell our keyword arguments) lists our own arguments and every registered strategy's options."""
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer  # a tokenizer handed over outside the call (the exported folder's path)
@@ -142,11 +140,11 @@ class CustomGenerate:
                 **options,
             )
             one = len(prompts) == 1
-            pad = 0 if one else pad_id(generation_config)  # (refused before any run where a batch has none)
-            if one:  # (a criterion that fires ends the run)
+            pad = 0 if one else pad_id(generation_config)  # raises before any run where a batch has none
+            if one:  # a criterion that fires ends the run
                 run = prepare(lm, prompts[0], **arguments)
                 events = ((0, chunk, None) for chunk in run.chunks(with_text=False))
-            else:  # (every row decoded to its end: the rows share their calls)
+            else:  # every row decoded to its end: the rows share their calls
                 events = _run_batch(lm, prompts, batch_size=len(prompts), with_text=False, **arguments)
             new, results = _emitted(events, input_ids, stopping_criteria, streamer, until_stopped=one)
             results = [run.result()] if one else results
@@ -213,7 +211,7 @@ def _row_stats(result: Result, new: int) -> dict:
 def _models(model, tokenizer, generation_config: GenerationConfig, assistant_model, draft) -> tuple[LM, LM | None]:
     """The target `LM`, ending at the EOS ids this call resolved, and the draft `LM` (or None)."""
     lm = LM(model, tokenizer if tokenizer is not None else TokenIds())
-    eos = generation_config.eos_token_id  # this call's: an id, a list of ids or None (the model's config merged in)
+    eos = generation_config.eos_token_id  # an id, a list of ids or None, the model's config merged in
     lm.eos_token_ids = frozenset() if eos is None else frozenset(torch.as_tensor(eos).reshape(-1).tolist())
     if assistant_model is not None:
         if draft is not None:
@@ -228,9 +226,8 @@ def _models(model, tokenizer, generation_config: GenerationConfig, assistant_mod
 def _emitted(
     events, input_ids: torch.Tensor, stopping_criteria, streamer=None, until_stopped: bool = False
 ) -> tuple[list[list[int]], list[Result | None]]:
-    """Each row's new tokens from the run's `events` ((index, chunk, result) as `decoders.batch` yields them), cut
-    where a stopping criterion fires on the row's own sequence (its left padding included, as transformers counts);
-    a streamer is handed each step's kept tokens. `until_stopped`: the events end once every row stopped."""
+    """Each row's new tokens from the run's `events`, cut where a stopping criterion fires on the row's own sequence
+    (its left padding included, as transformers counts). `until_stopped`: stop reading once every row stopped."""
     prompts = [row.tolist() for row in input_ids]
     new: list[list[int]] = [[] for _ in prompts]
     stopped = [False] * len(prompts)
@@ -256,8 +253,7 @@ def _emitted(
 
 
 def _padded(input_ids: torch.Tensor, new: list[list[int]], pad: int) -> torch.Tensor:
-    """The prompts [B, T] and each row's new tokens, as transformers returns a batch: [B, T + longest], `pad` after
-    the rows that ended first."""
+    """The prompts and new tokens as transformers returns a batch: [B, T + longest], `pad` after rows that ended."""
     width = input_ids.shape[1]
     sequences = torch.full((len(new), width + max(map(len, new))), pad, dtype=torch.long, device=input_ids.device)
     sequences[:, :width] = input_ids

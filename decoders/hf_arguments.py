@@ -1,6 +1,4 @@
-"""What `custom_generate` (`decoders.hf`) takes from a `generate` call's arguments: the sampling settings of its
-logits warpers (`sampling_settings`), the rows' own tokens of a left-padded batch and the refusal, by name, of what it
-cannot honor (`check_call`), and what a batch's finished rows are padded with (`pad_id`)."""
+"""What `custom_generate` (`decoders.hf`) takes from a `generate` call's arguments, and what it refuses by name."""
 
 from __future__ import annotations
 
@@ -16,14 +14,14 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-# The logits warpers decodekit's sampling reproduces, in the order both apply them, and the setting each carries.
+# the logits warpers decodekit's sampling reproduces, in the order both apply them, and the setting each carries
 _WARPERS = (
     (TemperatureLogitsWarper, "temperature"),
     (TopKLogitsWarper, "top_k"),
     (TopPLogitsWarper, "top_p"),
     (MinPLogitsWarper, "min_p"),
 )
-# Processors transformers adds for a generate argument, by class name: named in the error that refuses them.
+# the generate argument that adds each processor, named in the error that refuses it
 _PROCESSOR_ARGUMENTS = {
     "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
     "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
@@ -50,7 +48,7 @@ _PROCESSOR_ARGUMENTS = {
     "WatermarkLogitsProcessor": "watermarking_config",
     "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
 }
-# Generation-config fields of other decoding modes or outputs decodekit does not produce -> the values allowed here.
+# generation-config fields of other decoding modes or outputs decodekit does not produce -> the values allowed
 _UNSUPPORTED_FIELDS = {
     **dict.fromkeys(("num_beams", "num_beam_groups", "num_return_sequences"), (None, 1)),
     "penalty_alpha": (None, 0, 0.0),

@@ -1,5 +1,5 @@
-"""The strategy registry: `@register(name)`, `available()`, `get(name)`; plugins may also register through the
-`decodekit.strategies` entry-point group, loaded the first time the registry is read."""
+"""The strategy registry. Plugins may also register through the `decodekit.strategies` entry-point group, loaded the
+first time the registry is read."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The draft-then-verify machinery every drafting strategy shares, and `auto`'s cost model, chooser and copies."""
+"""The draft-then-verify machinery of the drafting strategies, and `auto`'s cost model, chooser and copies."""
 
 from decoders.drafting.draft import Draft, Drafter, Drafting, Window, drafting
 from decoders.drafting.draft_model import DraftModel, stack_probs

@@ -1,11 +1,10 @@
-"""What to draft this step, and how much: the plan of most expected new tokens per second. A proposer's `Offer` holds
-up to k levels with p_i = P(level i accepted | the levels above) (from its `Acceptance`) and what drafting them costs.
-Its first i levels after L cached tokens gain and cost
+"""What to draft this step, and how much: the `Offer` and first i levels of highest E(i) / S(i) (docs/design/auto.md),
+with p_i = P(level i accepted | the levels above) and L cached tokens:
 
-    E(i) = 1 + sum_{j<=i} prod_{l<=j} p_l      tokens (the target's own next token included)
+    E(i) = 1 + sum_{j<=i} prod_{l<=j} p_l      tokens (the target's own included)
     S(i) = drafting(i) + t(1 + nodes(i), L)    seconds (t: the target's measured call cost)
 
-and the plan is the offer and i of highest E / S; i = 0 is a plain step, which wins ties.
+i = 0 is a plain step, which wins ties.
 """
 
 from __future__ import annotations
@@ -21,26 +20,26 @@ import numpy as np
 from decoders.drafting.cost import CostModel
 from decoders.options import check_whole, probability
 
-GAMMAS = tuple(0.02 * 200 ** (i / 23) for i in range(24))  # calibration exponents, 0.02 to 4 evenly in log
+# A token the drafter gives probability c is accepted with probability a * c ** gamma, (a, gamma) on a grid.
+GAMMAS = tuple(0.02 * 200 ** (i / 23) for i in range(24))  # 0.02 to 4, evenly in log
+# a: fine near 1, where a chain's length (1 / (1 - a) tokens) turns on it
 CEILINGS = tuple(1 - miss for miss in (0.0, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
-# a = P(accepted | c = 1), fine near 1 where a chain's length turns on it (1 / (1 - a) tokens)
-PRIOR = tuple(math.log(0.5 if a == 1 else 0.5 / (len(CEILINGS) - 1)) for a in CEILINGS)  # even odds that a drafter
-# sure of a token is never wrong; every gamma equally likely
+# even odds that a drafter sure of a token is never wrong (a = 1); every gamma equally likely
+PRIOR = tuple(math.log(0.5 if a == 1 else 0.5 / (len(CEILINGS) - 1)) for a in CEILINGS)
 GRID = np.array(GAMMAS), np.array(CEILINGS)[:, None]  # [GAMMAS], [CEILINGS, 1]
 
 
 @dataclass(frozen=True)
 class ChooserOptions:
-    """Options of the estimates and the choice; defaults for runs of a few hundred tokens (tens of steps)."""
+    """Options of the estimates and the choice; defaults for runs of a few hundred tokens."""
 
     max_depth: int = 4  # depths past this share one estimate
     prior_mean: float = 0.5  # prior acceptance of a level without a drafter's probability
     prior_strength: float = 2.0  # pseudo-observations of the prior
-    decay: float = 0.99  # per observation old evidence fades: about the last 100 count
+    decay: float = 0.99  # per observation: about the last 100 count
     probe_after: int = 16  # declined steps in a row before a drafter that costs something is probed
-    probe_tokens: int = 2  # levels of a probe
-    catch_up_share: float = 0.2  # a drafter is first probed once its catch-up is at most this share of the run's
-    # seconds so far
+    probe_tokens: int = 2
+    catch_up_share: float = 0.2  # a new drafter is first probed once its catch-up is this share of the run's seconds
 
     def __post_init__(self):
         check_whole(self, max_depth=1, probe_after=1, probe_tokens=1)
@@ -57,10 +56,10 @@ class Offer:
     """A draft a proposer could verify this step, or its first levels."""
 
     proposer: str
-    accept: tuple[float, ...]  # [k] p_i = P(level i accepted | levels < i accepted)
+    accept: tuple[float, ...]  # [k] p_i
     drafting: tuple[float, ...] = ()  # [k] seconds of drafting levels 1..i; (): free
     nodes: tuple[int, ...] = ()  # [k] tokens the target scores for levels 1..i; (): a chain, i
-    catch_up: float = 0.0  # of the drafting seconds, those paid once per run and not per step (a draft's prefill)
+    catch_up: float = 0.0  # the part of `drafting` paid once per run (a draft's prefill)
 
 
 @dataclass(frozen=True)
@@ -80,24 +79,24 @@ class Plan:
 
 
 def expected_tokens(accept: Sequence[float]) -> float:
-    """E = 1 + sum_i prod_{j<=i} p_j."""
+    """E(k) for k = len(accept)."""
     return sum(itertools.accumulate(accept, operator.mul), 1.0)
 
 
 def given_above(reach: Sequence[float]) -> tuple[float, ...]:
-    """[levels] P(level d accepted | the levels above) from P(levels 1..d accepted) per level."""
+    """[levels] p_d from P(levels 1..d accepted) per level."""
     return tuple(r / above if above else 0.0 for r, above in zip(reach, [1.0, *reach]))
 
 
 def at_least(paths: list[Sequence[float]], levels: int) -> tuple[float, ...]:
-    """Acceptance per level of a tree holding each of `paths`: P(first d levels accepted) as the likeliest path's."""
+    """p_d of a tree holding each of `paths`: P(d levels accepted) as the likeliest path's."""
     reach = [max((math.prod(path[:d]) for path in paths if len(path) >= d), default=0.0) for d in range(1, levels + 1)]
     return given_above(reach)
 
 
 def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ...]:
-    """Acceptance per level of a tree merged from drafts' main paths (tokens, acceptance per level): paths agreeing on
-    d tokens are one guess, as likely as the likeliest; d levels pass unless every guess fails, at most as d - 1 do."""
+    """p_d of a tree merged from drafts' main paths (tokens, p_d): paths agreeing on d tokens are one guess, as likely
+    as the likeliest; d levels pass unless every guess fails, at most as d - 1 do."""
     reach = []
     for d in range(1, max((min(len(t), len(a)) for t, a in paths), default=0) + 1):
         guesses: dict[tuple[int, ...], float] = {}
@@ -110,11 +109,10 @@ def union(paths: list[tuple[Sequence[int], Sequence[float]]]) -> tuple[float, ..
 
 @dataclass
 class Decayed:
-    """Evidence that fades: each `add` counts the earlier values `decay` times less (about the last 1 / (1 - decay)
-    count); a prior is a starting `total` over a `weight` of pseudo-observations."""
+    """Evidence fading by `decay` per `add`; a prior is a starting `total` over `weight` pseudo-observations."""
 
     total: float = 0.0
-    weight: float = 0.0  # the values counted, faded alike
+    weight: float = 0.0
     decay: float = 0.99
 
     def add(self, value: float) -> None:
@@ -134,12 +132,11 @@ class Acceptance:
         self.prior = self.options.prior_mean if prior is None else prior
         self.counts: dict[int, tuple[Decayed, Decayed]] = {}  # depth -> (accepted, rejected)
         self.fits: dict[str, np.ndarray] = {}  # curve -> [CEILINGS, GAMMAS] log-likelihoods, decayed
-        self.curves: dict[str, tuple[list[float], dict[float, float]]] = {}  # curve -> ([GAMMAS] weight x mean a,
-        # the probability of each confidence asked): cached until the curve learns
+        # curve -> ([GAMMAS] posterior weight x mean a, {confidence: probability}), until the curve learns
+        self.curves: dict[str, tuple[list[float], dict[float, float]]] = {}
 
     def level(self, depth: int, confidence: float | None = None, curve: str = "") -> float:
-        """P(level `depth` (from 1) accepted | the levels above): calibrated from `confidence` where the drafter
-        gave one, else pooled per depth, each depth's prior the estimate of the one above it."""
+        """p_depth: calibrated from `confidence` where given, else pooled per depth (prior: the depth above's)."""
         if confidence is not None:
             return self.calibrated(curve, confidence)
         depth = min(depth, self.options.max_depth)
@@ -149,8 +146,7 @@ class Acceptance:
         return (accepted + strength * prior) / (accepted + rejected + strength)
 
     def calibrated(self, curve: str, confidence: float) -> float:
-        """E[a * confidence ** gamma] under the posterior of `curve`. Before any evidence a token of probability 1
-        is judged 0.83 likely and one of 0.5 0.57, so a drafter is tried and learns."""
+        """E[a * confidence ** gamma] under `curve`'s posterior; by the prior alone 0.83 at 1, so drafters get tried."""
         if curve not in self.curves:
             fit = np.asarray(PRIOR)[:, None] + self.fits.get(curve, 0.0)  # [CEILINGS, GAMMAS]
             posterior = np.exp(fit - fit.max())
@@ -163,7 +159,7 @@ class Acceptance:
     def chain(
         self, k: int, confidences: Sequence[float] | None = None, curves: Sequence[str] | None = None
     ) -> tuple[float, ...]:
-        """[k] estimates of levels 1..k, from the drafter's `confidences` [k] judged on `curves` [k] where given."""
+        """[k] `level` of depths 1..k."""
         return tuple(
             self.level(d + 1, None if confidences is None else confidences[d], "" if curves is None else curves[d])
             for d in range(k)
@@ -193,19 +189,18 @@ class Acceptance:
 
 
 class Chooser:
-    """Picks each step's plan from the offers against a `CostModel`; probes drafters it has turned down; corrects the
-    plans of proposers whose drafts run past their plans by what their steps gave (`learn_rate`)."""
+    """Picks each step's plan against a `CostModel`, probes drafters it turned down, corrects plans by their steps."""
 
     def __init__(self, cost: CostModel, options: ChooserOptions | None = None) -> None:
         self.cost, self.options = cost, options or ChooserOptions()
         self.declined: dict[str, int] = {}  # proposer -> steps in a row it was offered and not taken
-        self.taken: set[str] = set()  # proposers taken at least once this run
-        self.spent = 0.0  # the run's seconds so far (what `choose` weighs a catch-up against)
-        self.realized: dict[str, list[Decayed]] = {}  # proposer -> [predicted tokens, tokens, predicted seconds,
-        # seconds] of its steps
+        self.taken: set[str] = set()
+        self.spent = 0.0  # the run's seconds so far
+        # proposer -> [predicted tokens, tokens, predicted seconds, seconds] of its steps
+        self.realized: dict[str, list[Decayed]] = {}
 
     def evaluate(self, offer: Offer | None, k: int, context: int) -> Plan:
-        """E(k) and S(k) of the first `k` levels of `offer` after `context` cached tokens."""
+        """E(k) and S(k) of `offer` after `context` cached tokens."""
         if offer is None or k == 0:
             return Plan(None, 0, 1.0, self.cost.target_seconds(1, context))
         nodes = offer.nodes[k - 1] if offer.nodes else k
@@ -222,14 +217,11 @@ class Chooser:
         return max((self.evaluate(offer, k, context) for k in range(1, len(offer.accept) + 1)), key=self.rate)
 
     def rate(self, plan: Plan) -> float:
-        """`plan`'s rate corrected by what its proposer's steps gave against their plans (`correction`)."""
+        """`plan`'s rate times its proposer's `correction`."""
         return plan.rate * self.correction(plan.proposer)
 
     def choose(self, offers: Sequence[Offer], context: int, remaining: int | None = None) -> Plan:
-        """The plan of highest corrected rate among `offers` and a plain step, unless a drafter costing seconds is due
-        a probe: declined `probe_after` steps in a row and `could_pay`, or never taken and its catch-up at most
-        `catch_up_share` of the run's seconds so far (a short answer never pays a draft's prefill; in a batch, where
-        that stalls every row, only if it `could_pay`)."""
+        """The plan of highest corrected rate, or a probe of a drafter due one (docs/design/auto.md)."""
         offered = [o for o in offers if o.accept]
         plan = max([self.evaluate(None, 0, context), *(self.best(o, context) for o in offered)], key=self.rate)
 
@@ -257,8 +249,7 @@ class Chooser:
         return plan
 
     def could_pay(self, offer: Offer, context: int, rate: float, remaining: int | None = None) -> bool:
-        """Whether drafting the `remaining` tokens of the run (None: without end) with some prefix of `offer`, every
-        level accepted, would beat `rate` tokens per second, its catching up paid once."""
+        """Whether a prefix of `offer`, all accepted, would beat `rate` over `remaining` tokens, catch-up paid once."""
         perfect, once = replace(offer, accept=(1.0,) * len(offer.accept)), self.cost.stall * offer.catch_up
         return any(
             once / (remaining or math.inf) + (self.evaluate(perfect, k, context).seconds - once) / (k + 1) < 1 / rate
@@ -266,11 +257,11 @@ class Chooser:
         )
 
     def spend(self, seconds: float) -> None:
-        """Count a step's seconds toward the run's (what `choose` weighs a catch-up against)."""
+        """Count a step's seconds toward the run's (a catch-up is weighed against them)."""
         self.spent += seconds
 
     def learn_rate(self, plan: Plan, tokens: int, seconds: float) -> None:
-        """A step on `plan` gave `tokens` new tokens in `seconds`, for `correction`."""
+        """A step on `plan` gave `tokens` new tokens in `seconds`."""
         o = self.options
         if plan.proposer not in self.realized:
             prior = (plan.expected_tokens,) * 2 + (plan.seconds,) * 2
@@ -279,15 +270,15 @@ class Chooser:
             sums.add(value)
 
     def correction(self, proposer: str | None) -> float:
-        """Realized over predicted tokens times predicted over realized seconds of `proposer`'s steps (1 before any)."""
+        """Realized / predicted tokens times predicted / realized seconds of `proposer`'s steps (1 before any)."""
         sums = self.realized.get(proposer)
         return 1.0 if sums is None else sums[1].total / sums[0].total * sums[2].total / sums[3].total
 
     def should_continue(
         self, accept: Sequence[float], p_next: float, context: int, per_token: float, fixed: float = 0.0
     ) -> bool:
-        """Whether drafting one more level (acceptance `p_next`, `per_token` seconds, `fixed` once) after the levels
-        `accept` [k >= 1] raises the rate (E concave in k, S convex: stop at the first that does not)."""
+        """Whether one more level (`p_next`, `per_token` seconds, `fixed` once) after `accept` [k >= 1] raises the
+        rate (E concave in k, S convex: stop at the first that does not)."""
         k = len(accept)
         offer = Offer("", (*accept, p_next), tuple(fixed + per_token * i for i in range(1, k + 2)))
         return self.evaluate(offer, k + 1, context).rate > self.evaluate(offer, k, context).rate

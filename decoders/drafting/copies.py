@@ -1,4 +1,4 @@
-"""What `auto` drafts with: a model or its int8 copy, as a measured one-token call finds it pays."""
+"""What `auto` drafts with: a model or its int8 copy, where a measured one-token call shows the copy pays."""
 
 from __future__ import annotations
 
@@ -10,27 +10,25 @@ from decoders.models.held import shared
 from decoders.models.lm import LM
 from decoders.models.quantize import int8_bytes
 
-CHEAPER = 0.8  # the draft's int8 copy drafts where its one-token call measures at most this share of the draft's
-SELF = 0.7  # the same share for the target's own int8 copy against the target, where there is no draft model
-MEMORY = 0.5  # and where the copy takes at most this share of the memory free on the model's device
+CHEAPER = 0.8  # the most a draft's int8 copy's one-token call may cost, as a share of the draft's
+SELF = 0.7  # the same for the target's own copy (no draft model)
+MEMORY = 0.5  # the most of the device's free memory a copy may take
 
 
 def drafting_model(
     lm: LM, draft: LM | None, context: int, draft_int8: bool | None = None, self_int8: bool | None = None
 ) -> LM | None:
-    """What auto drafts with for `lm` after `context` tokens: `draft` or its int8 copy, or without one the target's
-    own int8 copy or nothing, as the flags say (`AutoOptions`) or, where None, as `int8_copy` finds they pay."""
+    """What auto drafts with: `draft` or its int8 copy, else the target's own int8 copy or None (`int8_copy`)."""
     if draft is not None:
         return int8_copy(draft, draft_int8, context, "draft", CHEAPER) or draft
     return int8_copy(lm, self_int8, context, "target", SELF)
 
 
 def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float) -> LM | None:
-    """`model`'s own int8 copy, or None: the copy where `int8` is True or, when None, where its one-token call costs at
-    most `bar` of `model`'s in `role` and it takes at most MEMORY of the free memory (decided once per model, role)."""
+    """`model`'s int8 copy where `int8` is True or, if None, where it fits MEMORY and `pays` by `bar`; else None."""
     if int8 is False or model.quantized_from is not None:
         return None
-    verdicts = shared(model.model).int8_pays  # (decided once per torch module and role)
+    verdicts = shared(model.model).int8_pays  # decided once per torch module and role
     if int8 is None and role not in verdicts:
         free = free_memory(model.device)
         verdicts[role] = (free is None or int8_bytes(model) <= MEMORY * free) and pays(model, role, context, bar)
@@ -40,7 +38,7 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
 
 
 def pays(model: LM, role: str, context: int, bar: float) -> bool:
-    """Whether `model`'s int8 copy (made here) is `cheaper`; a model it cannot copy drafts as it is, warned of."""
+    """Whether `model`'s int8 copy (made here) is `cheaper`; a model that cannot be copied drafts as it is."""
     try:
         copy = model.self_draft("int8")
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:

@@ -1,5 +1,4 @@
-"""A cost model of this device: how many seconds a target or draft call takes, measured once and refined online
-(`calibrate`, cached per model, dtype, device, CPU, threads and torch version; evidence in docs/design/auto.md)."""
+"""A cost model of this device's target and draft calls, measured once and refined online (docs/design/auto.md)."""
 
 from __future__ import annotations
 
@@ -21,20 +20,19 @@ from decoders.drafting.curve import CallCost, Sample, fit
 from decoders.models.device import cpu_model
 from decoders.models.linear import native_count
 
-VERSION = 7  # of the cache file format and what it measures: files of another version are measured again
+VERSION = 7  # of the cache files and what they measure: other versions are measured again
 TARGET_SIZES = (1, 2, 3, 4, 8, 16, 32)  # the target's measured n; dense, as its curve need not be convex
 DRAFT_SIZES = (1, 2, 3, 4, 5, 8, 16)  # a draft's measured n; 5 as int8 kernels run rows in blocks of four
 SHORT, LONG = 16, 512  # the two context lengths measured (LONG capped by the model's context)
-BUDGET = 0.25  # seconds per model: rounds repeat until then (at least ROUNDS); dearer sizes are extrapolated
-ROUNDS = 2  # measuring rounds at least, each point keeping its fastest: a process's first calls run slow
+BUDGET = 0.25  # seconds of measuring per model; dearer sizes are extrapolated
+ROUNDS = 2  # at least, each point keeping its fastest: a process's first calls run slow
 LINEAR = 0.8  # share of a one-token call each further token costs at least where a call is compute-bound
-PROPORTIONAL_FROM = 4  # the least size that shows it: float32 products of 2-3 rows can cost by the row, of 4 not
-UNSAVED: dict[Path, dict] = {}  # cache file -> curve (`CallCost.to_dict`) that could not be written: measured once
+PROPORTIONAL_FROM = 4  # float32 products of 2-3 rows can cost by the row, of 4 not
+UNSAVED: dict[Path, dict] = {}  # cache file -> curve that could not be written: measured once per process
 
 
 def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -> tuple[list[Sample], float]:
-    """(samples, noise) of `lm`'s calls of `sizes` tokens (all logits kept) at SHORT until `proportional`, the least and
-    most at LONG, each point's fastest of ROUNDS+ rounds in `budget` s; noise: median over points of median/min - 1."""
+    """(samples, noise) of `lm`'s calls of `sizes` tokens; noise: median over points of median / min - 1."""
     long = min(LONG, (lm.context_length or LONG) - max(sizes) - 1)
     ids = [(7 * i + 3) % lm.vocab_size for i in range(max(SHORT, *sizes))]
     begin = time.perf_counter()
@@ -51,7 +49,7 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
             lm.synchronize()
             return time.perf_counter() - start
 
-        timed: list[tuple[int, float]] = []  # (size, seconds) at SHORT
+        timed: list[tuple[int, float]] = []  # at SHORT
         for n in sizes:
             if proportional(timed, n):
                 break
@@ -66,9 +64,7 @@ def measure(lm, sizes: tuple[int, ...] = TARGET_SIZES, budget: float = BUDGET) -
 
 
 def proportional(timed: list[tuple[int, float]], n: int) -> bool:
-    """Whether a call of `n` tokens need not be measured after `timed` ((size, seconds), sizes from 1): sizes through
-    PROPORTIONAL_FROM timed, all compute-bound (LINEAR of a one-token call per token), the last segment extrapolated to
-    `n` past BUDGET."""
+    """Whether `n` tokens need not be measured: `timed` is compute-bound and `n` extrapolates past BUDGET."""
     if not timed or timed[-1][0] < PROPORTIONAL_FROM:
         return False
     one = timed[0][1]
@@ -78,7 +74,7 @@ def proportional(timed: list[tuple[int, float]], n: int) -> bool:
 
 
 def machine(device: torch.device) -> str:
-    """The device as calibrations tell them apart: "cuda:0 <GPU name>", "cpu <CPU model> (<AVX2, AVX512, ...>)"."""
+    """The device as calibrations tell them apart."""
     if device.type == "cuda":
         return f"{device} {torch.cuda.get_device_name(device)}"
     if device.type == "cpu":
@@ -87,15 +83,14 @@ def machine(device: torch.device) -> str:
 
 
 def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
-    """What a calibration depends on: role, name, model, attention, the native step or layers, dtype, `machine`,
-    threads, torch and sizes."""
+    """What a calibration depends on: the cache file's key."""
     model = lm.model
     try:
         config = model.config.to_json_string(use_diff=False)
     except (TypeError, ValueError):  # a config holding something JSON cannot write
         config = repr(model.config)
-    # the weights and saved buffers, not the ones kept only in memory: an int8 layer keeps the float weight for the call
-    # sizes its timing found faster there, which varies from process to process
+    # saved tensors only: an int8 layer also keeps in memory float weights for the call sizes its timing picked,
+    # which vary from process to process
     tensors = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in model.state_dict(keep_vars=True).items()]
     fingerprint = hashlib.sha256("\n".join([type(model).__name__, config, *tensors]).encode()).hexdigest()[:16]
     attention = getattr(model.config, "_attn_implementation", None)
@@ -115,8 +110,7 @@ def calibration_key(lm, role: str, sizes: tuple[int, ...]) -> dict:
 
 
 def cache_file(key: dict, folder: Path | None = None) -> Path:
-    """The JSON file of a calibration key: `<folder>/<role>-<name>-<hash>.json`; the folder defaults to
-    $DECODEKIT_CALIBRATION, else `cache_dir()/calibration`."""
+    """`key`'s file; the folder defaults to $DECODEKIT_CALIBRATION, else `cache_dir()/calibration`."""
     if folder is None:
         from decoders.models.zoo import cache_dir
 
@@ -127,7 +121,7 @@ def cache_file(key: dict, folder: Path | None = None) -> Path:
 
 
 def planned_sizes(lm, role: str) -> tuple[int, ...]:
-    """The call sizes calibration measures `lm` at in `role` ("target" or "draft") that fit after SHORT tokens."""
+    """The call sizes calibration measures `lm` at in `role`."""
     if role not in ("target", "draft"):
         raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
     room = (lm.context_length or math.inf) - SHORT
@@ -143,8 +137,7 @@ def call_cost(
     folder: Path | None = None,
     budget: float = BUDGET,
 ) -> CallCost:
-    """The cost of `lm`'s calls in `role`: from the cache file when it matches, else measured (and written unless
-    `cache=False`; `refresh=True` measures again). A bad or unwritable file is warned of: a cache never fails a run."""
+    """The cost of `lm`'s calls in `role`, cached or measured; a bad or unwritable file is only warned of."""
     sizes = planned_sizes(lm, role)
     key = calibration_key(lm, role, sizes)
     path = cache_file(key, folder)
@@ -168,7 +161,7 @@ def call_cost(
             partial.replace(path)
             cost.source = path
             UNSAVED.pop(path, None)
-        except OSError as error:  # read-only, full, a file or folder in the way: measured, but not saved
+        except OSError as error:  # read-only, full, a file or folder in the way
             with contextlib.suppress(OSError):
                 partial.unlink(missing_ok=True)
             warnings.warn(f"calibration {path} could not be saved ({error}); this process keeps it", stacklevel=2)
@@ -177,12 +170,12 @@ def call_cost(
 
 
 def _read(path: Path, key: dict) -> CallCost | None:
-    """The curve cached at `path` for `key`; None where none (or of another version or key); ValueError if invalid."""
+    """The curve cached at `path` for `key`, or None; ValueError if the file is invalid."""
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:  # unreadable, truncated, empty, binary
+    except (OSError, ValueError) as error:
         raise ValueError(f"not readable as JSON ({error})") from None
     if not isinstance(data, dict):
         raise ValueError(f"holds {json.dumps(data)[:40]}, not a calibration")
@@ -199,19 +192,19 @@ class CostModel:
 
     target: CallCost
     draft: CallCost | None = None  # None: no draft model
-    batch_tokens: int = 0  # in a batch, the tokens its shared target call scores in all rows (the step's `Budget`)
-    stall: float = 1.0  # in a batch, what a second of a row's drafting costs the batch in rows' seconds (`Budget`)
+    batch_tokens: int = 0  # in a batch, the width of its shared target call (the step's `Budget`)
+    stall: float = 1.0  # in a batch, rows' seconds a second of a row's drafting costs (`Budget`)
 
     def __post_init__(self):
         if self.draft is not None:
             self.draft.follows = self.target
 
     def target_seconds(self, n: int, context: int) -> float:
-        """One target call scoring `n` tokens after `context` cached ones (in a batch, the shared call's width)."""
+        """One target call scoring `n` tokens after `context` cached ones."""
         return self.target.predict(max(n, self.batch_tokens), context)
 
     def draft_seconds(self, calls: int, context: int, catch_up: int = 1) -> float:
-        """A draft chain of `calls` tokens after `context`, its first call feeding `catch_up` tokens, the others one."""
+        """A draft chain of `calls` tokens after `context`, its first call feeding `catch_up` tokens."""
         if calls == 0:
             return 0.0
         if self.draft is None:
@@ -219,8 +212,7 @@ class CostModel:
         return self.draft.predict(catch_up, context) + (calls - 1) * self.draft.predict(1, context)
 
     def observe(self, kind: str, n: int, context: int, seconds: float) -> None:
-        """Refine the `kind` ("target" or "draft") cost with a measured call of `n` tokens after `context`; calls
-        longer than calibration measures are ignored (extrapolated far past the last knot, they tell little)."""
+        """Refine the `kind` cost with a measured call; wider calls than calibrated tell little and are ignored."""
         part = self.target if kind == "target" else self.draft
         if kind not in ("target", "draft") or part is None:
             raise ValueError(f"cannot observe a {kind!r} call: kinds are 'target' and, with a draft model, 'draft'")
@@ -232,7 +224,7 @@ class CostModel:
 def calibrate(
     lm, draft=None, *, cache: bool = True, refresh: bool = False, folder: Path | None = None, budget: float = BUDGET
 ) -> CostModel:
-    """The cost model of `lm` as the target and `draft` (an LM or None) as the draft, measured or from the cache."""
+    """The cost model of target `lm` and `draft` (or None)."""
     options = dict(cache=cache, refresh=refresh, folder=folder, budget=budget)
     drafts = None if draft is None else call_cost(draft, "draft", **options)
     return CostModel(call_cost(lm, "target", **options), drafts)

@@ -1,5 +1,4 @@
-"""`CallCost`: the seconds of one model's calls as a curve over the tokens a call scores and the positions it attends
-to, fitted to measured calls (`fit`) and corrected online by a run's own (`CallCost.observe`)."""
+"""`CallCost`: a model's call seconds, fitted to measured calls (`fit`) and corrected by a run's own (`observe`)."""
 
 from __future__ import annotations
 
@@ -15,20 +14,20 @@ from pathlib import Path
 
 import torch
 
-WEIGHT = 0.1  # how far one value moves a `RunningMean`: about the last 1 / WEIGHT count
+WEIGHT = 0.1  # how far one value moves a `RunningMean`
 WINDOW = 9  # the last calls whose median ratio to the fit is the level (`CallCost.scale`); the first is believed
-EVIDENCE = 9  # the last calls per knot whose weighted median is its correction (`CallCost.offset`)
+EVIDENCE = 9  # calls per knot whose weighted median is its correction (`CallCost.offset`)
 STALE, STALE_CALLS = 2.0, 8  # stale: a run's last calls (>= STALE_CALLS) take under 1 / STALE of the cached fit
 Sample = tuple[int, int, float]  # (n tokens scored, L cached, seconds)
 
 
 @dataclass
 class RunningMean:
-    """The mean of the first 1 / WEIGHT values added, then an exponential average over about the last 1 / WEIGHT. A
-    prior `mean` with `count` 1 weighs as one value; with count 0 the first value replaces it."""
+    """The mean of the first 1 / WEIGHT values, then an exponential average of about the last 1 / WEIGHT; a prior
+    `mean` with `count` 1 weighs as one value, with 0 the first value replaces it."""
 
     mean: float = 0.0
-    count: int = 0  # values added, the prior included when it counts
+    count: int = 0
 
     def add(self, value: float) -> None:
         self.count += 1
@@ -38,34 +37,33 @@ class RunningMean:
 @dataclass
 class CallCost:
     """Seconds of one forward call of one model in one role: scoring n new tokens after L cached ones costs
-    scale * offset(n) * (f(n) + (per_position + per_position_per_token * (n - 1)) * L), f piecewise linear through the
-    measured sizes, `observe` correcting it by the run's calls."""
+    scale * offset(n) * (f(n) + (per_position + per_position_per_token * (n - 1)) * L), f piecewise linear."""
 
     sizes: tuple[int, ...]  # n at the knots of f, increasing, from 1
-    seconds: tuple[float, ...]  # f at the knots: seconds at L = 0, nondecreasing
-    per_position: float = 0.0  # seconds per cached position of a one-token call, >= 0
-    per_position_per_token: float = 0.0  # more per position for each further token scored, >= 0
-    scale: float = 1.0  # the level: median over the last WINDOW calls of observed / fitted / offset
-    samples: tuple[Sample, ...] = ()  # the measurements fitted, for reports
-    # (n, log observed / fitted) of this run's last calls
+    seconds: tuple[float, ...]  # f at the knots (L = 0), nondecreasing
+    per_position: float = 0.0  # >= 0
+    per_position_per_token: float = 0.0  # >= 0
+    scale: float = 1.0  # the level (`observe`)
+    samples: tuple[Sample, ...] = ()  # for reports
+    # (n, log observed / fitted) of the run's last calls
     history: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW), compare=False)
     # knot index -> (weight, log ratio beyond the level) of its last EVIDENCE calls
     evidence: dict[int, deque[tuple[float, float]]] = field(default_factory=dict, compare=False)
-    # (sizes of the knots with evidence, their log corrections)
+    # (knots with evidence, their log corrections)
     corrections: tuple[tuple[int, ...], tuple[float, ...]] = field(default=((), ()), compare=False)
     follows: CallCost | None = field(default=None, compare=False, repr=False)  # its scale until a call of its own
-    measured: float | None = field(default=None, compare=False)  # `time.time()` when calibration measured it
-    noise: float | None = field(default=None, compare=False)  # typical slowdown of repeated calls over the fastest
+    measured: float | None = field(default=None, compare=False)  # `time.time()` of calibration
+    noise: float | None = field(default=None, compare=False)  # typical slowdown of calls over the fastest
     source: Path | None = field(default=None, compare=False, repr=False)  # its cache file; None: none or stale
 
     def fitted(self, n: int, context: int) -> float:
-        """Seconds of the calibrated fit, before the online correction."""
+        """Seconds of the calibrated fit, uncorrected."""
         i, r = _segment(self.sizes, n)
         f = self.seconds[i] + r * (self.seconds[i + 1] - self.seconds[i]) if r else self.seconds[i]
         return f + (self.per_position + self.per_position_per_token * (n - 1)) * context
 
     def predict(self, n: int, context: int) -> float:
-        """Expected seconds of a call scoring `n` tokens after `context` cached ones: scale * offset(n) * fit."""
+        """Expected seconds of a call scoring `n` tokens after `context` cached ones."""
         scale = self.scale if self.history or self.follows is None else self.follows.scale
         return scale * self.offset(n) * self.fitted(n, context)
 
@@ -120,7 +118,7 @@ class CallCost:
 
     @classmethod
     def from_dict(cls, data: dict) -> CallCost:
-        """The cost `to_dict` wrote; ValueError saying what is wrong where `data` is not one (a damaged cache file)."""
+        """The cost `to_dict` wrote; ValueError saying what is wrong (a damaged cache file)."""
         if not isinstance(data, dict):
             raise ValueError(f"the cost is {json.dumps(data, default=repr)[:40]}, not an object")
         sizes, seconds, samples = data.get("sizes"), data.get("seconds"), data.get("samples", [])
@@ -138,7 +136,7 @@ class CallCost:
         ):
             raise ValueError("samples are not [tokens, context, seconds] each")
         seconds = tuple(_number(s, "seconds", positive=True) for s in seconds)
-        if any(b < a for a, b in zip(seconds, seconds[1:])):  # (`fit` never writes one: hand-edited or damaged)
+        if any(b < a for a, b in zip(seconds, seconds[1:])):  # hand-edited or damaged: `fit` never writes one
             raise ValueError(
                 f"seconds are {list(seconds)}, falling as the tokens rise: extended, the curve would "
                 "predict negative seconds for wider calls"
@@ -162,7 +160,7 @@ def _whole(value) -> bool:
 
 
 def _number(value, name: str, positive: bool = False) -> float:
-    """`value` as a float where it is a finite number >= 0 (> 0 where `positive`), else ValueError naming it."""
+    """`value` as a float, else ValueError naming it."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
@@ -183,7 +181,7 @@ def _segment(sizes: tuple[int, ...], n: int) -> tuple[int, float]:
 
 
 def _weights(sizes: tuple[int, ...], n: int) -> list[tuple[int, float]]:
-    """(knot index, weight) of the knots a call of `n` tokens teaches: the two around n as f weighs them, or the end."""
+    """(knot index, weight) of the knots a call of `n` tokens teaches, weighted as in f."""
     if n <= sizes[0] or n >= sizes[-1]:
         return [(0 if n <= sizes[0] else len(sizes) - 1, 1.0)]
     i, r = _segment(sizes, n)
@@ -204,7 +202,7 @@ def _correction(pairs) -> float:
 
 
 def _hat(sizes: tuple[int, ...], n: int) -> list[float]:
-    """Weights of the knots in f(n), for the least-squares fit."""
+    """Weights of the knots in f(n)."""
     i, r = _segment(sizes, n)
     weights = [0.0] * len(sizes)
     weights[i] += 1 - r
@@ -219,7 +217,7 @@ def fit(samples: list[Sample], sizes: tuple[int, ...]) -> CallCost:
     lengths: dict[int, set[int]] = {}
     for n, L, _ in samples:
         lengths.setdefault(n, set()).add(L)
-    varied = sum(len(ls) > 1 for ls in lengths.values())  # sizes measured at more than one context length
+    varied = sum(len(ls) > 1 for ls in lengths.values())
     terms = min(varied, 2)
     rows = torch.tensor(
         [_hat(sizes, n) + [L, L * (n - 1)] for n, L, _ in samples], dtype=torch.float64

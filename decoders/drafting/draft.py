@@ -1,4 +1,4 @@
-"""What a drafter proposes (`Draft`, a chain or a tree, with a `Window` riding along) and the `Drafter` protocol."""
+"""What a drafter proposes (`Draft`: a chain or a tree, maybe with a `Window`) and the `Drafter` protocol."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class Window:
-    """Tokens scored in the same target call as a draft but never verified (lookahead's Jacobi window): they see the
-    accepted tokens and each other per `mask`, never the draft; the cache drops them after the call."""
+    """Tokens scored in a draft's target call but never verified (lookahead's Jacobi window): they see the accepted
+    tokens and each other per `mask`, never the draft; the cache drops them after the call."""
 
     tokens: list[int]  # [w]
     offsets: list[int]  # [w] each one's position minus len(state.tokens)
     mask: torch.Tensor  # [w, w] bool, True where window token i sees window token j
-    logits: torch.Tensor | None = None  # [w, vocab] set by the target call: what the target predicts after each
+    logits: torch.Tensor | None = None  # [w, vocab] the target's, after each; set by the call
 
 
 @dataclass
@@ -34,8 +34,8 @@ class Draft:
     probs: torch.Tensor | None = None  # [k, vocab] what each (and in a tree its siblings) was drawn from; None: one-hot
     parents: list[int] | None = None  # [k] index of each node's parent in `tokens`, -1 for the root's children
     source: str = "draft"  # what `result.sources` calls an accepted draft token
-    window: Window | None = None  # scored alongside, not verified
-    origins: list[str] | None = None  # [k] each node's source, in a tree of several drafters' (`tree.merge`)
+    window: Window | None = None
+    origins: list[str] | None = None  # [k] each node's source in a merged tree (`tree.merge`)
 
     @property
     def links(self) -> list[int]:
@@ -52,7 +52,7 @@ class Draft:
         return self.origins[node] if self.origins is not None else self.source
 
     def subset(self, nodes: list[int]) -> Draft:
-        """The draft with only `nodes` (increasing, each one's parent kept too): a chain's prefix, a pruned tree."""
+        """The draft with only `nodes` (increasing, each one's parent kept too)."""
         if len(nodes) == len(self.tokens):
             return self
         index = {node: i for i, node in enumerate(nodes)}
@@ -70,7 +70,7 @@ class Draft:
         return self.subset([n for n in range(len(self.tokens)) if n not in dropped])
 
     def follow(self, tokens: list[int]) -> list[int]:
-        """The nodes spelling `tokens` from the root (siblings hold distinct tokens): an accepted path."""
+        """The nodes spelling `tokens` from the root: an accepted path."""
         path: list[int] = []
         for token in tokens:
             above = path[-1] if path else -1
@@ -81,7 +81,7 @@ class Draft:
         return path
 
 
-Drafting = Generator[Call, torch.Tensor, Draft]  # drafting with a draft model: yields its calls, returns the draft
+Drafting = Generator[Call, torch.Tensor, Draft]
 
 
 def drafting(proposed: Draft | Drafting) -> Drafting:
@@ -95,10 +95,10 @@ class Drafter(Protocol):
     """Proposes drafts for one run: built as `Drafter(state, options)` and kept in `state.drafter`."""
 
     def propose(self, state: DecodeState, limit: int) -> Draft | Drafting:
-        """Up to `limit` tokens that continue `state.tokens` (may be empty); a tree at most `limit` deep. A drafter
-        with a draft model returns them from a generator that yields the draft model's calls (`Drafting`)."""
+        """Up to `limit` tokens continuing `state.tokens` (maybe none), a tree at most `limit` deep; a drafter with a
+        draft model returns a `Drafting` generator."""
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:
-        """After verification: how many drafted tokens were accepted (a tree's path: `draft.follow(the tokens)`)."""
+        """After verification: how many drafted tokens were accepted (a tree's path: `draft.follow`)."""
 
-    # Optional: `finish(state)`, called once after the run's last step (e.g. to remember its output).
+    # Optional: `finish(state)`, called once after the run's last step.

@@ -9,14 +9,14 @@ from decoders.base import DecodeState
 from decoders.models.call import Call
 from decoders.models.lm import LM
 
-Chain = Generator[Call, torch.Tensor, tuple[list[int], list, list[float]]]  # a chain's drafting: yields its calls
+Chain = Generator[Call, torch.Tensor, tuple[list[int], list, list[float]]]
 
 
 class DraftModel:
     """A draft LM with its own KV cache, following the run's accepted tokens. It never decides what is emitted, so what
     it cannot do is not drafted: past its context it stops, an id it cannot embed is fed as a stand-in."""
 
-    translates = False  # drafts in the target's ids from a draft of another vocabulary
+    translates = False  # drafts target ids from another vocabulary
 
     def __init__(self, state: DecodeState) -> None:
         draft: LM = state.draft  # (a missing one is refused before the run: `capabilities.check_request`)
@@ -27,7 +27,7 @@ class DraftModel:
                 "translates through text"
             )
         self.state, self.lm = state, draft
-        # a batch row drafts on its row of the batch's cache for this draft model, whose calls run in one forward
+        # in a batch, its row of the batch's draft cache (the rows' calls run in one forward)
         self.cache = state.cache.beside(draft, state.expected_length)
         self.width = min(draft.vocab_size, state.lm.vocab_size)  # ids past it are padding of one of the two models
         self.embeds = draft.model.get_input_embeddings().num_embeddings  # ids the draft can read
@@ -35,12 +35,12 @@ class DraftModel:
         self.runner_ups: list[int] = []  # the draft's second choice at each token of the last chain
 
     def _space(self) -> int | None:
-        """How many draft tokens fit in the draft's context after the run's tokens (None: no limit)."""
+        """Draft tokens that fit in the draft's context (None: no limit)."""
         context = self.lm.context_length
         return None if context is None else max(0, context - len(self.state.tokens))
 
     def room(self, limit: int) -> int:
-        """How many of `limit` tokens the draft may propose before its next position would pass its context."""
+        """How many of `limit` tokens fit in the draft's context; warns once when fewer."""
         space = self._space()
         room = limit if space is None else min(limit, space)
         if room < limit and not self.warned:
@@ -53,7 +53,7 @@ class DraftModel:
         return room
 
     def forward(self, tokens: list[int], **kwargs) -> Generator[Call, torch.Tensor, torch.Tensor]:
-        """One draft call on `tokens` (counted in the run's stats), yielded as a `Call`; returns its logits."""
+        """One counted draft call on `tokens`, yielded as a `Call`; returns its logits."""
         self.state.stats.draft_calls += 1
         readable = [t if t < self.embeds else 0 for t in tokens]  # a stand-in for ids the draft cannot embed
         return (yield Call(readable, lm=self.lm, cache=self.cache, **kwargs))
@@ -61,8 +61,7 @@ class DraftModel:
     def next_token(
         self, feed: list[int], allowed: torch.Tensor | None = None
     ) -> Generator[Call, torch.Tensor, tuple[int, torch.Tensor | None, float, int]]:
-        """One draft call on `feed`: (the next token under `allowed` - the argmax, or a draw from the run's filtered
-        distribution -, that distribution [vocab] or None if greedy, its probability, the likeliest other token)."""
+        """One draft call on `feed`: (token, [vocab] drawn from or None if greedy, its probability, runner-up)."""
         state = self.state
         logits = (yield from self.forward(feed, keep=1))[0, : self.width]  # [width]
         if allowed is not None:
@@ -82,8 +81,7 @@ class DraftModel:
         return self.state.tokens[len(self.cache) :]
 
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
-        """Draft up to `limit` tokens one call at a time, under the run's grammar if any, while `keep_going(p)` holds
-        for p = the draft's probability of the chain so far. Returns (tokens, distributions, cumulative probs)."""
+        """Draft up to `limit` tokens while `keep_going(chain probability)`: (tokens, distributions, cumulative)."""
         grammar = self.state.grammar.fork() if self.state.grammar is not None else None
         tokens, rows, cumulative = [], [], []
         self.runner_ups = []
@@ -107,16 +105,16 @@ class DraftModel:
         return tokens, rows, cumulative
 
     def rewind(self) -> None:
-        """Forget drafted positions the target did not accept: keep only a prefix of the run's tokens."""
+        """Forget drafted positions the target did not accept."""
         self.cache.crop(min(len(self.cache), len(self.state.tokens) - 1))
 
 
-SELF_ACCEPTANCE = 0.98  # the acceptance expected of the target's own quantized copy (`SharedCacheDraft`)
+SELF_ACCEPTANCE = 0.98  # expected of the target's own quantized copy (`SharedCacheDraft`)
 
 
 class SharedCacheDraft(DraftModel):
-    """The target's own quantized copy ("self:int8"), drafting on the target's KV cache: both models have the same
-    layers, so no prefill or catch-up of its own; its drafted positions are cut before the target verifies."""
+    """The target's own quantized copy ("self:int8") drafting on the target's KV cache (same layers: no prefill of its
+    own); its drafted positions are cut before the target verifies."""
 
     def __init__(self, state: DecodeState) -> None:
         super().__init__(state)
@@ -134,7 +132,7 @@ class SharedCacheDraft(DraftModel):
 
 
 def stack_probs(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """[k, vocab] from per-token draft distributions, or None in greedy mode (or for an empty draft)."""
+    """[k, vocab] from per-token draft distributions, or None (greedy, or an empty draft)."""
     if not rows or rows[0] is None:
         return None
     return torch.stack(rows)

@@ -1,4 +1,4 @@
-"""`draft_model`: which draft model a run drafts chains with, its own cache, the target's, or through text."""
+"""`draft_model`: which draft model a run drafts chains with."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from decoders.drafting.translate import TranslatedDraftModel
 
 
 def draft_model(state: DecodeState) -> DraftModel:
-    """The run's chain-drafting model: a `DraftModel`, a `SharedCacheDraft` for the target's own quantized copy, or
-    for a draft of another vocabulary a `TranslatedDraftModel` (it drafts through text)."""
+    """The run's chain-drafting model."""
     if state.draft is not None and state.draft.vocab_key != state.lm.vocab_key:
         return TranslatedDraftModel(state)
     if (
@@ -17,6 +16,6 @@ def draft_model(state: DecodeState) -> DraftModel:
         and state.draft.quantized_from is not None
         and state.draft.quantized_from() is state.lm
         and state.cache.lends
-    ):  # (in a batch: on the batch's cache for the copy)
+    ):  # (a batch gives the copy a cache of its own)
         return SharedCacheDraft(state)
     return DraftModel(state)

@@ -14,10 +14,8 @@ from samplers.verify import verify_greedy, verify_sampling, verify_tree_greedy, 
 
 
 class DraftVerify(Decoder):
-    """Base class of the drafting strategies: subclasses set `drafter(state, options) -> Drafter`, a callable. A step:
-    the drafter proposes a `Draft`; the target scores the uncached tail plus the whole draft (a tree under a tree mask,
-    any `Window` along) in one call; a verifier keeps a path and adds one token; the drafter learns how far it got.
-    In a batch the step's `Budget` bounds the call's width; the step returns what the batch learns (`Verified`)."""
+    """Base class of the drafting strategies: subclasses set `drafter(state, options) -> Drafter`, a callable. A step
+    scores the uncached tail and the whole draft in one target call and keeps a verified path plus one token."""
 
     drafter: ClassVar[Callable[..., Drafter]]
 
@@ -34,7 +32,7 @@ class DraftVerify(Decoder):
                 return
         fed, width = len(state.uncached()), budget.width
         limit = state.remaining - 1  # (room for the target's token)
-        if width:  # in a batch: its call scores at most `width` tokens a row
+        if width:  # in a batch: at most `width` tokens a row
             limit = min(limit, width - fed)
         draft = yield from drafting(self.draft(state, max(limit, 0), budget))
         draft = draft.until(state.lm.eos_token_ids)  # nothing after an EOS is ever emitted
@@ -46,7 +44,7 @@ class DraftVerify(Decoder):
         masks = None  # [k + 1, vocab] under a grammar: the tokens it allows at each scored position
         if grammar is not None:
             draft, masks = restrict_to_grammar(grammar, draft, type(drafter).__name__, state.lm.eos_token_ids)
-        start = len(state.tokens)  # where the draft begins in the target cache after the call
+        start = len(state.tokens)  # where the draft begins in the target cache
         logits = yield state.call(draft.tokens) if draft.is_chain else tree_call(state, draft)  # [k + 1 (+ w), vocab]
         path, token, rows = verify(state, draft, masks, logits)
         sources = [draft.source_of(i) for i in path] + ["target"]
@@ -68,14 +66,14 @@ class DraftVerify(Decoder):
         return verified
 
     def finish(self, state: DecodeState) -> None:
-        getattr(state.drafter, "finish", lambda state: None)(state)  # optional in the Drafter protocol
+        getattr(state.drafter, "finish", lambda state: None)(state)
 
 
 def verify(
     state: DecodeState, draft: Draft, masks: torch.Tensor | None, logits: torch.Tensor
 ) -> tuple[list[int], int, torch.Tensor]:
-    """Verify `draft` by the target's `logits` [k + 1 (+ window), vocab] under `masks` [k + 1, vocab]: (accepted
-    nodes, next token, the logits [len(path) + 1, vocab] each was chosen with); a window's rows go back to it."""
+    """(accepted nodes, next token, the logits [len(path) + 1, vocab] each was chosen with) of `draft` by `logits`
+    under `masks`; a window's rows go back to it."""
     k = len(draft.tokens)
     if draft.window is not None:
         draft.window.logits = logits[k + 1 :]  # [w, vocab]

@@ -11,10 +11,9 @@ from samplers.verify import guessed
 def restrict_to_grammar(
     grammar, draft: Draft, drafter: str, eos: frozenset[int] = frozenset()
 ) -> tuple[Draft, torch.Tensor]:
-    """Cut a chain at its first token the grammar forbids, drop forbidden tree nodes with their subtrees; returns the
-    draft and the allowed masks [k + 1, vocab] at each position the target scores. Only a guess (`verify.guessed`)
-    may be dropped, as the masked target rejects it for certain; a sampled node was drawn under the mask, so dropping
-    one raises. The row after an `eos` node is left unmasked (never emitted), not an empty distribution to draw from."""
+    """Cut what the grammar forbids: (draft, allowed masks [k + 1, vocab]). Only guesses may go (`verify.guessed`),
+    the masked target rejects them anyway; a sampled node was drawn under the mask, so one raises. Rows after `eos`
+    stay open rather than empty."""
     if draft.is_chain:
         valid, masks = grammar.masks_along(draft.tokens)  # [valid + 1, vocab]
         if valid < len(draft.tokens) and not guessed(draft.probs, valid, draft.tokens[valid]):

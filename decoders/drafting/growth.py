@@ -1,9 +1,5 @@
-"""Growing a draft model's token tree, after Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative
-Decoding" (`staged`, `auto`'s `tree` plans): best-first by cumulative draft probability, each draft call expanding the
-`width` likeliest leaves (`branching` children each) under a tree mask over the draft's own cache and carrying a
-draft-free lower stage's chain under the likeliest leaf, which the draft verifies as a target verifies drafts. In
-sampling mode children are drawn without replacement, never dropped.
-"""
+"""Growing a draft model's token tree best first, for `staged` and `auto` (Spector & Re 2023, "Staged Speculative
+Decoding"). Sampling draws children without replacement and never drops one: it stays exact."""
 
 from __future__ import annotations
 
@@ -26,14 +22,14 @@ LOWER_STAGES = ("suffix", "lookup")
 class StagedOptions:
     """Options of `staged`, tuned where nodes are cheap and draft calls are not (docs/design/evidence.md)."""
 
-    branching: int = 2  # children per expanded node: the draft's top tokens, or draws without replacement
+    branching: int = 2  # children per expanded node
     budget: int = 16  # the most tree nodes per target call
-    max_depth: int = 12  # the longest root-to-leaf path (draft tokens accepted per target call at most)
-    width: int | None = None  # leaves expanded per draft call, most probable first; None: `frontier_width`'s choice
-    min_prob: float = 0.05  # add a child only while P(parent's path) x the mass not drawn yet reaches this (cheap)
-    expand_prob: float = 0.3  # another draft call only if the most probable leaf's path has at least this probability
-    ngram: int = 3  # longest context suffix prompt lookup matches (lower="lookup"); 0 turns the lower stage off
-    lower: str = "suffix"  # the lower stage: "suffix" (the run's suffix index) or "lookup" (prompt lookup)
+    max_depth: int = 12
+    width: int | None = None  # leaves expanded per draft call; None: `frontier_width`'s choice
+    min_prob: float = 0.05  # add a child only while P(parent's path) x the mass not drawn yet reaches this
+    expand_prob: float = 0.3  # another draft call only if the likeliest leaf's path has at least this probability
+    ngram: int = 3  # longest suffix prompt lookup matches (lower="lookup"); 0 turns the lower stage off
+    lower: str = "suffix"  # "suffix" (the run's suffix index) or "lookup" (prompt lookup)
 
     def __post_init__(self):
         check_whole(self, branching=1, budget=1, max_depth=1, ngram=0)
@@ -50,26 +46,26 @@ class Node:
     """One node of the tree being grown; the root (index 0) stands for the last accepted token."""
 
     token: int
-    parent: int  # index in the node list (-1 for the root)
+    parent: int  # -1 for the root
     depth: int  # 0 for the root's children
-    cum: float  # the draft's probability of the path from the root to here
-    drawn_from: torch.Tensor | None  # [vocab] the distribution this node was drawn from (its parent's `dist`)
-    matcher: Any = None  # the grammar after this node's path, or None
-    dist: torch.Tensor | None = None  # [vocab] the draft's distribution for its children, once known
-    slot: int | None = None  # its index in the draft cache, once the draft model has seen it
+    cum: float  # the draft's probability of its path
+    drawn_from: torch.Tensor | None  # [vocab] its parent's `dist`
+    matcher: Any = None  # the grammar after this node's path
+    dist: torch.Tensor | None = None  # [vocab] for its children, once known
+    slot: int | None = None  # its index in the draft cache, once fed
     children: list[int] = field(default_factory=list)  # their tokens, in the order drawn
 
 
-Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of at most room tokens to follow it
+Lower = Callable[[list[int], int], list[int]]  # (context, room) -> a chain of at most room tokens
 
 
 def grow_tree(
     model: DraftModel, state: DecodeState, o: StagedOptions, limit: int, lower: Lower
 ) -> Generator[Call, torch.Tensor, list[Node]]:
-    """Grow one tree, best-first, one draft call per frontier; returns the nodes (root first, topological order)."""
+    """Grow one tree; returns the nodes (root first, topological order)."""
     cap = min(o.max_depth, limit, o.budget)
     nodes = [Node(-1, -1, -1, 1.0, None, state.grammar)]
-    frontier: list[int] = []  # empty: the first call, which expands the root
+    frontier: list[int] = []  # empty: the root
     while cap >= 1:
         yield from draft_call(model, state, o, nodes, frontier, cap, lower)
         for n in sorted((n for n in range(len(nodes)) if nodes[n].dist is not None), key=lambda n: -nodes[n].cum):
@@ -84,7 +80,7 @@ def grow_tree(
                 else:
                     add_child(nodes, n, int(torch.multinomial(rest, 1, generator=state.generator)))
         leaves = [n for n in range(1, len(nodes)) if expandable(nodes[n], cap, state) and nodes[n].cum >= o.min_prob]
-        frontier = sorted(leaves, key=lambda n: -nodes[n].cum)[: o.width]  # (width: see StagedOptions)
+        frontier = sorted(leaves, key=lambda n: -nodes[n].cum)[: o.width]
         if not frontier or nodes[frontier[0]].cum < o.expand_prob or len(nodes) > o.budget:
             break
     return nodes
@@ -99,12 +95,12 @@ def draft_call(
     cap: int,
     lower: Lower,
 ) -> Steps:
-    """One draft call on the frontier leaves (none: the root) plus the lower stage's chain under the first; the part
-    of the chain the draft agrees with (`samplers.verify`) and the draft's next token join the tree under that leaf."""
+    """One draft call on the frontier leaves plus the lower stage's chain under the first; the part of the chain the
+    draft agrees with (verified as by a target) and the draft's next token join the tree under that leaf."""
     leaves = frontier or [0]
-    head = leaves[0]  # the most probable leaf
+    head = leaves[0]
     chain = lower_stage(state, o, nodes, head, cap, lower)
-    masks = None  # [leaves + chain, vocab]: the grammar's allowed tokens after each
+    masks = None  # [leaves + chain, vocab] the grammar's allowed tokens after each
     if nodes[head].matcher is not None:
         valid, along = nodes[head].matcher.masks_along(chain)  # [valid + 1, vocab], row 0 = the head's
         chain = chain[:valid]
@@ -131,8 +127,7 @@ def draft_call(
 def lower_stage(
     state: DecodeState, o: StagedOptions, nodes: list[Node], head: int, cap: int, lower: Lower
 ) -> list[int]:
-    """The lower stage on the context plus the path to `head`: a chain to try under it, with room left below it for
-    the draft's own token, and never reaching an EOS (whose children the draft could not score)."""
+    """The lower stage's chain under `head`, leaving room for the draft's token; cut before an EOS (nothing follows)."""
     room = min(cap - nodes[head].depth - 2, o.budget - len(nodes))
     if not o.ngram or room <= 0:
         return []
@@ -144,8 +139,7 @@ def lower_stage(
 def feed(
     model: DraftModel, state: DecodeState, nodes: list[Node], frontier: list[int], chain: list[int]
 ) -> Generator[Call, torch.Tensor, tuple[torch.Tensor, list[int | None]]]:
-    """Score the frontier leaves and the chain under the first one in one draft call: each sees the accepted tokens,
-    its ancestors' cache slots and itself. Returns their logits and their slots in the draft cache."""
+    """One draft call on the frontier leaves and the chain under the first; returns (logits, draft-cache slots)."""
     base, past = len(state.tokens), len(model.cache)
     if not frontier:  # the root: the uncached tail, then the chain, causal
         logits = yield from model.forward(model.uncached() + chain, keep=len(chain) + 1)  # [1 + chain, vocab]
@@ -176,7 +170,7 @@ def ancestors(nodes: list[Node], n: int) -> list[int]:
 
 
 def add_child(nodes: list[Node], parent: int, token: int) -> None:
-    """Append a node under `parent`; the grammar follows it on a fork of the parent's matcher."""
+    """Append a node under `parent`."""
     above = nodes[parent]
     matcher = None
     if above.matcher is not None:
@@ -187,7 +181,7 @@ def add_child(nodes: list[Node], parent: int, token: int) -> None:
 
 
 def expandable(node: Node, cap: int, state: DecodeState) -> bool:
-    """A leaf worth a draft call: room below it, not EOS, not the end of the grammar."""
+    """A leaf worth a draft call."""
     return (
         node.dist is None
         and node.depth < cap - 1
@@ -197,8 +191,7 @@ def expandable(node: Node, cap: int, state: DecodeState) -> bool:
 
 
 def distributions(state: DecodeState, model: DraftModel, logits: torch.Tensor, masks: torch.Tensor | None):
-    """[n, vocab] draft distributions from draft logits [n, draft vocab], zero-padded to the target's width: the run's
-    filtered distribution in sampling mode (children are drawn from it), the plain softmax in greedy mode."""
+    """[n, vocab] zero-padded draft distributions, filtered as the run's when sampling (children are drawn from it)."""
     logits = logits[:, : model.width].float()
     if masks is not None:
         logits = logits.masked_fill(~masks[:, : model.width].to(logits.device), float("-inf"))

@@ -1,9 +1,5 @@
-"""The data structure under `suffix` decoding (Oliaro et al. 2024, "SuffixDecoding", arXiv 2411.04975; ArcticInference,
-vLLM's method="suffix"): the longest suffix of the context is matched in a counted suffix trie of the run's own tokens
-(`SuffixIndex`) and of earlier outputs (`suffix_store.SuffixStore`), and a draft tree grows from what followed it,
-best first by empirical path probability (the product of count(child) / count(parent)). A substring seen once is a
-*leaf* of its parent (an int packing its token's position), read from the sequence itself.
-"""
+"""The counted suffix trie under `suffix` decoding (Oliaro et al. 2024, "SuffixDecoding", arXiv 2411.04975). A
+substring seen once is a *leaf*: an int packing its token's position, read from the sequence itself."""
 
 from __future__ import annotations
 
@@ -22,14 +18,14 @@ INDEX = (1 << SHIFT) - 1
 
 @dataclass(frozen=True)
 class SuffixOptions:
-    """Options of suffix drafting: ArcticInference / vLLM's defaults but `depth_factor` 2.0 (theirs 1.0), as in copied
-    text a short match is followed by a long run seen once (docs/design/evidence.md)."""
+    """Options of suffix drafting: ArcticInference / vLLM's defaults but `depth_factor` 2.0 (theirs 1.0): in copied
+    text a short match precedes a long run seen once."""
 
     max_tree: int = 24  # the most draft-tree nodes per target call
-    depth_factor: float = 2.0  # a match of m tokens drafts at most depth_factor x m nodes: long matches earn big trees
+    depth_factor: float = 2.0  # a match of m tokens drafts at most depth_factor x m nodes
     min_prob: float = 0.1  # drop continuations whose empirical path probability is lower
     max_match: int = 24  # the longest context suffix looked up (also capped by the index depth - 1)
-    min_match: int = 1  # no draft from a shorter match
+    min_match: int = 1
 
     def __post_init__(self):
         check_whole(self, max_tree=1, max_match=1, min_match=1)
@@ -46,8 +42,8 @@ class SuffixDraft:
     """A drafted tree: nodes in topological order, siblings distinct and in decreasing frequency."""
 
     tokens: list[int] = field(default_factory=list)  # [n]
-    parents: list[int] = field(default_factory=list)  # [n] parent's index, -1 for children of the matched suffix
-    probs: list[float] = field(default_factory=list)  # [n] empirical probability of the path from the root to node i
+    parents: list[int] = field(default_factory=list)  # [n] -1 for children of the matched suffix
+    probs: list[float] = field(default_factory=list)  # [n] empirical path probability
     match: int = 0  # length of the context suffix it continues
 
     @property
@@ -56,7 +52,7 @@ class SuffixDraft:
         return sum(self.probs)
 
     def main_branch(self) -> SuffixDraft:
-        """The tree's first child at every level (its most frequent continuation): a chain."""
+        """The chain of first children (the most frequent continuation)."""
         keep = first_branch(self.parents)
         return SuffixDraft(
             [self.tokens[n] for n in keep], list(range(-1, len(keep) - 1)), [self.probs[n] for n in keep], self.match
@@ -70,9 +66,9 @@ class _Node:
 
     def __init__(self, count: int, newest: int) -> None:
         self.count = count  # occurrences of the substring spelled from the root
-        self.cont = 0  # how many of them the trie continues: the sum of the children's counts
+        self.cont = 0  # the sum of the children's counts
         self.children: dict[int, _Node | int] = {}  # token -> node, or leaf: the packed position of that token
-        self.newest = newest  # packed position of the last token of the newest occurrence
+        self.newest = newest  # packed position of the newest occurrence's last token
         self.ranked: list | None = None  # children by (count, recency), descending; None when stale
 
 
@@ -80,11 +76,11 @@ class SuffixIndex:
     """Counted suffix trie of depth `depth` over token sequences that grow at their end. Not thread-safe."""
 
     def __init__(self, depth: int = 48) -> None:
-        self.depth = depth  # longest substring counted: a match of m tokens drafts at most depth - m levels
+        self.depth = depth  # longest substring counted
         check_whole(self, depth=2)
         self.root = _Node(0, 0)
         self._numbers: dict[Hashable, int] = {}  # sequence id -> sequence number (never reused)
-        self._tokens: dict[int, list[int]] = {}  # sequence number -> its tokens
+        self._tokens: dict[int, list[int]] = {}
         self._open: dict[int, dict[int, _Node]] = {}  # sequence number -> {start: node} of its open suffixes
         self._next = 0
 
@@ -124,12 +120,12 @@ class SuffixIndex:
                     del suffixes[start]
 
     def follow(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """Make sequence `seq_id` hold `tokens`, a sequence that only grows (a run's tokens): append what it lacks."""
+        """Make sequence `seq_id` hold `tokens`, which only grow (a run's tokens)."""
         number = self._numbers.get(seq_id)
         self.extend(seq_id, tokens[0 if number is None else len(self._tokens[number]) :])
 
     def _split(self, leaf: int, length: int, here: int) -> _Node:
-        """The node replacing `leaf` (a substring of `length` tokens seen once) now that it occurs again at `here`."""
+        """The node replacing `leaf` (`length` tokens seen once) now that it occurs again at `here`."""
         node = _Node(2, here)
         number, end = leaf >> SHIFT, leaf & INDEX
         other = self._tokens[number]
@@ -142,8 +138,8 @@ class SuffixIndex:
         return node
 
     def remove(self, seq_id: Hashable) -> None:
-        """Forget sequence `seq_id`: its counts go, nodes left empty are deleted, nodes left with one occurrence
-        become leaves again (if it is in a sequence still held: always, when the oldest sequence goes first)."""
+        """Forget sequence `seq_id`; a node left with one occurrence becomes a leaf again if that occurrence is still
+        held (always, when the oldest sequence goes first)."""
         number = self._numbers.pop(seq_id)
         seq = self._tokens.pop(number)
         del self._open[number]
@@ -166,7 +162,7 @@ class SuffixIndex:
                 node = child
 
     def _walk(self, tokens: Sequence[int]) -> _Node | int | None:
-        """Where `tokens` (at most `depth` of them) end in the trie: a node, a leaf position, or None if absent."""
+        """Where `tokens` end in the trie: a node, a leaf position, or None."""
         at: _Node | int = self.root
         for token in tokens:
             if type(at) is int:
@@ -186,8 +182,7 @@ class SuffixIndex:
         return at is not None and at.cont > 0
 
     def match(self, context: Sequence[int], max_match: int | None = None) -> tuple[_Node | int | None, int]:
-        """(place in the trie, m): the longest suffix of `context`, of at most `max_match` and `depth - 1` tokens,
-        that occurs followed by a token. m = 0 (and the root) when none does."""
+        """(place, m): the longest suffix of `context` (m <= `max_match`, `depth - 1`) followed by a token, or m = 0."""
         low, high = 0, min(len(context), self.depth - 1, self.depth if max_match is None else max_match)
         found = self.root if self.root.cont else None
         while low < high:  # a suffix that continues has continuing suffixes: binary search on the length
@@ -227,9 +222,8 @@ class SuffixIndex:
         min_match: int = 1,
         vocab: int | None = None,
     ) -> SuffixDraft:
-        """A best-first tree continuing the longest matched suffix of `context`: at most `max_tokens` nodes (and
-        `depth_factor` x match length), `max_depth` levels (and depth - match length), path probabilities at least
-        `min_prob`, none when the match is shorter than `min_match`; no token >= `vocab` (nor what follows it)."""
+        """A best-first tree by empirical path probability continuing the longest matched suffix of `context`; no
+        token >= `vocab`, nor what follows one."""
         at, length = self.match(context, max_match)
         out = SuffixDraft(match=length)
         if length < max(min_match, 1):
@@ -270,7 +264,7 @@ class SuffixIndex:
         min_prob: float,
         vocab: float,
     ) -> None:
-        """Push up to `room` continuations of `at` (path probability p) whose p stays >= min_prob, below `vocab`."""
+        """Push up to `room` continuations of `at` whose path probability stays >= min_prob."""
         total = 1 if type(at) is int else at.cont
         for count, token, child in self._ranked(at)[:room]:
             q = p * count / total

@@ -1,5 +1,4 @@
-"""Suffix decoding's memory across calls (`SuffixStore`, earlier outputs as a `SuffixIndex`) and `propose`, the better
-of a run's own index's draft and the store's."""
+"""Suffix decoding's memory across calls (`SuffixStore`) and `propose`: the better of the run's and the store's tree."""
 
 from __future__ import annotations
 
@@ -14,20 +13,20 @@ KINDS = ("output", "prompt")
 
 
 class SuffixStore:
-    """Earlier outputs (and, if added, prompts) shared across `generate` calls: a thread-safe `SuffixIndex` of at most
-    `max_tokens` tokens, evicting whole sequences first in, first out (`depth` 48: max_match + max_tree)."""
+    """Earlier outputs (and, if added, prompts) shared across `generate` calls: a thread-safe `SuffixIndex` evicting
+    whole sequences first in, first out (`depth` 48: max_match + max_tree)."""
 
     def __init__(self, max_tokens: int = 100_000, depth: int = 48) -> None:
         self.max_tokens = max_tokens  # evict the oldest sequences beyond this many tokens
         check_whole(self, max_tokens=1)
         self._index = SuffixIndex(depth)
         self._kinds: OrderedDict[int, str] = OrderedDict()  # sequence key -> kind, oldest first
-        self._added = 0  # sequence keys are never reused
+        self._added = 0  # keys are never reused
         self._lock = threading.RLock()
 
     @property
     def depth(self) -> int:
-        """Longest substring counted (see `SuffixIndex.depth`)."""
+        """`SuffixIndex.depth`."""
         return self._index.depth
 
     def __len__(self) -> int:
@@ -39,11 +38,10 @@ class SuffixStore:
         return f"SuffixStore({len(self)} of {self.max_tokens} tokens in {len(self._kinds)} sequences)"
 
     def add(self, tokens: Iterable[int], kind: str = "output") -> None:
-        """Remember a finished sequence of token ids (its last `max_tokens` tokens), evicting the oldest ones to make
-        room. Ids of any vocabulary: a run drafts none past its target's."""
+        """Remember a finished sequence (its last `max_tokens`); any vocabulary: a run drafts no id past its own."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens  # a numpy array or tensor: Python ints
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens  # an array or tensor: Python ints
         tokens = [whole(f"SuffixStore.add's tokens[{i}]", t, 0) for i, t in enumerate(tokens)][-self.max_tokens :]
         if not tokens:
             return
@@ -78,8 +76,7 @@ def propose(
     options: SuffixOptions,
     vocab: int | None = None,
 ) -> SuffixDraft:
-    """The higher-scoring of the trees drafted from the run's own index and from the store (the run's own on a tie),
-    at most `limit` levels deep, of tokens below `vocab`; empty when neither matches `options.min_match` tokens."""
+    """The higher-scoring tree of the run's own index and the store's (the run's on a tie), at most `limit` deep."""
     best = SuffixDraft()
     if limit <= 0:
         return best

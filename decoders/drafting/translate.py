@@ -9,20 +9,20 @@ from decoders.drafting.draft_model import Chain, DraftModel
 from decoders.models.cache import shared_length
 from decoders.models.lm import LM
 
-REENCODE = 3  # draft tokens re-encoded with the text that follows them (their merges may change)
+REENCODE = 3  # draft tokens re-encoded with the text that follows them: their merges may change
 LOOKBEHIND = 3  # accepted target tokens encoded with a drafted text, to align it with the run
 
 
 class Codec:
-    """One tokenizer's text <-> ids, a run of ids spelled as it reads after an anchor token (so decoders that strip a
-    leading space or drop a lone first byte spell every piece the same way)."""
+    """One tokenizer's text <-> ids, ids spelled as they read after an anchor token (so decoders that strip a leading
+    space or drop a lone first byte spell every piece alike)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         plain = tokenizer("a", add_special_tokens=False)["input_ids"]
         full = tokenizer("a")["input_ids"]
         self.prefix = full[: len(full) - len(plain)] if plain and full[len(full) - len(plain) :] == plain else []
-        self.anchor = plain[-1:]  # [1] or [] for a tokenizer that cannot spell "a"
+        self.anchor = plain[-1:]  # [] for a tokenizer that cannot spell "a"
         self.anchor_text = self.decode(self.anchor)
 
     def decode(self, ids) -> str:
@@ -37,7 +37,7 @@ class Codec:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def spellings(self, width: int) -> list[str]:
-        """The text of every token id below `width`, each read inside a longer text."""
+        """The text of every token id below `width`, as read inside a longer text."""
         spelled = self.tokenizer.batch_decode(
             [self.anchor + [i] for i in range(width)], skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
@@ -68,10 +68,9 @@ def shared_tokens(lm: LM, draft: LM) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TranslatedDraftModel(DraftModel):
-    """A draft LM of another tokenizer, with its own KV cache following the run's text; drafts in target ids (Timor et
-    al. 2025, arXiv 2502.05202; transformers' universal assisted decoding). Greedy mode: the drafted text, encoded with
-    the target's tokenizer after the last accepted tokens, is the draft. Sampling mode: the draft samples only tokens
-    whose text is one target token, so its distribution is one over target tokens. The target verifies every token."""
+    """A draft LM of another tokenizer, drafting in target ids (Timor et al. 2025, arXiv 2502.05202). Greedy: its text,
+    encoded by the target's tokenizer after the last accepted tokens, is the draft. Sampling: it draws only tokens
+    whose text is one target token, so its distribution is one over target ids."""
 
     translates = True
 
@@ -82,7 +81,7 @@ class TranslatedDraftModel(DraftModel):
         self.lead, self.done, self.text = lead, lead, ""  # target tokens whose text is settled, and that text
         self.ids = list(self.theirs.prefix)  # [n] the draft's ids for `text`
         self.fed: list[int] = []  # [len(cache)] the draft ids its cache holds
-        self.width = min(self.lm.vocab_size, len(self.lm.tokenizer), self.embeds)  # draft ids it may propose
+        self.width = min(self.lm.vocab_size, len(self.lm.tokenizer), self.embeds)
         self.eos = self._eos_twin()
         self.shared = None  # sampling: (draft ids [s], target ids [s], draft id of each target id [vocab] or -1)
         if not state.sampling.greedy:
@@ -92,7 +91,7 @@ class TranslatedDraftModel(DraftModel):
             self.shared = theirs.to(self.lm.device), ours.to(state.lm.device), back
 
     def _eos_twin(self) -> int | None:
-        """The target's EOS that a draft EOS stands for: the one spelled alike, else the target tokenizer's own."""
+        """The target's EOS a draft EOS stands for: the one spelled alike, else the target tokenizer's own."""
         vocab, eos = self.state.lm.tokenizer.get_vocab(), self.state.lm.eos_token_ids
         for token in sorted(self.lm.eos_token_ids):
             twin = vocab.get(self.lm.tokenizer.convert_ids_to_tokens(token))
@@ -126,11 +125,11 @@ class TranslatedDraftModel(DraftModel):
         return first, 0
 
     def _cached(self) -> int:
-        """How many of the ids the draft cache holds (at most all but the last, which is fed to draft from)."""
+        """How many of the ids the draft cache holds (never the last, which is fed to draft from)."""
         return shared_length(self.fed, self.ids[:-1])
 
     def _catch_up(self) -> list[int]:
-        """Sync and cut the draft cache to what it shares with the ids; returns the ids to feed (at least one)."""
+        """Sync and cut the draft cache to what it shares with the ids; returns the ids to feed."""
         self.sync()
         common = self._cached()
         self.cache.crop(common)
@@ -138,12 +137,12 @@ class TranslatedDraftModel(DraftModel):
         return self.ids[common:]
 
     def uncached(self) -> list[int]:
-        """The draft ids of the run's text this draft model has not seen yet."""
+        """The draft ids of the run's text not cached yet."""
         self.sync()
         return self.ids[self._cached() :]
 
     def _space(self) -> int | None:
-        """How many draft tokens fit in the draft's context after the run's text (None: no limit)."""
+        """`DraftModel._space`, after the run's text."""
         self.sync()
         context = self.lm.context_length
         return None if context is None else max(0, context - len(self.ids))
@@ -153,7 +152,7 @@ class TranslatedDraftModel(DraftModel):
         self._catch_up()
 
     def draft_chain(self, limit: int, keep_going=lambda prob: True) -> Chain:
-        """`DraftModel.draft_chain` in target ids (distributions over the target's vocabulary, or None)."""
+        """`DraftModel.draft_chain` in target ids."""
         feed = self._catch_up()
         if limit <= 0 or not self.room(limit) or not feed or self.done < len(self.state.tokens):
             return [], [], []  # (the last: the target is inside a character, which it ends first)
@@ -165,7 +164,7 @@ class TranslatedDraftModel(DraftModel):
         return (yield from self._greedy_chain(feed, limit, budget, keep_going))
 
     def _step(self, feed: list[int]) -> Generator[Call, torch.Tensor, torch.Tensor]:
-        """One draft call; returns its logits for the next token [width]."""
+        """One draft call; returns its last logits [width]."""
         self.fed.extend(feed)
         return (yield from self.forward(feed, keep=1))[-1, : self.width]
 
@@ -197,8 +196,7 @@ class TranslatedDraftModel(DraftModel):
         return tokens, [None] * len(tokens), seen[: len(tokens)]
 
     def translate(self, drafted: list[int], window: tuple[int, str]) -> list[int]:
-        """The target ids of the text `drafted` (draft ids) adds to the run's accepted tokens, whose last ones from
-        `window[0]` spell `window[1]`."""
+        """The target ids of the text `drafted` adds to the run, whose tokens from `window[0]` spell `window[1]`."""
         text = self.theirs.text(drafted).rstrip("\ufffd")  # a character the draft has not finished
         if not text:
             return []
@@ -210,8 +208,7 @@ class TranslatedDraftModel(DraftModel):
         return self.ours.encode(text)  # the target wrote those tokens otherwise than its tokenizer spells their text
 
     def _sample_chain(self, feed, budget, keep_going) -> Chain:
-        """Token-level intersection: each draft token is drawn from the draft's filtered distribution over the shared
-        tokens only (and the grammar's), so its row over target ids is exactly what it was drawn from."""
+        """Token-level intersection: draws over shared tokens only, so each row is exactly what it was drawn from."""
         state, (theirs, ours, back) = self.state, self.shared
         grammar = state.grammar.fork() if state.grammar is not None else None
         tokens, rows, cumulative, running = [], [], [], 1.0

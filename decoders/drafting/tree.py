@@ -1,6 +1,5 @@
-"""Token trees: ancestry masks and levels, scoring a tree (and a window) in one target call, and rolling a cache back
-to the accepted path. A node sees the accepted tokens, its ancestors and itself, at position len(tokens) + its depth.
-"""
+"""Token trees: masks, levels, one target call for a tree (and window), rolling a cache back to the accepted path. A
+node sees the accepted tokens, its ancestors and itself, at position len(tokens) + its depth."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ if TYPE_CHECKING:
 
 
 def ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
-    """(mask [k, k] bool: node i sees node j iff j is i or one of its ancestors, depth of each node: 0 at the root's
-    children). Nodes must come after their parents."""
+    """(mask [k, k]: node i sees j iff j is i or an ancestor, `depths`); nodes must come after their parents."""
     mask = torch.eye(len(parents), dtype=torch.bool)  # [k, k]
     for node, parent in enumerate(parents):
         if parent >= 0:
@@ -29,7 +27,7 @@ def ancestry(parents: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
 
 
 def depths(parents: Sequence[int]) -> list[int]:
-    """The depth of each node: 0 at the root's children (`ancestry`'s, without the mask)."""
+    """The depth of each node: 0 at the root's children."""
     found: list[int] = []
     for parent in parents:
         found.append(found[parent] + 1 if parent >= 0 else 0)
@@ -37,18 +35,18 @@ def depths(parents: Sequence[int]) -> list[int]:
 
 
 def tree_call(state: DecodeState, draft: Draft) -> Call:
-    """The target call on tail + tree + window with the combined mask; its logits [k + 1 + w, vocab] score row 0 after
-    the last accepted token, row 1 + i after node i, then the window's tokens."""
+    """The target call on tail + tree + window; its logits [k + 1 + w, vocab]: row 0 after the last accepted token,
+    row 1 + i after node i, then the window's."""
     tail = state.uncached()
     window = draft.window or Window([], [], torch.zeros(0, 0, dtype=torch.bool))
     t, k, w = len(tail), len(draft.tokens), len(window.tokens)
     tree, levels = ancestry(draft.links)
     mask = torch.zeros(t + k + w, t + k + w, dtype=torch.bool)  # [T, T]
-    mask[:t, :t] = torch.ones(t, t, dtype=torch.bool).tril()  # the tail is a causal chain
-    mask[t:, :t] = True  # every node and window token sees the whole tail
+    mask[:t, :t] = torch.ones(t, t, dtype=torch.bool).tril()
+    mask[t:, :t] = True
     mask[t : t + k, t : t + k] = tree
     mask[t + k :, t + k :] = window.mask
-    base = len(state.tokens)  # the position right after the last accepted token
+    base = len(state.tokens)
     positions = list(range(len(state.cache), base)) + [base + d for d in levels] + [base + o for o in window.offsets]
     return Call(tail + draft.tokens + window.tokens, positions, mask, keep=k + w + 1)
 
@@ -63,12 +61,12 @@ def keep_path(cache: Cache, start: int, slots: Sequence[int]) -> None:
 
 
 def depth(draft: Draft) -> int:
-    """How many levels the draft has: its length for a chain, the longest root-to-leaf path for a tree."""
+    """How many levels the draft has."""
     return len(draft.tokens) if draft.parents is None else max(depths(draft.parents), default=-1) + 1
 
 
 def first_branch(parents: Sequence[int]) -> list[int]:
-    """The nodes from the root down each node's first child: a suffix tree's likeliest path, a draft tree's chain."""
+    """The nodes from the root down each first child: a suffix tree's likeliest path."""
     path, above = [], -1
     for node, parent in enumerate(parents):
         if parent == above:
@@ -78,12 +76,11 @@ def first_branch(parents: Sequence[int]) -> list[int]:
 
 
 def merge(drafts: Sequence[Draft], source: str = "draft") -> Draft:
-    """One tree holding every path of `drafts` (one-hot drafts), shared prefixes stored once, each node credited to
-    the first draft that holds it (`Draft.origins`)."""
+    """One tree of every path of one-hot `drafts`, each node credited to the first draft holding it (`origins`)."""
     tokens: list[int] = []
     parents: list[int] = []
     origins: list[str] = []
-    nodes: dict[tuple[int, int], int] = {}  # (parent in the tree, token) -> node in the tree
+    nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     for draft in drafts:
         place: list[int] = []
         for node, parent in enumerate(draft.links):
@@ -98,7 +95,7 @@ def merge(drafts: Sequence[Draft], source: str = "draft") -> Draft:
 
 
 def common(part: Draft, whole: Draft) -> list[int]:
-    """The nodes of `part` whose paths from the root `whole` holds too (what is left of a merged tree's part, cut)."""
+    """The nodes of `part` whose paths `whole` holds too (what is left of a merged tree's part, cut)."""
     children = {(parent, token): node for node, (parent, token) in enumerate(zip(whole.links, whole.tokens))}
     place, kept = {-1: -1}, []
     for node, parent in enumerate(part.links):

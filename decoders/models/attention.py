@@ -1,8 +1,5 @@
-"""Grouped-query attention without copying keys: transformers' SDPA attention, except that a call of several queries
-under a mask packs each key/value head's query heads into one query block, where transformers' `repeat_kv` copies
-each key/value head per query head (a copy that grows with the cache and the rows: docs/design/batching.md).
-`use_grouped` switches a model to it; `stock` and `restored` bring transformers' own back.
-"""
+"""Grouped-query attention that packs each key/value head's query heads into one block where transformers' `repeat_kv`
+copies the keys per query head (docs/design/batching.md). `use_grouped` switches a model to it, `stock` back within."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from decoders.models.linear import plain
 
-try:  # (transformers' interfaces for attention functions of one's own; without them models keep their own)
+try:  # (without transformers' attention interfaces, models keep their own attention)
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 except ImportError:
@@ -35,7 +32,7 @@ def grouped_sdpa(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """`sdpa_attention_forward`'s contract (query [B, H, Q, D], key and value [B, H_kv, K, D], mask [B, 1 or H, Q, K];
-    returns [B, Q, H, D]); packs the query heads of a key/value head where Q > 1 under a mask, else is transformers'."""
+    returns [B, Q, H, D]); packs query heads where Q > 1 under a mask, else is transformers'."""
     batch, heads, queries, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -87,8 +84,7 @@ def use_grouped(model) -> bool:
 
 @contextlib.contextmanager
 def stock(*models) -> Iterator[None]:
-    """Within: each of `models` that `use_grouped` switched runs transformers' own "sdpa", and plain linear layers
-    (`models.linear`): peers as users get them."""
+    """Within: `models` run transformers' own "sdpa" and plain linear layers: peers as users get them."""
     switched = [m for m in models if m is not None and getattr(m.config, "_attn_implementation", None) == NAME]
     with restored(*switched), plain(*models):
         for model in switched:
@@ -98,7 +94,7 @@ def stock(*models) -> Iterator[None]:
 
 @contextlib.contextmanager
 def restored(*models) -> Iterator[None]:
-    """After: each of `models` (None skipped) is in the mode (training or not) and runs the attention it was before."""
+    """After: each of `models` (None skipped) is back in its training mode and attention."""
     before = [(m, m.training, m.config._attn_implementation) for m in models if m is not None]
     try:
         yield

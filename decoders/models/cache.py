@@ -1,5 +1,4 @@
-"""The `Cache` protocol every KV cache implements (a run's `KVCache` or `StaticKVCache`, a batch row's `RowCache`)
-and `KVCache`, a run's cache on transformers' `DynamicCache`."""
+"""The `Cache` protocol of every KV cache, and `KVCache`, a run's cache on transformers' `DynamicCache`."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 class Cache(Protocol):
-    """One run's keys and values of one model's calls, with rollback: what `LM.forward` (a batch's forward for a
-    `RowCache`) writes, and a step crops to the tokens it accepted."""
+    """One run's keys and values of one model's calls, with rollback to the tokens a step accepted."""
 
     lends: bool  # whether another model's calls may write it: the target's own quantized copy, drafting on it
 
@@ -30,7 +28,7 @@ class Cache(Protocol):
 
 
 def shared_length(a: Sequence, b: Sequence) -> int:
-    """How many tokens `a` and `b` share at their start (what a cache of one holds for the other)."""
+    """How many tokens `a` and `b` share at their start."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -67,7 +65,7 @@ class KVCache:
             layer.values = layer.values[..., :n, :]
 
     def keep(self, indices: Sequence[int] | torch.Tensor) -> None:
-        """Keep only the positions `indices` (increasing), in that order: e.g. the prefix plus an accepted tree path."""
+        """Keep only the positions `indices` (increasing)."""
         index = torch.as_tensor(indices, dtype=torch.long)
         if index.numel() and (index.min() < 0 or index.max() >= len(self)):
             raise ValueError(f"keep() indices must lie in [0, {len(self)}), got {index.tolist()}")
@@ -84,7 +82,7 @@ class KVCache:
             self.hf.update(k, v, i)
 
     def resize(self, length: int) -> None:
-        """Hold `length` positions whatever their keys (a timing's context): cropped, or its keys and values tiled."""
+        """Hold `length` positions whatever their keys (a timing's context): cropped, or tiled."""
         if len(self) >= length:
             self.crop(length)
             return

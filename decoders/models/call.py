@@ -1,4 +1,4 @@
-"""`Call`: one model call, as a step yields it and `LM.forward` (or a batch's forward, `models.rows`) runs it."""
+"""`Call`: one model call, as a step yields it."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ import torch
 
 
 def replayed(owner, graphs: dict, key, lm, call, args: tuple, what: str) -> torch.Tensor | None:
-    """Replay `graphs[key]` (graph, inputs, logits), captured from `call(lm, *args)` on first use (`capture`): its
-    logits buffer; None, with a warning the first time, if its capture failed (the caller runs the call eagerly)."""
+    """Replay `graphs[key]` (graph, inputs, logits), captured on first use: its logits buffer; None, warned of once, if
+    the capture failed (the caller runs the call eagerly)."""
     graph, static, logits = graphs[key]
     if graph is False:
         return None
@@ -32,12 +32,11 @@ def replayed(owner, graphs: dict, key, lm, call, args: tuple, what: str) -> torc
 
 
 def capture(owner, lm, call, args: tuple):
-    """A graph of `call(lm, *args)` on the static tensors `args`, which hold the caller's call, in the memory pool of
-    `owner` (the LM whose buffers it writes): the warm-up calls run it for real (writing the slots its replay writes
-    again), the capture runs nothing. Returns (graph, its logits buffer)."""
+    """(graph, its logits buffer) of `call(lm, *args)` on static tensors `args`, in the pool of `owner` (the LM whose
+    buffers it writes). Warm-ups run the call for real (the replay rewrites their slots); the capture runs nothing."""
     device = owner.device
 
-    # compiled, the call's many small kernels (norms, rotary, masks) fuse: fewer kernels in the graph to replay
+    # compiled, the call's small kernels (norms, rotary, masks) fuse
     mode = lm.compile_calls if isinstance(lm.compile_calls, str) else None
     function = torch.compile(call, mode=mode) if lm.compile_calls else call
 
@@ -46,31 +45,29 @@ def capture(owner, lm, call, args: tuple):
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up off the capture: kernels picked, workspaces allocated
+    with torch.cuda.stream(side):  # warm-up: kernels picked, workspaces allocated
         for _ in range(2):
             run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph, pool, caller = torch.cuda.CUDAGraph(), graph_pool(owner), torch.cuda.current_stream(device)
-    # no garbage collection inside the capture: collecting a dropped LM (a cycle with its slabs) frees its graphs'
-    # memory pool, a cudaFree that invalidates the capture
+    # no garbage collection inside the capture: collecting a dropped LM (a cycle with its slabs) would free (cudaFree)
+    # its graph pool, which invalidates the capture
     collecting = gc.isenabled()
     gc.disable()
     try:
-        # thread_local: CUDA work of another thread (transformers' continuous batching runs one) cannot invalidate
-        # this capture
+        # thread_local: another thread's CUDA work (transformers' continuous batching) cannot invalidate the capture
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             logits = run()
     except Exception:
-        # a capture failing midway leaves the allocator recording into the pool, which every later capture of
-        # this LM would refuse, the capture stream current, and the device's random generator in capture mode,
-        # where any later random op outside a graph raises ("Offset increment outside graph capture")
+        # a failed capture leaves the allocator recording into the pool (later captures refuse it), the capture stream
+        # current, and the random generator capturing (later random ops raise "Offset increment outside graph capture")
         index = device.index if device.index is not None else torch.cuda.current_device()
         with contextlib.suppress(RuntimeError):
             torch._C._cuda_endAllocateToPool(index, pool)
         owner.held.graph_pool = None
         torch.cuda.set_stream(caller)
         generator = torch.cuda.default_generators[index]
-        generator.graphsafe_set_state(generator.clone_state())  # (a copy of its seed and offset, not capturing)
+        generator.graphsafe_set_state(generator.clone_state())  # (its seed and offset, not capturing)
         raise
     finally:
         if collecting:

@@ -1,5 +1,4 @@
-"""The zoo's catalogue: which PyPI wheels carry each model's GGUF parts and what the joined file hashes to (`ZOO`), and
-where pulled models live (`cache_dir`)."""
+"""The zoo's catalogue (`ZOO`): the PyPI wheels that carry each model's GGUF parts; and `cache_dir`."""
 
 from __future__ import annotations
 

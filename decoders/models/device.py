@@ -1,5 +1,4 @@
-"""The machine a model runs on: which device (`resolve_device`), waiting for it, its free memory, the CPU's model and
-feature flags."""
+"""The machine a model runs on: its device, waiting for it, its free memory, the CPU's model and flags."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Bytes free for new tensors on `device` (a CPU's available memory, a CUDA device's free memory), or None."""
+    """Bytes free for new tensors on `device`, or None where unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "cpu":
@@ -27,7 +26,7 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def _cpuinfo(field: str) -> str | None:
-    """The first `field` line's value in Linux's /proc/cpuinfo, or None (no such line, or no such file)."""
+    """The first `field` line's value in Linux's /proc/cpuinfo, or None."""
     try:
         with open("/proc/cpuinfo") as info:
             return next((line.split(":", 1)[1].strip() for line in info if line.startswith(field)), None)
@@ -37,13 +36,13 @@ def _cpuinfo(field: str) -> str | None:
 
 @functools.cache
 def cpu_model() -> str:
-    """This machine's CPU model: Linux's /proc/cpuinfo name, else `platform.processor()` or the architecture."""
+    """This machine's CPU model name."""
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """This machine's CPU feature flags (Linux's /proc/cpuinfo), none where they cannot be read."""
+    """This machine's CPU feature flags, none where they cannot be read."""
     return frozenset((_cpuinfo("flags") or "").split())
 
 

@@ -1,23 +1,7 @@
-"""A static KV cache, and CUDA graphs of the model calls that write it.
-
-On a GPU a small model's call is bound by launching its kernels, not by reading its weights: a 1.5B model in eager
-mode takes several times the milliseconds its weights take to read. Replaying a captured CUDA graph launches the
-whole call at once. A graph replays fixed addresses and shapes, so:
-
-- the cache is a preallocated buffer of `capacity` slots per layer, written in place at slots `past .. past + T`;
-  rolling back only moves `len(cache)`, the stale slots being hidden by the attention mask and overwritten later;
-- a call of T <= 32 tokens runs padded to a bucket (1, 2, 4, 8, 16, 32 tokens) whose graph takes its ids, positions,
-  tree mask and `past` from static buffers; the attention mask is built inside the graph from them. Padded rows write
-  slots past the call's end, which no query sees;
-- buffers and graphs (a `Slab` per capacity) stay with the LM and are lent to one cache at a time: a later run reuses
-  them without capturing again. A cache outgrowing its slab moves to one of twice the capacity;
-- a batch (`models.rows.BatchCache`) keeps its rows in a `BatchSlab` per rows and capacity, lent the same way: its
-  calls write every row at the same slots, padded to a bucket's width, each row's mask built by the batch.
-
-`LM.compile_calls` also compiles each captured call with `torch.compile` first (tens of seconds of compiling for fewer,
-fused kernels; a string names torch.compile's mode). A call whose capture fails runs eagerly on the same cache, with
-a warning. Off the GPU the same cache runs eagerly (`LM.cuda_graphs = True` on a CPU), which the tests check.
-"""
+"""A static KV cache, and CUDA graphs of the calls that write it (a small model's eager GPU call is bound by kernel
+launches). A graph replays fixed addresses and shapes: the cache is a preallocated `Slab` written in place, rolled back
+by moving its length (stale slots masked, then overwritten), and a call runs padded to a bucket (padded rows write
+slots no query sees). Off the GPU the same cache runs eagerly, as the tests do."""
 
 from __future__ import annotations
 
@@ -27,12 +11,12 @@ import torch
 
 from decoders.models.slabs import BUCKETS, MIN_CAPACITY, Slab, SlotCache, lend
 
-MAX_RESERVE = 4096  # a run reserves at most this many slots: attention reads every slot of its slab, so a long
-# max_new_tokens grows the cache as the run gets there instead
+# the most slots a run reserves: attention reads every slot of its slab, so a long run grows its cache as it goes
+MAX_RESERVE = 4096
 
 
 class StaticKVCache:
-    """A run's `Cache` over a `Slab` of the LM, rolled back by moving its length; its calls go through `forward`."""
+    """A run's `Cache` over a `Slab` of the LM, rolled back by moving its length."""
 
     lends = True
 
@@ -93,8 +77,8 @@ class StaticKVCache:
     def forward(
         self, lm, ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None, keep: int
     ) -> torch.Tensor:
-        """`LM.forward` of `lm` (this cache's LM, or its quantized copy drafting on it) on this cache: ids, positions
-        [1, T]; logits [T or keep, vocab]."""
+        """`LM.forward` of `lm` (this cache's LM, or its quantized copy drafting on it): ids, positions [1, T];
+        logits [T or keep, vocab]."""
         length, past = ids.shape[1], self.length
         device = ids.device
         graphed = self.lm.device.type == "cuda" and length <= BUCKETS[-1]

@@ -1,5 +1,5 @@
-"""What decodekit keeps with a model between its runs, in one place: `Held` per `LM`, and `Shared` per torch module
-for what every LM wrapping that module shares (`model.generate` wraps the module in a new LM at every call)."""
+"""What decodekit keeps with a model between runs: `Held` per `LM`, `Shared` per torch module (`model.generate` wraps
+the module in a new LM at every call)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Shared:
     native: Any = None  # its `models.native.NativeStep`, or why the native step does not run it; None: not asked
 
 
-_SHARED: weakref.WeakKeyDictionary[Any, Shared] = weakref.WeakKeyDictionary()  # (kept no longer than the module)
+_SHARED: weakref.WeakKeyDictionary[Any, Shared] = weakref.WeakKeyDictionary()
 
 
 def shared(module) -> Shared:

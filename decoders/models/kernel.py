@@ -1,6 +1,4 @@
-"""The compiled kernels of `csrc/step.cpp` (the native step and its matrix product), built on first use with the
-machine's C++ compiler into decodekit's cache folder, once per source, flags, compiler and CPU; loaded through ctypes.
-"""
+"""`csrc/step.cpp` (the native step and its product), compiled on first use and loaded through ctypes."""
 
 from __future__ import annotations
 
@@ -45,7 +43,7 @@ def _compiler() -> str | None:
 
 @functools.cache
 def library() -> ctypes.CDLL | str:
-    """The compiled step (built once per source, compiler and CPU into the cache folder), or why it is not there."""
+    """The compiled kernels (built once per source, flags, compiler and CPU, then cached), or why they are not here."""
     from decoders.models.zoo import cache_dir
 
     compiler = _compiler()
@@ -67,7 +65,7 @@ def library() -> ctypes.CDLL | str:
                                      text=True)
                 if run.returncode != 0:
                     return f"compiling {SOURCE.name} failed: {run.stderr.strip()[-400:]}"
-                os.replace(built, target)  # (atomic: a second process compiling at once finds one or the other)
+                os.replace(built, target)  # (atomic: a process compiling at once finds one or the other)
         lib = ctypes.CDLL(str(target))
     except OSError as error:
         return f"the compiled kernels could not be written or loaded at {target}: {error}"

@@ -1,16 +1,5 @@
-"""Linear layers whose products run on the native step's kernel, for bfloat16 models on a CPU that the native step
-does not run as a whole (`decoders.models.native`: other architectures).
-
-A bfloat16 `nn.Linear` on a CPU multiplies through oneDNN from the plain [out, in] weight, which for a few rows streams
-it at about half the machine's bandwidth. `NativeLinear` (the same weight and bias parameters, nothing copied) runs
-calls of up to `native_rows` rows on `csrc/step.cpp`'s product, which reads the weight where it lies, row after row,
-and computes each row's outputs whatever the call's other rows; calls of more rows (a prompt), where oneDNN is faster
-(timed per shape, once), stay oneDNN's. Reading the module's own weight at every call, it always computes with the
-weights the module holds now: edited in place, loaded, replaced or cast.
-
-`use_native` swaps a model's bfloat16 `nn.Linear` layers for `NativeLinear`; `plain` runs them as plain layers within
-(the peers, as users get them).
-"""
+"""Linear layers whose few-row products run on the native step's kernel, reading the module's own weight, for bfloat16
+CPU models the native step does not run whole (docs/design/native.md)."""
 
 from __future__ import annotations
 
@@ -27,15 +16,14 @@ _crossovers: dict[tuple, int] = {}  # (out, in) -> the most rows a call runs on 
 
 
 class NativeLinear(nn.Linear):
-    """An `nn.Linear` (the same weight and bias parameters) whose calls of few rows, bfloat16 on a CPU, run on the
-    native kernel."""
+    """An `nn.Linear` (the same weight and bias) whose few-row bfloat16 CPU calls run on the native kernel."""
 
     def __init__(self, layer: nn.Linear, lib: ctypes.CDLL, native_rows: int | None = None) -> None:
         nn.Module.__init__(self)  # (not nn.Linear's: it would allocate a weight of its own)
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.weight, self.bias = layer.weight, layer.bias
         self.lib = lib
-        self.plain = False  # (`plain`: the plain layer's call)
+        self.plain = False
         self.native_rows = native_rows or _native_rows(self)  # calls of up to this many rows run natively
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -64,7 +52,7 @@ class NativeLinear(nn.Linear):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "lib"}  # (pickled, e.g. by torch.save: loads plain)
+        return {k: v for k, v in self.__dict__.items() if k != "lib"}  # (a ctypes handle: unpickled, it runs plain)
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, lib=None, plain=True)
@@ -80,7 +68,7 @@ class NativeLinear(nn.Linear):
 
 
 def _native_rows(layer: NativeLinear) -> int:
-    """The most rows (of `ROWS`) at which the native kernel is not slower than oneDNN for this shape (1 at least)."""
+    """The most rows (of `ROWS`) at which the native kernel is not slower than oneDNN for this shape (4 at least)."""
     key = (layer.out_features, layer.in_features)
     if key not in _crossovers:
         _crossovers[key] = 4
@@ -155,7 +143,7 @@ def plain_layers(layers, plain: bool = True) -> Iterator[None]:
 
 
 def plain(*models) -> contextlib.AbstractContextManager:
-    """Within: each of `models`' (None skipped) `NativeLinear`s multiplies as a plain `nn.Linear`."""
+    """Within: `models`' (None skipped) `NativeLinear`s multiply as plain `nn.Linear`s."""
     return plain_layers(
         m for model in models if model is not None for m in model.modules() if isinstance(m, NativeLinear)
     )

@@ -31,7 +31,7 @@ class LM:
         if tokenizer is None:
             raise ValueError("an LM needs its tokenizer: decoders.wrap(model, tokenizer)")
         self.model = model.eval()
-        use_grouped(model)  # its attention on "sdpa" with grouped heads: the same, without copying keys per query head
+        use_grouped(model)  # the same scores, without copying keys per query head (`models.attention`)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.config = model.config.get_text_config(decoder=True)
@@ -40,17 +40,16 @@ class LM:
         head = model.get_output_embeddings()  # (its width without reading an int8 head's weights back)
         self.vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]  # may exceed len(tokenizer)
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.held = Held()  # what decodekit keeps with this model between runs (`models.held`)
-        self.quantized_from = None  # a weakref to the float LM this is a quantized copy of (`decoders.quantize`)
+        self.held = Held()
+        self.quantized_from = None  # a weakref to the float LM this is a quantized copy of
         self.context_length = next(
             (v for f in _CONTEXT_FIELDS if isinstance(v := getattr(self.config, f, None), int) and v > 0), None
         )
-        # calls as CUDA graphs on a static cache (`models.graphs`; eager on a CPU); False: transformers' own calls
+        # calls as CUDA graphs on a static cache (`models.graphs`); False: transformers' own calls
         self.cuda_graphs = self.device.type == "cuda"
-        # torch.compile the graph-captured calls (CUDA); a string is torch.compile's mode
+        # torch.compile the graph-captured calls: tens of seconds for fewer kernels; a string is torch.compile's mode
         self.compile_calls: bool | str = False
-        # on a CPU, the native step (`models.native`) runs every call on a static cache where it runs this model; None:
-        # transformers' calls (in bfloat16, their linear layers' few-row products on the native kernel, `models.linear`)
+        # the native step, or None: transformers' calls, their bfloat16 few-row products on its kernel (`models.linear`)
         self.native = attach(self)
         if self.native is None:
             use_native(model)
@@ -73,8 +72,7 @@ class LM:
 
     @compile_calls.setter
     def compile_calls(self, value: bool | str) -> None:
-        """True, False, or one of torch.compile's modes; anything else is refused now, not at a CUDA model's first
-        captured call."""
+        """True, False, or a torch.compile mode: anything else is refused now, not at the first captured call."""
         if not isinstance(value, bool):
             from torch._inductor import list_mode_options  # (seconds to import: only where a mode is named)
 
@@ -86,12 +84,12 @@ class LM:
         self._compile_calls = value
 
     def synchronize(self) -> None:
-        """Wait for this model's device (CUDA kernels run asynchronously), before reading a clock."""
+        """Wait for this model's device, before reading a clock."""
         synchronize(self.device)
 
     def static_cache_ok(self) -> bool:
-        """Whether this LM's calls run on a static cache: the native step's (CPU), or graph-captured (CUDA) where
-        `cuda_graphs` is on and the model scores on one as on transformers' cache (probed once; warned of if not)."""
+        """Whether this LM's calls run on a static cache: the native step's, or CUDA graphs' where `cuda_graphs` is on
+        and a probe scores on one as on transformers' cache."""
         if self.native is not None:
             return True
         if self.cuda_graphs and self.held.static_cache is None:
@@ -105,12 +103,11 @@ class LM:
         return self.cuda_graphs and self.held.static_cache is True
 
     def new_cache(self, length: int = 0) -> KVCache | StaticKVCache:
-        """An empty KV cache: static (`static_cache_ok`) or a `KVCache`. `length`: the positions a static cache
-        reserves."""
+        """An empty KV cache, static where `static_cache_ok`; `length`: the positions a static cache reserves."""
         return StaticKVCache(self, length) if self.static_cache_ok() else KVCache()
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with the tokenizer's usual special tokens (e.g. a BOS)."""
+        """Token ids of `text`, with the tokenizer's usual special tokens."""
         return self.tokenizer(text)["input_ids"]
 
     def decode(self, tokens: Sequence[int]) -> str:
@@ -123,10 +120,10 @@ class LM:
         cache: KVCache | StaticKVCache,
         positions: Sequence[int] | torch.Tensor | None = None,  # [T] position ids; default len(cache) + 0..T-1
         tree_mask: torch.Tensor | None = None,  # [T, T] (or [T, len(cache) + T]) bool: i sees j; default causal
-        keep: int = 0,  # compute logits for the last `keep` positions only (0 = all): skips the prompt's lm_head
+        keep: int = 0,  # logits of the last `keep` positions only (0 = all): skips the prompt's lm_head
     ) -> torch.Tensor:
-        """Score `tokens` against `cache` (which grows by T) and return their logits: [T or keep, vocab], in float32
-        (exact from any dtype; a bfloat16 argmax over a vocabulary took 4x a conversion and a float32 one on a CPU)."""
+        """Score `tokens` against `cache` (which grows by T): logits [T or keep, vocab] in float32 (exact from any
+        dtype; faster to argmax on a CPU)."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(1, -1)  # [1, T]
         past, length = len(cache), ids.shape[1]
         if positions is None:
@@ -155,14 +152,12 @@ class LM:
 
     @functools.cached_property
     def vocab_key(self) -> str:
-        """A fingerprint of the tokenizer's token -> id map: two LMs with equal keys share a vocabulary."""
+        """A fingerprint of the tokenizer's token -> id map."""
         items = sorted(self.tokenizer.get_vocab().items(), key=lambda item: item[1])
         return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 
     def self_draft(self, scheme: str) -> LM:
-        """This model's own quantized copy (`decoders.quantize`, "self:int8"), made on first use and kept with this
-        LM; every LM wrapping the same torch module shares its module (`held.shared`: `model.generate` wraps it anew
-        per call)."""
+        """This model's own quantized copy ("self:int8"), kept; its module shared by every LM wrapping this module."""
         copies = self.held.copies
         if scheme not in copies:
             made = shared(self.model).copies
@@ -175,16 +170,16 @@ class LM:
 
     @property
     def copies(self) -> list[LM]:
-        """The quantized copies `self_draft` made and keeps."""
+        """The quantized copies `self_draft` keeps."""
         return list(self.held.copies.values())
 
     def drop_self_draft(self, scheme: str) -> None:
-        """Let go of the quantized copy `self_draft` made, if any (its memory is freed once no run holds it)."""
+        """Let go of the quantized copy `self_draft` made, if any (freed once no run holds it)."""
         self.held.copies.pop(scheme, None)
         shared(self.model).copies.pop(scheme, None)
 
     def check_draft(self, draft: LM) -> None:
-        """Raise unless `draft` shares this model's tokenizer (the same token -> id map, the logits' padding aside)."""
+        """Raise unless `draft` shares this model's token -> id map (the logits' padding aside)."""
         if draft.vocab_key == self.vocab_key:
             return
         ours, theirs = self.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
@@ -195,8 +190,8 @@ class LM:
         )
 
     def _tree_attention_mask(self, tree_mask: torch.Tensor, positions: torch.Tensor, past: int):
-        """`attention_masks` [1, 1, T, past + T]: the cached prefix is visible to every node, the nodes per
-        `tree_mask` ([T, T], or [T, past + T] to hide cached positions too; a cached key's position is its index)."""
+        """`attention_masks` [1, 1, T, past + T]: the cached prefix visible to every node, the rest per `tree_mask`
+        ([T, T] or [T, past + T]); a cached key's position is its index."""
         length = tree_mask.shape[0]
         allowed = torch.ones(length, past + length, dtype=torch.bool, device=self.device)
         allowed[:, past + length - tree_mask.shape[1] :] = tree_mask.to(self.device, torch.bool)
@@ -204,8 +199,8 @@ class LM:
         return self.attention_masks(allowed[None], key_positions[None], positions[None])
 
     def attention_masks(self, allowed: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor):
-        """Additive 4D masks [B, 1, Q, K] from `allowed` [B, Q, K], sliding-window layers' also hiding keys (positions
-        `keys` [B, K]) `sliding_window` or more behind their query (`queries` [B, Q]); one per layer type if mixed."""
+        """Additive 4D masks [B, 1, Q, K] from `allowed` [B, Q, K]; sliding-window layers' also hide keys (positions
+        `keys` [B, K]) a window or more behind their query (`queries` [B, Q]). One per layer type if mixed."""
         allowed = allowed.to(self.device)
         masks = {"full_attention": allowed}
         window = getattr(self.config, "sliding_window", None)
@@ -237,7 +232,7 @@ class LM:
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
-    """Every id that ends generation: the generation config's EOS ids, else the model config's, else the tokenizer's."""
+    """Every id that ends generation: the generation config's, else the model config's, else the tokenizer's EOS."""
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         eos = getattr(source, "eos_token_id", None)
         if eos is not None:

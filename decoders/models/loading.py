@@ -1,4 +1,4 @@
-"""`load`: a model and its tokenizer from a zoo name, a local folder or .gguf file, or a Hugging Face hub id."""
+"""`load`: a model and its tokenizer, by name."""
 
 from __future__ import annotations
 

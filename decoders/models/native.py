@@ -1,17 +1,6 @@
-"""The native CPU step: a model call of a Llama-family decoder (Llama, Mistral, Qwen2 and their kin) run by one native
-function (`csrc/step.cpp`), compiled on first use with the machine's C++ compiler and cached.
-
-A transformers call on a CPU spends most of a small model's step dispatching operators and oneDNN's setup per
-matrix product, and a large model's reading weights more slowly than the memory allows. The native step runs every
-layer in one call on two threads, reading each weight row once per call straight from the model's own parameters
-(no copy: a weight edited in place, replaced or moved is what the next call reads). Its products compute each output
-element the same way whatever the call's rows and tokens, so scoring tokens in one call gives exactly the logits of
-scoring them one by one: in bfloat16 too, every strategy returns greedy's tokens.
-
-`attach(lm)` is the step, or None with one notice of the reason (`why_not(lm)`): no compiler, a CPU with neither
-AVX-512 BF16 nor AVX2 for a bfloat16 model (the portable build is slower than transformers there), a model of another
-shape, or a probe whose logits differ from the model's own. Where it is None, calls run through transformers as before.
-"""
+"""The native CPU step (docs/design/native.md): a whole call of a Llama-family decoder in one function of
+`csrc/step.cpp`, reading the model's own parameters at every call, each logit the same whatever the call's rows.
+`attach(lm)` is the step, or None with one notice of why (`why_not`): then calls run through transformers."""
 
 from __future__ import annotations
 
@@ -37,19 +26,18 @@ def _rmsnorm(module) -> bool:
 
 
 def _linear(module, bias: bool | None = None) -> bool:
-    """An `nn.Linear` (or subclass), or an int8 copy's layer on the native kernel, whose bias is as asked (None:
-    either)."""
+    """An `nn.Linear` (or subclass), or an int8 layer on the native kernel, with a bias as asked (None: either)."""
     native_int8 = getattr(module, "kernel", None) == "native" and hasattr(module, "weight_int8")
     return (isinstance(module, nn.Linear) or native_int8) and (bias is None or (module.bias is not None) == bias)
 
 
 def _weight(module) -> tuple[dict, str]:
-    """Where a linear layer's weight lives: an int8 layer's int8 rows, else its weight parameter."""
+    """Where a linear layer's weight lives: (dict, name)."""
     return (module._buffers, "weight_int8") if hasattr(module, "weight_int8") else (module._parameters, "weight")
 
 
 def _scale(module) -> tuple[dict, str]:
-    """Where an int8 layer's row scales live (nowhere, for a float layer)."""
+    """Where an int8 layer's row scales live (nowhere for a float layer)."""
     return (module._buffers, "scales") if hasattr(module, "weight_int8") else ({}, "scales")
 
 
@@ -89,7 +77,7 @@ def _shape_of(lm) -> str | None:
 
 
 class NativeStep:
-    """The native step for one LM: its model's dimensions, and its parameters' addresses read anew at every call."""
+    """The native step for one LM: its model's dimensions, its parameters' addresses read anew at every call."""
 
     def __init__(self, lm, lib: ctypes.CDLL) -> None:
         # (no reference to the LM or its top model: `attach` keeps steps by model, weakly)
@@ -102,8 +90,9 @@ class NativeStep:
         self.scale = float(getattr(attention, "scaling", self.head_dim ** -0.5))
         self.eps = float(getattr(body.norm, "variance_epsilon", getattr(body.norm, "eps", 1e-6)))
         self.body = body
-        # where each parameter lives: (module's _parameters dict, name), so a replaced parameter is seen
-        places = []  # in csrc/step.cpp's order: per layer 12 tensors and 7 scales, then the final norm and the head
+        # (dict, name) per parameter, so a replaced parameter is seen, in csrc/step.cpp's order: per layer 12 tensors
+        # and 7 scales, then the final norm and the head
+        places = []
         for layer in body.layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
@@ -116,20 +105,19 @@ class NativeStep:
         places += [(body.norm._parameters, "weight"), _weight(head), _scale(head)]
         self.places = places
         self.linear = [i for i in range(len(places) - 3) if i % PER_LAYER in (1, 3, 5, 7, 9, 10, 11)]
-        self.linear.append(len(places) - 2)  # (the places of the linear layers' weights)
-        self.seen: list | None = None  # the parameters the last call checked, and the model struct built from them
+        self.linear.append(len(places) - 2)  # (the linear layers' weights)
+        self.seen: list | None = None  # the parameters the last call checked, and the struct built from them
         self.struct: DkModel | None = None
-        # the model's forward-hook dicts: a hook someone registers must see the calls, which transformers' then run
+        # a forward hook someone registers must see the calls: transformers' then run them
         self.hooks = [d for m in lm.model.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.meters: list = []  # call meters (`evals.measure.ForwardMeter`): told each call's tokens and seconds
 
     def __deepcopy__(self, memo: dict) -> NativeStep:
-        return self  # (a handle on a library and on the model's parameters: a deep copy of a module tree that holds
-        # it, e.g. through a meter's hook, shares it)
+        return self  # (a handle on the model's parameters: a module tree copied with it, e.g. by a hook, shares it)
 
     def _model(self) -> DkModel | None:
-        """The model's struct for its parameters as they are now; None if they no longer suit the step (moved off
-        the CPU, cast to another dtype, or of mixed dtypes)."""
+        """The model's struct for its parameters as they are now; None if they no longer suit the step (moved, cast,
+        mixed dtypes)."""
         params = [where.get(name) for where, name in self.places]
         current = [id(p) for p in params] + [p.data_ptr() if p is not None and p.device.type == "cpu" else -1
                                              for p in params]  # (ids and addresses: ints, compared as ints)
@@ -171,8 +159,8 @@ class NativeStep:
         return i == len(self.places) - 1 or (i < len(self.places) - 3 and i % PER_LAYER >= 12)
 
     def ready(self) -> bool:
-        """Whether the native step runs the next call: the model's parameters, as they are now, suit it, and no
-        forward hook (but decodekit's own meters) waits to see the model's modules run."""
+        """Whether the native step runs the next call: its parameters suit it and no forward hook (but decodekit's
+        meters) waits to see the modules run."""
         return self._model() is not None and not self.hooked()
 
     def hooked(self) -> bool:
@@ -183,10 +171,9 @@ class NativeStep:
     @torch.inference_mode()
     def call(self, ids: torch.Tensor, positions: torch.Tensor, past: int, keys: list[torch.Tensor],
              values: list[torch.Tensor], allowed: torch.Tensor | None = None, keep: int = 0) -> torch.Tensor:
-        """Score `ids` [rows, W] at `positions` [rows, W] against the rows' cached slots, writing their keys and
-        values at slots past .. past + W of `keys` / `values` (per layer [rows, kv_heads, capacity, head_dim]).
-        `allowed` [rows, W, capacity] bool: which slots each query sees (None: every slot before its own, and it).
-        Returns float32 logits [rows, keep or W, vocab] of each row's last tokens."""
+        """Score `ids` [rows, W] at `positions` [rows, W], writing their keys and values at slots past .. past + W of
+        `keys` / `values` (per layer [rows, kv_heads, capacity, head_dim]). `allowed` [rows, W, capacity] bool: the
+        slots each query sees (None: causal). Returns float32 logits [rows, keep or W, vocab]."""
         model = self._model()
         if model is None:
             raise RuntimeError(f"{self.name}: its parameters no longer suit the native step")
@@ -244,9 +231,8 @@ def _notice(reason: str) -> None:
 
 
 def attach(lm) -> NativeStep | None:
-    """The native step for `lm`, if it runs here and scores a probe as the model itself does; else None (with one
-    notice per reason where the model is a Llama-family model on a CPU that the step could have run). Once per torch
-    model: an LM wrapping one again (`model.generate` through `decoders.hf` wraps per call) shares its step."""
+    """The native step for `lm`, if it runs here and scores a probe as the model does; else None (one notice per
+    reason). Kept per torch module: `model.generate` through `decoders.hf` wraps it in a new LM per call."""
     if lm.device.type != "cpu" or lm.dtype not in DTYPES:
         return None
     verdict = shared(lm.model).native  # (its NativeStep, or why not)
@@ -267,10 +253,10 @@ def attach(lm) -> NativeStep | None:
 
 
 def _probe(lm, path: NativeStep) -> str | None:
-    """None if the native step's logits for a short text match the model's own call (within the dtype's rounding: a
-    model of another shape misses by far more), else how far off they are."""
-    prompt = [(7 + 31 * i) % lm.vocab_size for i in range(16)]  # (ids, not text: a wrapped model's tokenizer may
-    ids = torch.tensor([prompt])  # be a stand-in that cannot encode)
+    """None if the step's logits for a short prompt match the model's own within the dtype's rounding (a model of
+    another shape misses by far more), else how far off they are."""
+    prompt = [(7 + 31 * i) % lm.vocab_size for i in range(16)]  # (ids: a wrapped model's tokenizer may be a stand-in)
+    ids = torch.tensor([prompt])
     layers = lm.config.num_hidden_layers
     shape = (1, path.kv_heads, len(prompt), path.head_dim)
     keys = [torch.zeros(shape, dtype=lm.dtype) for _ in range(layers)]
@@ -280,7 +266,7 @@ def _probe(lm, path: NativeStep) -> str | None:
             native = path.call(ids, torch.arange(len(prompt))[None], 0, keys, values)[0]
         except Exception as error:  # noqa: BLE001 - any failure means "not this model", reported once
             return f"its probe raised {type(error).__name__}: {error}"
-        # (an int8 copy's own call multiplies a call of many rows by the float weights where that was timed faster)
+        # (an int8 copy's own call of many rows would multiply by the float weights: `Int8Linear.float_from`)
         split = [(m, m.float_from) for m in lm.model.modules() if getattr(m, "float_from", None) is not None]
         for m, _ in split:
             m.float_from = None

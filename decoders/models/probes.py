@@ -1,5 +1,4 @@
-"""Probes of what a model's calls can do, run once per `LM` (their verdicts kept in `LM.held`): score a token tree
-in one call under a custom mask, and score on a `StaticKVCache` as on transformers' own cache."""
+"""Probes, run once per `LM`: whether its calls score a token tree under a custom mask, and on a `StaticKVCache`."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ from decoders.models.quantize import row_by_row
 
 
 def probe_tree_mask(lm) -> bool | str:
-    """True if a tree-masked call scores each node of a 2-branch tree as causal calls of the same shape do, else what
-    went wrong. An int8 copy rounds each row alone meanwhile (`quantize.row_by_row`), as its rows would skew it."""
+    """True if a tree-masked call scores each node of a 2-branch tree as causal calls do, else what went wrong. An int8
+    copy rounds each row alone meanwhile (`quantize.row_by_row`), else its rows would skew each other."""
     prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
     a, b, c = (i % lm.vocab_size for i in (13, 17, 19))
     tree = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)  # a | b -> c

@@ -1,9 +1,4 @@
-"""Int8 quantization of an `LM`'s linear layers: a cheap copy of a model to draft for its own float original. Kernels
-(`KERNELS`, the first the device runs): the native step's ("native", CPUs with AVX-512 BF16 or AVX2: the copy's calls
-then run whole in the native step where its architecture allows), fbgemm's dynamic quantized linear
-("int8_activations", x86), `aten._weight_int8pack_mm` ("int8_mm"), the weight dequantized in the matmul
-("dequantize"); calls of at least `float_from` rows run on the layer's shared float weight, where that was timed
-faster."""
+"""Int8 copies of an `LM`'s linear layers, cheap drafts for their float original (evidence: docs/design/evidence.md)."""
 
 from __future__ import annotations
 
@@ -27,6 +22,7 @@ if TYPE_CHECKING:
     from decoders.models.lm import LM
 
 SCHEMES = ("int8",)
+# the native step's; fbgemm's dynamic quantized linear (x86); `aten._weight_int8pack_mm`; weights dequantized
 KERNELS = ("native", "int8_activations", "int8_mm", "dequantize")
 
 
@@ -48,7 +44,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight_int8.shape
         self.kernel = kernel
         self.packed = None  # fbgemm's prepacked weights ("int8_activations"), which then hold the only int8 copy
-        self.row_by_row = False  # (see `row_by_row`)
+        self.row_by_row = False
         if kernel == "int8_activations":
             self.packed = _prepack(weight_int8, scales)
             weight_int8 = None
@@ -60,8 +56,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def rounded(cls, layer: nn.Linear | Conv1D, kernel: str | None = None) -> Int8Linear:
-        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D` for calls of any size (`timed` sets where the float
-        weight is faster); `kernel`: one of KERNELS, None: the first to run."""
+        """The int8 twin of a float `nn.Linear` or GPT-2 `Conv1D`; `kernel`: one of KERNELS, None: the first to run."""
         weight = _float_weight(layer)
         compute = torch.bfloat16 if weight.device.type == "cpu" else weight.dtype
         weight_int8, scales = quantize_rows(weight, compute)
@@ -77,7 +72,7 @@ class Int8Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The int8 weight [out, in], for code that reads a layer's `.weight.shape` (e.g. the logits width)."""
+        """The int8 weight [out, in], for code that reads `.weight.shape` (e.g. the logits width)."""
         if self.weight_int8 is None:
             return torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
         return self.weight_int8
@@ -106,8 +101,8 @@ class Int8Linear(nn.Module):
         else:
             rows = x.reshape(-1, self.in_features).to(self.scales.dtype).contiguous()  # [rows, in]
             if self.kernel == "int8_mm":
-                if rows.data_ptr() % 64:  # e.g. a slice of the hidden states: the CPU kernel's aligned loads need
-                    rows = rows.clone()  # a copy
+                if rows.data_ptr() % 64:  # (the CPU kernel's aligned loads; e.g. a slice of the hidden states)
+                    rows = rows.clone()
                 y = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scales)
             else:
                 y = rows @ (self.weight.to(rows.dtype) * self.scales[:, None]).T
@@ -121,8 +116,8 @@ class Int8Linear(nn.Module):
 
 @contextlib.contextmanager
 def row_by_row(model: nn.Module) -> Iterator[None]:
-    """Within: `model`'s "int8_activations" layers round each row of a call alone (else the call's range rounds every
-    row), so that probes may compare calls of different rows."""
+    """Within: `model`'s "int8_activations" layers round each row of a call alone, not over the call's range, so that
+    probes may compare calls of different rows."""
     layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m.kernel == "int8_activations"]
     for layer in layers:
         layer.row_by_row = True
@@ -155,12 +150,12 @@ def _float_weight(layer: nn.Linear | Conv1D) -> torch.Tensor:
 
 
 def _kernels(weight_int8: torch.Tensor, scales: torch.Tensor) -> list[str]:
-    """The KERNELS this layer's device runs: on a CPU "int8_activations" with fbgemm and "int8_mm" where `in` is a
-    multiple of 16 (other widths crash), elsewhere "int8_mm" where a probe does not raise; always "dequantize"."""
+    """The KERNELS this layer's device runs, in order; on a CPU "int8_mm" only where `in` is a multiple of 16 (other
+    widths crash), elsewhere where a probe does not raise."""
     kernels = []
     if weight_int8.device.type == "cpu":
         if scales.dtype == torch.bfloat16 and why_not_here(torch.bfloat16) is None:
-            kernels.append("native")  # (the native step's kernel: rows widened to bfloat16 as they are read)
+            kernels.append("native")  # (rows widened to bfloat16 as they are read)
         if "fbgemm" in torch.backends.quantized.supported_engines:
             kernels.append("int8_activations")
         if weight_int8.shape[1] % 16 == 0:
@@ -185,8 +180,7 @@ def _prepack(weight_int8: torch.Tensor, scales: torch.Tensor):
 
 
 def _reduce_range() -> bool:
-    """Whether fbgemm must round a call's inputs to 7 bits, not 8: where the CPU lacks VNNI (int8 pairs multiplied
-    into int32 in one instruction), its int16 pair sums can saturate."""
+    """Whether fbgemm must round a call's inputs to 7 bits, not 8: without VNNI its int16 pair sums can saturate."""
     return not cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"}
 
 
@@ -209,7 +203,7 @@ def _float_from(layer: Int8Linear, weight: torch.Tensor) -> int | None:
 
 
 def _seconds(call, device: torch.device) -> float:
-    """The best of three timed calls (after one untimed), the device synchronized around each."""
+    """The best of three timed calls, after one untimed."""
     times = []
     for _ in range(4):
         synchronize(device)
@@ -222,13 +216,13 @@ def _seconds(call, device: torch.device) -> float:
 
 
 def quantize(lm: LM, scheme: str = "int8") -> LM:
-    """A new `LM` whose linear layers (the head too) run with int8 weights, sharing the rest of `lm` (untouched)."""
+    """A new `LM` whose linear layers (the head too) run with int8 weights, sharing the rest of `lm`."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
     if (done := is_quantized(lm)) is not None:
         raise ValueError(f"{lm.name!r} is already quantized ({done}); quantize its float original instead")
     model = lm.model
-    # a deep copy of the module tree sharing every parameter and buffer (the linear layers' are replaced below)
+    # the module tree copied, every parameter and buffer shared
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     twin = copy.deepcopy(model, memo=shared)
     places = [(parent, name, child) for parent in twin.modules() for name, child in parent.named_children()
@@ -241,7 +235,7 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
         with torch.no_grad():
             return Int8Linear.rounded(layer)
 
-    # rounded in threads (fbgemm prepacks on one core: a 1.5B model's 197 layers, 8 s of it), timed one at a time
+    # rounded in threads (fbgemm prepacks on one core), timed one at a time
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         rounded = list(pool.map(round_off, layers))  # (all of them before any timing: the threads would skew it)
     replaced = {id(layer): int8.timed(layer) for layer, int8 in zip(layers, rounded)}
@@ -251,14 +245,14 @@ def quantize(lm: LM, scheme: str = "int8") -> LM:
 
 
 def copy_of(lm: LM, module, scheme: str) -> LM:
-    """`module`, a `scheme` copy of `lm`'s (made by `quantize`), as an LM named after `lm` and known as its copy."""
+    """`module`, a `scheme` copy of `lm`'s (made by `quantize`), as an LM known as its copy."""
     quantized = type(lm)(module, lm.tokenizer, name=f"{lm.name}:{scheme}")
-    quantized.quantized_from = weakref.ref(lm)  # as a draft of its original it may share its KV cache (draft_model)
+    quantized.quantized_from = weakref.ref(lm)  # as a draft of its original it may share its KV cache
     return quantized
 
 
 def int8_bytes(lm: LM) -> int:
-    """About the bytes `quantize(lm, "int8")` adds: one a weight of each linear layer (the scales are a rounding)."""
+    """About the bytes `quantize(lm, "int8")` adds: one a weight of each linear layer."""
     layers = {id(m): m for m in lm.model.modules() if isinstance(m, (nn.Linear, Conv1D))}
     return sum(m.weight.numel() for m in layers.values())
 

@@ -1,12 +1,4 @@
-"""A batch's KV caches: `BatchCache`, one model's keys and values for every row of a batch, and `RowCache`, one
-row's view of it with a run cache's rollback.
-
-Each row's call is right-aligned in the slots a forward appends; the cache keeps, per row, which slots hold its tokens
-(`valid`) and their positions, so rejected drafts and finished rows are slots no mask shows, gathered away when the
-slots pass twice what the fullest row holds (`compact`). A newcomer's prompt is prefilled in a call of its own and
-copied in (`prefill`), from what it shares with a recent prompt's beginning (`kept`); a draft model's rows live in a
-`BatchCache` of their own beside the target's (`beside`).
-"""
+"""A batch's KV caches (docs/design/batching.md): `BatchCache` for every row of a batch, `RowCache` for one."""
 
 from __future__ import annotations
 
@@ -26,16 +18,17 @@ from decoders.models.slabs import BUCKETS, MIN_CAPACITY, lend
 if TYPE_CHECKING:
     from decoders.models.lm import LM
 
-PROMPTS_KEPT = 4  # the last prompts' caches a newcomer's prefill starts from where it shares their beginning
+PROMPTS_KEPT = 4  # the last prompts' caches a newcomer's prefill may start from
 SHARED = 16  # the fewest tokens shared with a kept prompt worth copying (agentic turns share hundreds)
-FEED_ALONE = 8  # a row's call feeding this many tokens more than it keeps logits for runs them alone first: padding
-# 8 rows to 8 more tokens costs about a call of 8 tokens alone (1.5B, this CPU: 8 x 4 tokens 511 ms, 8 x 1 337 ms)
+# a row's call feeding this many tokens more than it keeps logits for runs them alone first: padding every row by 8
+# tokens costs about a call of 8 tokens alone
+FEED_ALONE = 8
 
 
 class RowCache:
-    """One row's view of a `BatchCache`: a `Cache` whose rollback (`crop`, `keep`) clears the row's own slots."""
+    """One row's view of a `BatchCache`: a `Cache` whose rollback clears the row's own slots."""
 
-    lends = False  # the target's own int8 copy drafts on a batch cache of its own in a batch
+    lends = False  # in a batch the target's own int8 copy drafts on a batch cache of its own
 
     def __init__(self, batch: BatchCache, row: int) -> None:
         self.batch, self.row = batch, row
@@ -62,7 +55,7 @@ class RowCache:
         self.batch.valid[self.row] = kept
 
     def beside(self, lm: LM, length: int = 0) -> RowCache:
-        """This row's cache of another model (a draft model) in the same batch: an empty one for a new run."""
+        """This row's cache of draft model `lm` in the same batch (empty for a new run)."""
         return self.batch.beside(lm).row(self.row)
 
     @property
@@ -74,10 +67,8 @@ class RowCache:
 
 
 class BatchCache:
-    """A model's keys and values for `rows` runs: per layer [rows, heads, slots, head_dim], with which slots hold
-    each row's tokens (`valid` [rows, slots]) and their positions (`positions` [rows, slots]). Where the LM has a
-    static cache (`LM.static_cache_ok`: CUDA graphs), the layers are a `BatchSlab`'s buffers of `capacity` >= slots,
-    and calls of up to 32 tokens run padded to a bucket's width as its graph."""
+    """A model's keys and values for `rows` runs: per layer [rows, heads, slots, head_dim], the slots each row holds
+    (`valid` [rows, slots]) and their positions (`positions` [rows, slots]); in a `BatchSlab` on a static cache."""
 
     def __init__(self, lm: LM, rows: int) -> None:
         self.lm, self.rows = lm, rows
@@ -85,12 +76,12 @@ class BatchCache:
         self.hf = DynamicCache() if self.slab is None else self.slab.hf
         self.valid = torch.zeros(rows, 0, dtype=torch.bool)
         self.positions = torch.zeros(rows, 0, dtype=torch.long)
-        self.drafts: list[BatchCache] = []  # the draft models' caches beside the target's, one per draft model
-        self.kept: deque[tuple[list[int], KVCache]] = deque(maxlen=min(PROMPTS_KEPT, rows))  # the last prompts
-        # prefilled (no more than the rows: their caches hold at most about what the rows' prompts hold)
+        self.drafts: list[BatchCache] = []  # the draft models' caches beside the target's
+        # no more prompts kept than rows: their caches then hold about what the rows' prompts hold at most
+        self.kept: deque[tuple[list[int], KVCache]] = deque(maxlen=min(PROMPTS_KEPT, rows))
 
     def beside(self, lm: LM) -> BatchCache:
-        """The batch's cache of draft model `lm` (made on first use), so that its rows' draft calls share a forward."""
+        """The batch's cache of draft model `lm`, so that its rows' draft calls share a forward."""
         cache = next((c for c in self.drafts if c.lm is lm), None)
         if cache is None:
             cache = BatchCache(lm, self.rows)
@@ -98,7 +89,7 @@ class BatchCache:
         return cache
 
     def clear(self, b: int) -> None:
-        """Row `b` holds nothing, in this cache and in the draft models' beside it (its run ended)."""
+        """Row `b` holds nothing, here and in the draft models' caches (its run ended)."""
         for cache in (self, *self.drafts):
             cache.valid[b] = False
 
@@ -113,7 +104,7 @@ class BatchCache:
         return [layer for layer in self.hf.layers if getattr(layer, "keys", None) is not None]
 
     def _grow(self, slots: int, template: KVCache) -> None:
-        """Make room for `slots` slots (invalid for every row), shaping the layers after `template`'s."""
+        """Make room for `slots` slots (invalid for every row), layers shaped after `template`'s."""
         extra = slots - self.slots
         if extra <= 0:
             return
@@ -137,8 +128,8 @@ class BatchCache:
         self.positions = torch.cat([self.positions, torch.zeros(self.rows, extra, dtype=torch.long)], 1)
 
     def _reserve(self, slots: int, like=None) -> None:
-        """(A static cache) a slab of `slots` slots or more, holding what the current one holds; its layers, if new,
-        shaped after `like` (layers of one row, or of the current slab)."""
+        """(A static cache) a slab of `slots` slots or more, holding what the current one holds; new layers shaped
+        after `like`."""
         if self.slab.capacity >= slots and self._layers():
             return
         capacity = self.slab.capacity
@@ -160,10 +151,9 @@ class BatchCache:
             self.slab, self.hf = slab, slab.hf
 
     def prefill(self, b: int, tokens: Sequence[int]) -> None:
-        """Row `b` now holds exactly `tokens` (a prompt), in its first slots: scored in a call of their own, so that no
-        other row's call is padded to a prompt's length. Where they begin with SHARED or more of a kept prompt's
-        tokens, those positions are copied from its cache and only the rest is scored."""
-        tokens, prefix = list(tokens), self.lm.new_cache(len(tokens))  # (a run's own cache, copied from below)
+        """Row `b` now holds exactly `tokens` (a prompt), scored alone so that no other row's call is padded to it;
+        the first SHARED or more tokens a kept prompt shares are copied, not scored."""
+        tokens, prefix = list(tokens), self.lm.new_cache(len(tokens))
         shared, source = max(
             ((shared_length(tokens, seen), cache) for seen, cache in self.kept),
             default=(0, None),
@@ -184,8 +174,7 @@ class BatchCache:
         self._store(b, 0, prefix, 0)
 
     def feed(self, b: int, tokens: Sequence[int]) -> None:
-        """Append `tokens` to row `b`'s, scored in a call of their own on a copy of the row (a draft's catch-up after
-        steps it did not draft), so that no other row's call is padded to their length."""
+        """Append `tokens` to row `b`'s, scored alone on a copy of the row (a draft's catch-up), as `prefill`."""
         slots = self.valid[b].nonzero()[:, 0]
         row = self.lm.new_cache(len(slots) + len(tokens))
         row.fill(
@@ -196,7 +185,7 @@ class BatchCache:
         self._store(b, self.slots, row, len(slots))
 
     def _store(self, b: int, at: int, cache: KVCache | StaticKVCache, held: int) -> None:
-        """Row `b`'s slots from `at` on now hold `cache`'s positions from `held` on (a one-row cache run alone)."""
+        """Row `b`'s slots from `at` on now hold one-row `cache`'s positions from `held` on."""
         end = len(cache)
         n = end - held
         if n <= 0:
@@ -226,8 +215,8 @@ class BatchCache:
         self.valid = torch.arange(width)[None, :] < counts[:, None]
 
     def forward(self, calls: dict[int, Call]) -> dict[int, torch.Tensor]:
-        """One forward serving each row's call (rows without one only pad); returns each row's logits as `LM.forward`
-        would for that row alone. Its new slots hold the rows' call tokens, right-aligned."""
+        """One forward serving each row's call, right-aligned in the new slots: each row's logits as `LM.forward`'s
+        for that row alone."""
         lm, device, calls = self.lm, self.lm.device, dict(calls)
         for b, call in list(calls.items()):
             head = len(call.tokens) - (call.keep or len(call.tokens))
@@ -261,7 +250,7 @@ class BatchCache:
                 torch.as_tensor(call.positions) if call.positions is not None else torch.arange(cached, cached + n)
             )
             own = torch.ones(n, n, dtype=torch.bool).tril() if call.tree_mask is None else call.tree_mask.bool()
-            if own.shape[1] > n:  # [n, cached + n]: which of the row's cached positions each sees (a draft's tree)
+            if own.shape[1] > n:  # [n, cached + n]: a draft's tree hiding cached positions
                 allowed[b, pad:, self.valid[b].nonzero()[:, 0]] = own[:, :cached]
             else:
                 allowed[b, pad:, :past] = self.valid[b]

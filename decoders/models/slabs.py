@@ -1,6 +1,5 @@
-"""The static buffers a static KV cache lives in (`models.graphs`): `SlotCache`, the transformers cache the model writes
-at given slots; a `Slab` per capacity (one run's cache) and a `BatchSlab` per rows and capacity (a batch's), each with
-its calls' CUDA graphs; `lend`, which keeps them with the LM and lends each to one cache at a time."""
+"""The buffers a static KV cache lives in (`models.graphs`): a `Slab` per capacity (a run's) or a `BatchSlab` per rows
+and capacity (a batch's), each with its calls' CUDA graphs, kept with the LM and lent to one cache at a time."""
 
 from __future__ import annotations
 
@@ -56,7 +55,7 @@ class SlotCache(Cache):
 
     def __init__(self, layers: int, capacity: int) -> None:
         self.capacity, self.length = capacity, 0
-        self.slots: torch.Tensor | None = None  # set before each call: where its T keys go
+        self.slots: torch.Tensor | None = None  # [T] where the call's keys go, set before each call
         super().__init__(layers=[SlotLayer(self) for _ in range(layers)])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -70,7 +69,7 @@ class SlotCache(Cache):
 
 
 class Slab:
-    """The static buffers of one capacity: the cache, and per bucket the captured call with its input buffers."""
+    """The static buffers of one capacity: the cache, and per bucket the captured call and its inputs."""
 
     def __init__(self, lm, capacity: int, capture: bool) -> None:
         self.lm, self.capacity, self.capture = lm, capacity, capture
@@ -89,9 +88,9 @@ class Slab:
                 mine.values[:, :, :length] = theirs.values[:, :, :length]
 
     def call(self, lm, ids, positions, past, tree, wide) -> torch.Tensor:
-        """`lm`'s model (the slab's or its quantized copy) on `ids` [1, T] at `positions` [1, T], written at slots
-        past..past+T: logits [1, T, vocab]. `past` a 0-d tensor; `tree` [T, T] bool (query i sees new token j); `wide`
-        [T, capacity] bool or None (query i may see cached slot j: a tree grown over several calls hides some)."""
+        """`lm`'s model (the slab's or its quantized copy) on `ids`, `positions` [1, T], written at slots past..past+T
+        (`past` 0-d): logits [1, T, vocab]. `tree` [T, T]: query i sees new token j; `wide` [T, capacity] or None:
+        query i may see cached slot j (a tree grown over several calls hides some)."""
         length = ids.shape[1]
         slot = torch.arange(self.capacity, device=ids.device)
         self.hf.slots = past + torch.arange(length, device=ids.device)
@@ -106,13 +105,13 @@ class Slab:
         ).logits
 
     def native(self, lm, ids, positions, past: int, tree, wide, keep: int) -> torch.Tensor:
-        """`call` run by `lm`'s native step (`models.native`, a CPU): logits [keep or T, vocab]. `tree` None: causal."""
+        """`call` run by `lm`'s native step (a CPU): logits [keep or T, vocab]. `tree` None: causal."""
         length = ids.shape[1]
         keys, values = self.layers(lm)
         allowed = None
         if tree is not None:
             slot = torch.arange(self.capacity)
-            relative = slot - past  # [capacity]: a slot's place among the new tokens, < 0 in the prefix
+            relative = slot - past  # [capacity], as in `call`
             new = (relative >= 0) & (relative < length)
             cached = relative < 0 if wide is None else (relative < 0) & wide
             allowed = (tree[:, relative.clamp(0, length - 1)] & new) | cached  # [T, capacity]
@@ -129,8 +128,7 @@ class Slab:
         return [layer.keys for layer in self.hf.layers], [layer.values for layer in self.hf.layers]
 
     def replay(self, lm, ids, positions, past: int, tree, wide) -> torch.Tensor:
-        """`call` through the graph of the smallest bucket that holds T tokens, captured on first use: [T, vocab].
-        `tree` None: causal."""
+        """`call` replayed as the graph of the smallest bucket that holds T tokens: [T, vocab]. `tree` None: causal."""
         length = ids.shape[1]
         bucket = next(b for b in BUCKETS if b >= length)
         key = bucket, lm.compile_calls, lm.model  # (the model itself, not its id: a graph keeps its weights' addresses)
@@ -182,9 +180,8 @@ class Slab:
 
 
 def lend(lm, capacity: int, cache, rows: int | None = None) -> Slab | BatchSlab:
-    """The LM's slab of `capacity` (a `BatchSlab` of `rows` rows for a batch's cache), made on first use, lent to
-    `cache`; a private one, never captured, if another live cache holds it (two runs of one model at once: they stay
-    exact, the second runs eagerly)."""
+    """The LM's slab of `capacity` (a `BatchSlab` of `rows` rows for a batch), lent to `cache`; a private one, never
+    captured, if another live cache holds it (two runs of one model at once)."""
     slabs = lm.held.slabs if rows is None else lm.held.batch_slabs
     key = capacity if rows is None else (rows, capacity)
     make = functools.partial(Slab, lm, capacity) if rows is None else functools.partial(BatchSlab, lm, rows, capacity)
@@ -198,9 +195,8 @@ def lend(lm, capacity: int, cache, rows: int | None = None) -> Slab | BatchSlab:
 
 
 class BatchSlab:
-    """A batch's static buffers (`models.rows.BatchCache` where its LM has a static cache): keys and values of
-    `rows` rows and `capacity` slots per layer, and per bucket the captured call with its input buffers. The batch
-    writes every row's call at the same slots (its queries right-aligned) and builds each row's mask itself."""
+    """A batch's static buffers (`models.rows.BatchCache`): keys and values of `rows` rows and `capacity` slots per
+    layer, and per width the captured call."""
 
     def __init__(self, lm, rows: int, capacity: int, capture: bool) -> None:
         self.lm, self.rows, self.capacity, self.capture = lm, rows, capacity, capture
@@ -209,9 +205,8 @@ class BatchSlab:
         self.owner = None  # a weakref to the BatchCache it is lent to
 
     def call(self, lm, ids, positions, past, allowed, keys) -> torch.Tensor:
-        """The model on `ids`, `positions` [rows, W], written at slots past..past+W (`past` a 0-d tensor); `allowed`
-        [rows, W, capacity] (query i of a row may see slot j), `keys` [rows, capacity] the slots' positions: logits
-        [rows, W, vocab]."""
+        """The model on `ids`, `positions` [rows, W], written at slots past..past+W (`past` 0-d); `allowed` [rows, W,
+        capacity]: query i may see slot j; `keys` [rows, capacity]: the slots' positions. Logits [rows, W, vocab]."""
         self.hf.slots = past + torch.arange(ids.shape[1], device=ids.device)
         masks = lm.attention_masks(allowed, keys, positions)
         return lm.model(
@@ -219,8 +214,7 @@ class BatchSlab:
         ).logits
 
     def forward(self, ids, positions, past: int, allowed, keys) -> torch.Tensor:
-        """`call`, replayed as the CUDA graph of its width (a bucket, captured on first use) where the slab captures,
-        run by the LM's native step on a CPU: logits [rows, W, vocab], the caller's to keep."""
+        """`call`, replayed as its width's CUDA graph or run by the native step: logits [rows, W, vocab], a copy."""
         lm, device, width = self.lm, self.lm.device, ids.shape[1]
         self.hf.length = past
         if lm.native is not None and lm.native.ready() and all(layer.is_initialized for layer in self.hf.layers):

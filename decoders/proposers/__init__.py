@@ -1,1 +1,1 @@
-"""The proposers, one file per source of guesses: each run alone by a fixed strategy, or weighed by `auto`."""
+"""One source of guesses per file, run alone by a fixed strategy or weighed by `auto`."""

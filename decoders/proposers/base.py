@@ -1,5 +1,4 @@
-"""The `Proposer` protocol: one source of guesses, as `auto` weighs it and a fixed strategy (`Fixed`) runs it; and how
-a run's proposers are built from one ordered list of declared kinds (`assemble`)."""
+"""The `Proposer` protocol, a fixed strategy's drafter of one proposer (`Fixed`) and a run's proposers (`assemble`)."""
 
 from __future__ import annotations
 
@@ -19,13 +18,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class Clock:
-    """What a run times calls by; `timed` False (a seeded sampling run): no clock, `elapsed` gives planned seconds."""
+    """What a run times calls by; a seeded sampling run is not `timed`."""
 
     now: Callable[[], float] = time.perf_counter
     timed: bool = True
 
     def elapsed(self, since: float, planned: float, until: float | None = None) -> float:
-        """Seconds from `since` to `until` (default: now), or `planned` where the run plans by no clock."""
+        """Seconds from `since` to `until` (default: now), or `planned` where not `timed`."""
         return ((self.now() if until is None else until) - since) if self.timed else planned
 
 
@@ -37,20 +36,18 @@ class Step:
     draft: Draft  # what the target verified (cut at EOS, under the grammar)
     start: int  # len(state.tokens) before the step's tokens
     accepted: int  # draft nodes on the accepted path (a chain's prefix)
-    tokens: list[int] = field(default_factory=list)  # the step's new tokens (the accepted path, then the target's)
-    seconds: float = 0.0  # drafting plus the target call, by the run's clock (planned where it plans by none)
+    tokens: list[int] = field(default_factory=list)  # the accepted path, then the target's
+    seconds: float = 0.0  # drafting plus the target call (planned seconds where not `timed`)
 
 
 class Proposer(Protocol):
-    """A source of guesses for one run, built from the run's state.
+    """A source of guesses for one run.
 
-    Besides `offer`, `draft` and `learn`, a proposer may declare (class attributes; absent: the defaults here) what it
-    needs, so that `assemble` builds it only where that is there, and after what it reads; and it may define
-    `build(setup, needed)` (how `assemble` makes it), `ride(state, draft, carried)` (what it adds, unverified, to
-    another's step: lookahead's window) and `finish(state)` (after the run's last step)."""
+    Optional: the class attributes below (absent: these defaults), which `assemble` checks; `build(setup, needed)`;
+    `ride(state, draft, carried)`, adding unverified tokens to another's step; `finish(state)`."""
 
-    name: str  # what `auto`'s report and its plans call it
-    corrected: bool  # its drafts run past their plans, so the chooser corrects its plans by what its steps gave
+    name: str  # in `auto`'s plans and report
+    corrected: bool  # its drafts run past their plans: the chooser corrects its plans by its steps
     needs: ClassVar[tuple[str, ...]] = ()  # proposers it reads, by name: built, and asked to offer, before it
     needs_draft: ClassVar[bool] = False  # it drafts with the run's draft model
     needs_tree_mask: ClassVar[bool] = False  # the target scores its drafts (or its window) under a tree mask
@@ -71,16 +68,15 @@ class Setup:
     """What a run's proposers are built from (`Proposer.build`)."""
 
     state: DecodeState
-    options: Any  # the strategy's options (auto's: `AutoOptions`)
+    options: Any  # auto's: `AutoOptions`
     cost: CostModel
     chooser: Chooser
     clock: Clock
-    suffix_trees: bool = True  # the suffix index drafts trees, not only its main branch, where the target takes them
+    suffix_trees: bool = True  # the suffix index drafts trees (else its main branch) where the target takes them
 
 
 def assemble(kinds: Sequence[type], setup: Setup, off: Sequence[str] = ()) -> list[Proposer]:
-    """The run's proposers, in the order of `kinds`: each built (`kind.build`) where what it declares it needs is
-    there (the proposers it reads, not switched `off`; a draft model; tree masks), none where it declines."""
+    """The run's proposers, in the order of `kinds`: those not `off` whose needs are there, unless `build` declines."""
     state, trees, built = setup.state, takes_trees(setup.state.lm), {}
     names = [kind.name for kind in kinds]
     for i, kind in enumerate(kinds):
@@ -101,7 +97,7 @@ def assemble(kinds: Sequence[type], setup: Setup, off: Sequence[str] = ()) -> li
 
 
 class Fixed:
-    """A `Drafter` from a proposer: each step drafts `levels(offer)` levels of what it offers (default: all)."""
+    """A `Drafter` of one proposer: each step drafts `levels(offer)` levels of its offer (default: all)."""
 
     def __init__(self, proposer: Proposer, levels: Callable[[Offer], int] = lambda offer: len(offer.accept)) -> None:
         self.proposer, self.levels = proposer, levels
@@ -109,7 +105,7 @@ class Fixed:
 
     @classmethod
     def of(cls, kind: Callable[..., Proposer]) -> staticmethod:
-        """A strategy's `drafter` (`DraftVerify.drafter`): each run's `kind(state, options)`, all it offers drafted."""
+        """A strategy's `drafter`: each run's `kind(state, options)`, all it offers drafted."""
         return staticmethod(lambda state, options: cls(kind(state, options)))
 
     def propose(self, state: DecodeState, limit: int) -> Drafting:
@@ -117,7 +113,7 @@ class Fixed:
         k = self.levels(offer) if offer is not None else 0
         self.plan = Plan(self.proposer.name if k else None, k, expected_tokens(offer.accept[:k]) if k else 1.0, 1.0)
         draft = (yield from drafting(self.proposer.draft(state, self.plan))) if k else Draft([])
-        ride = getattr(self.proposer, "ride", None)  # (its own window rides along its steps: the `lookahead` strategy)
+        ride = getattr(self.proposer, "ride", None)  # (lookahead's window rides its own steps)
         return draft if ride is None else ride(state, draft, True)
 
     def update(self, state: DecodeState, draft: Draft, accepted: int) -> None:

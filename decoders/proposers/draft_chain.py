@@ -12,8 +12,7 @@ from decoders.proposers.base import Clock, Setup, Step
 
 
 class ChainProposer:
-    """A draft model's chains: the plan's length, or with a `chooser` on past it while the next token is predicted to
-    pay (`Chooser.should_continue`)."""
+    """A draft model's chains of the plan's length; with a `chooser`, on past it while the next token pays."""
 
     name = "draft"
     corrected = True
@@ -33,13 +32,13 @@ class ChainProposer:
         self.acceptance = Acceptance(
             chooser.options if chooser else None, SELF_ACCEPTANCE if self.shares_cache else None
         )
-        self.offered: Offer | None = None  # this step's offer
+        self.offered: Offer | None = None
         self.confidences: list[float] = []  # [levels] the draft's probability of each token of its last chain
         self.room = 0
 
     @classmethod
     def build(cls, setup: Setup, needed: dict) -> ChainProposer:
-        """`auto`'s: chains of up to its `max_draft` tokens, on past the plan while the next one pays."""
+        """`auto`'s: up to its `max_draft` tokens."""
         return cls(draft_model(setup.state), setup.cost, setup.chooser, setup.clock, setup.options.max_draft)
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:

@@ -1,5 +1,4 @@
-"""The draft model's token trees as proposers: `staged`'s (`StagedProposer`) and `auto`'s (`TreeProposer`), grown
-by `drafting.growth` with a draft-free lower stage (the suffix index, or prompt lookup) under their likeliest leaf."""
+"""The draft model's token trees: `staged`'s (`StagedProposer`) and `auto`'s (`TreeProposer`)."""
 
 from __future__ import annotations
 
@@ -26,19 +25,18 @@ from decoders.proposers.draft_chain import ChainProposer
 from decoders.proposers.lookup import lookup
 from decoders.proposers.suffix import SuffixProposer, summarize
 
-WIDE_CALL = 0.05  # a second leaf per draft call pays where it adds less than this to the call (see StagedOptions)
+WIDE_CALL = 0.05  # a second leaf per draft call pays where it adds under this share to the call
 
 
 def frontier_width(cost: CallCost) -> int:
-    """`StagedOptions.width` for a draft model of these call costs: 2 if a call's rows add under WIDE_CALL of a
-    1-token call each (the mean from 1 to 8 rows: a 2-row call alone is within its noise), else 1."""
+    """`StagedOptions.width`: 2 where a row adds under WIDE_CALL to a 1-token call (mean of 1-8 rows: a 2-row call
+    alone is noise), else 1."""
     one = cost.predict(1, 0)
     return 2 if one + (cost.predict(8, 0) - one) / 7 < (1 + WIDE_CALL) * one else 1
 
 
 class StagedProposer:
-    """`staged`'s trees: the draft model and its cache for one run, plus where the last tree's nodes sit in that cache
-    (`propose` and `update` grow a tree and keep its accepted path; `auto`'s `TreeProposer` drives them too)."""
+    """`staged`'s trees on one run's draft model and cache, and where the last tree's nodes sit in it (`auto`'s too)."""
 
     name = "staged"
     corrected = False
@@ -51,20 +49,19 @@ class StagedProposer:
         index: SuffixIndex | None = None,
         lower: Lower | None = None,
     ) -> None:
-        """`model`, `index`: a draft model and a suffix index of the run's tokens to share (`auto`'s), else new;
-        `lower`: a lower stage to use instead of `options.lower`'s."""
+        """`model`, `index`: `auto`'s to share (else new); `lower`: a stage instead of `options.lower`'s."""
         self.model = model if model is not None else DraftModel(state)
         if options.width is None:
             options = replace(options, width=frontier_width(call_cost(state.draft, "draft")))
         self.options = options
         self.start, self.slots = 0, []  # len(state.tokens) at the last proposal; draft-cache index per node
-        self.index = index if index is not None else SuffixIndex()  # the run's own tokens, for the suffix lower stage
+        self.index = index if index is not None else SuffixIndex()  # of the run's tokens (suffix lower stage)
         # the chain rides in a draft call made anyway: it may run past the match length
         self.suffix = SuffixOptions(max_tree=options.budget, depth_factor=float(options.budget))
-        self.stage = lower or self.lower  # (context, room) -> the chain a draft call checks
+        self.stage = lower or self.lower
 
     def lower(self, context: list[int], room: int) -> list[int]:
-        """The lower stage's chain after `context` (the run's tokens plus a tree path), at most `room` tokens."""
+        """The lower stage's chain after `context` (the run's tokens plus a tree path)."""
         if self.options.lower == "lookup":
             return lookup(context, room, self.options.ngram, 1)
         return propose(self.index, None, context, room, self.suffix).main_branch().tokens
@@ -99,19 +96,18 @@ SURE = 0.99  # the highest tree thresholds: `staged`'s must stay below 1
 
 
 def tree_thresholds(rate: float, node: float, call: float) -> tuple[float, float]:
-    """(min_prob, expand_prob) of a step expected to give `rate` tokens a second: a node (`node` seconds more in the
-    target call) pays from a path probability of rate x node, a draft call (`call`) from rate x (call + node)."""
+    """(min_prob, expand_prob) at `rate` tokens a second: a node (`node` target seconds) pays from a path probability
+    of rate x node, a draft call (`call` seconds) from rate x (call + node)."""
     base = StagedOptions()
     return min(SURE, max(base.min_prob, rate * node)), min(SURE, max(base.expand_prob, rate * (call + node)))
 
 
 class TreeProposer:
-    """`auto`'s draft-model trees: grown as `staged` grows them on the chain proposer's draft model and cache, with
-    the suffix proposer's index as the lower stage, cut to what pays for the draft call that checks it."""
+    """`auto`'s draft-model trees: `staged`'s on the chain's model and cache, the suffix index as lower stage."""
 
     name = "tree"
     corrected = True
-    needs = ("draft", "suffix")  # the chain's draft model, cache and estimates; the suffix index as lower stage
+    needs = ("draft", "suffix")  # the chain's model, cache and estimates; the suffix index
     needs_tree_mask = True
 
     def __init__(
@@ -124,15 +120,14 @@ class TreeProposer:
         )
         self.base = self.drafter.options
         self.acceptance = Acceptance(chain.acceptance.options)
-        # per level of the trees drafted: draft seconds and nodes; priors: one call of `width` leaves, `branching` nodes
+        # per tree level: draft seconds and nodes (priors: one call of `width` leaves, `branching` nodes)
         self.level_seconds = RunningMean(cost.draft.predict(width, len(state.tokens)), 1)
         self.level_nodes = RunningMean(float(self.base.branching), 1)
         self.limit = self.step = 0
 
     @classmethod
     def build(cls, setup: Setup, needed: dict) -> TreeProposer | None:
-        """On a draft model with a cache of its own (not the target's, not one of another vocabulary) that scores a
-        tree in one call."""
+        """Only on a draft model with its own cache (not the target's, not another vocabulary's) that takes trees."""
         chain, state = needed["draft"], setup.state
         if type(chain.model) is not DraftModel or not takes_trees(state.draft):
             return None
@@ -159,7 +154,7 @@ class TreeProposer:
         big, small = (self.cost.target_seconds(1 + n, context) for n in (budget, planned))
         call = self.cost.draft.predict(self.base.width, context)
         node = (big - small) / max(1, budget - planned)
-        # in a batch a draft call holds up the rows not drafting beside it (`stall`), as the tree's plan is priced
+        # in a batch a draft call stalls the other rows (`stall`), as the tree's plan was priced
         min_prob, expand_prob = tree_thresholds(plan.rate, node, self.cost.stall * call)
         self.drafter.options = replace(self.base, min_prob=min_prob, expand_prob=expand_prob)
         draft = yield from self.drafter.propose(state, plan.k if plan.probe else self.limit)
@@ -171,8 +166,8 @@ class TreeProposer:
         return draft
 
     def lower(self, context: list[int], room: int) -> list[int]:
-        """The suffix index's chain after `context` (the run's tokens and a tree path), cut to the length that saves
-        most draft calls in expectation: each guessed token the draft agrees with saves a call, each adds a row."""
+        """The suffix index's chain after `context`, cut where it saves most draft calls in expectation: each token
+        the draft agrees with saves a call, each adds a row."""
         branch = propose(self.drafter.index, None, context, room, self.drafter.suffix).main_branch()
         levels = summarize(branch)
         accept = self.suffix.acceptance.chain(
@@ -195,7 +190,7 @@ class TreeProposer:
             self.acceptance.learn(levels, min(levels, step.accepted + caught))
         if step.plan.proposer != self.name:
             return
-        self.drafter.update(state, step.draft, step.accepted)  # keeps the accepted path in the draft cache
+        self.drafter.update(state, step.draft, step.accepted)
         if not step.draft.tokens:
             return
         levels = depth(step.draft)

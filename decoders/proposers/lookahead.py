@@ -1,8 +1,5 @@
-"""Lookahead's proposer (`lookahead`, `auto`'s guesses; Fu et al. 2024): each target call scores, after the uncached
-tail, up to `guesses` pool n-grams continuing the last token (a tree, verified as any draft) and a Jacobi window of
-`window` columns and up to N - 1 levels (`window_mask`) whose predictions give its next level; a full column becomes
-a pool n-gram. The pool starts with the prompt's n-grams and learns the accepted text's. One-hot drafts: exact.
-"""
+"""Lookahead's proposer (Fu et al. 2024): each target call scores pool n-grams continuing the last token (a tree) and
+a Jacobi window, whose full columns become pool n-grams. One-hot drafts: exact."""
 
 from __future__ import annotations
 
@@ -23,9 +20,9 @@ from decoders.proposers.suffix import SuffixProposer
 
 @dataclass(frozen=True)
 class LookaheadOptions:
-    """Options of `lookahead`: at most 19 tokens a call, as a CPU's call of 16 costs more than one's (evidence.md)."""
+    """Options of `lookahead`: at most 19 tokens a call (docs/design/evidence.md)."""
 
-    window: int = 2  # W: Jacobi window columns (0 = no window: candidates come from the prompt and the text only)
+    window: int = 2  # W: Jacobi window columns (0: n-grams of the prompt and text only)
     ngram: int = 4  # N: n-gram size; the window has N - 1 levels, candidates are N - 1 tokens
     guesses: int = 4  # G: candidate n-grams verified per call (and kept per key in the pool)
 
@@ -64,7 +61,7 @@ class NgramPool:
 
 
 def prefix_tree(candidates: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
-    """Merge token sequences into a tree: (tokens, parents) in topological order, shared prefixes stored once."""
+    """(tokens, parents) of one tree of the candidates, topological, shared prefixes stored once."""
     tree = merge([Draft(list(candidate)) for candidate in candidates])
     return tree.tokens, tree.parents
 
@@ -81,7 +78,7 @@ def window_mask(levels: int, width: int) -> torch.Tensor:
 
 
 class JacobiWindow:
-    """One run's Jacobi window and the n-gram pool it fills (and the prompt's and the text's n-grams)."""
+    """One run's Jacobi window and its n-gram pool (also fed the prompt's and the text's n-grams)."""
 
     def __init__(self, state: DecodeState, options: LookaheadOptions) -> None:
         self.options = o = options
@@ -120,13 +117,12 @@ class JacobiWindow:
         self.seen = len(state.tokens)
 
 
-RIDE = 0.1  # the most a target call may grow to carry the window along in another proposer's step
+RIDE = 0.1  # the largest share a ride may add to another proposer's target call
 
 
 class LookaheadProposer:
-    """The pool's n-grams as guesses, the Jacobi window riding along every step (`lookahead`); in `auto` only in the
-    steps of proposers that carry it (plain steps too) while a ride adds at most RIDE to the call and the target
-    calls its guesses saved pay for the rides so far."""
+    """The pool's n-grams as guesses, the window riding every step; in `auto` only steps that carry it, while a ride
+    adds at most RIDE to the call and the target calls its guesses saved pay for the rides so far."""
 
     name = "lookahead"
     corrected = False
@@ -167,8 +163,7 @@ class LookaheadProposer:
         return levels_above(self.guesses, plan.k)  # (the window rides along)
 
     def ride(self, state: DecodeState, draft: Draft, carried: bool) -> Draft:
-        """`draft` with the window along, where the step `carried` it (a plain step, or a proposer that `carries`)
-        and, in `auto`, where that pays, as the class says."""
+        """`draft` with the window, where the step `carried` it and, in `auto`, where that pays."""
         window = self.guesses.window
         if window is None or draft.window is not None or not carried:
             return draft
@@ -183,8 +178,7 @@ class LookaheadProposer:
         return replace(draft, window=window)
 
     def teach(self, state: DecodeState, draft: Draft, accepted: int, path: list[int]) -> None:
-        """Learn that `accepted` levels of `draft` were accepted (`path`: the step's accepted tokens); those the
-        suffix index did not hold too count as saved target calls."""
+        """Learn `accepted` levels of `draft`; those the suffix index did not hold too count as saved target calls."""
         self.acceptance.learn(depth(draft), accepted)
         if self.suffix is not None:
             held = len(self.suffix.current().follow(path))

@@ -34,14 +34,13 @@ def lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[in
         earlier = context.unfold(0, n, 1)[:-1]  # [L - n, n]: every n-gram but the suffix itself
         hits = (earlier == context[-n:]).all(dim=1).nonzero()
         if hits.numel():
-            start = int(hits[-1]) + n  # most recent match
+            start = int(hits[-1]) + n
             return tokens[start : start + k]
     return []
 
 
 class LookupProposer:
-    """Prompt lookup's guesses: what followed the latest earlier match of the context's last n-gram (no state of its
-    own: each offer searches the context)."""
+    """Prompt lookup's guesses (no state: each offer searches the context)."""
 
     name = "lookup"
     corrected = False

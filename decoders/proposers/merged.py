@@ -1,4 +1,4 @@
-"""`auto`'s merged guesses: the suffix index's and lookahead's drafts of a step as one tree, checked in one call."""
+"""`auto`'s merged guesses (`MergedProposer`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from decoders.proposers.suffix import SuffixProposer
 
 
 class MergedProposer:
-    """`auto`'s merged guesses: the suffix proposer's and lookahead's drafts of this step as one tree, checked in one
-    call (offered after theirs); each node keeps its guess's source, each part learns how far its guesses went."""
+    """`auto`'s merged guesses: the suffix proposer's and lookahead's drafts of a step as one tree, in one call."""
 
     name = "merged"
     corrected = False

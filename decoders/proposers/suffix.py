@@ -1,4 +1,4 @@
-"""The suffix index's proposer (`suffix`, `auto`'s guesses): trees of what followed the longest matching suffix."""
+"""The suffix index's proposer (`suffix`, `auto`): trees of what followed the longest matching suffix."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ def summarize(tree: SuffixDraft) -> list[float]:
 
 
 class SuffixProposer:
-    """The run's suffix index, grown with every accepted token, and the trees it drafts, whose acceptance is judged on
-    calibration curves of the index's probabilities, one per matched length (`match_curve`)."""
+    """The run's suffix index, grown with every accepted token, and its trees, judged on one curve per match length."""
 
     name = "suffix"
     corrected = False
@@ -41,26 +40,26 @@ class SuffixProposer:
         chooser: ChooserOptions | None = None,
         remember_prompts: bool = False,
     ) -> None:
-        """`trees`: False drafts the main branch alone (a model that cannot take tree masks); `store`: earlier
-        outputs to draft from, to which the run's output (and with `remember_prompts` its prompt) is added."""
+        """`trees`: False drafts the main branch alone (no tree masks); `store`: earlier outputs to draft from, which
+        the run's output (with `remember_prompts` its prompt too) joins."""
         self.options, self.store, self.trees, self.remember = options, store, trees, remember_prompts
         self.vocab = state.lm.vocab_size  # (a store may hold a bigger vocabulary's ids)
         self.index = SuffixIndex(store.depth if store is not None else 48)
         self.index.follow("run", state.tokens)
         self.acceptance = Acceptance(chooser)
         self.tree, self.levels, self.curves = SuffixDraft(), [], []
-        self.offered: Offer | None = None  # this step's offer
+        self.offered: Offer | None = None
 
     @classmethod
     def build(cls, setup: Setup, needed: dict) -> SuffixProposer:
-        """`auto`'s: trees up to its `max_tree` nodes where the target takes tree masks, from the run's tokens only."""
+        """`auto`'s: up to its `max_tree` nodes, from the run's tokens only."""
         trees = setup.suffix_trees and takes_trees(setup.state.lm)
         return cls(
             setup.state, SuffixOptions(max_tree=setup.options.max_tree), trees=trees, chooser=setup.chooser.options
         )
 
     def curve(self, match: int) -> str:
-        """The calibration curve of a guess continuing a `match`-token suffix (`match_curve`)."""
+        """`match_curve` (a seam: an ablation overrides it)."""
         return match_curve(match)
 
     def offer(self, state: DecodeState, limit: int) -> Offer | None:

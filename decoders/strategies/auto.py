@@ -1,8 +1,5 @@
-"""`auto`: each step, draft what a measured cost model predicts to give the most new tokens per second: every proposer
-(`PROPOSERS`, built where what each declares it needs is there) offers what it could draft, the `Chooser` picks the
-plan (or a plain step), and every proposer learns from the verified `Step`. Exact in both modes; a seeded sampling run
-plans by no clock, so the seed repeats the sample.
-"""
+"""`auto`: each step, the plan a measured cost model predicts fastest (docs/design/auto.md). Exact in both modes; a
+seeded run plans by no clock, so the seed repeats the sample."""
 
 from __future__ import annotations
 
@@ -46,16 +43,16 @@ class AutoOptions:
                 )
 
 
-# What auto weighs, in the order they offer (each after the proposers it reads); one line adds or removes one.
+# in the order they offer: each after the proposers it reads
 PROPOSERS = (SuffixProposer, LookaheadProposer, MergedProposer, ChainProposer, TreeProposer)
 
 
 class AutoDrafter:
     """One run of `auto`: its proposers, cost model and chooser."""
 
-    kinds: ClassVar[tuple[type, ...]] = PROPOSERS  # (an ablation swaps one for a variant of its own)
-    off: ClassVar[tuple[str, ...]] = ()  # proposers switched off by name (an ablation's), with those that read them
-    suffix_trees: ClassVar[bool] = True  # the suffix index drafts trees where the target takes them (else chains)
+    kinds: ClassVar[tuple[type, ...]] = PROPOSERS  # (ablations swap in variants)
+    off: ClassVar[tuple[str, ...]] = ()  # names switched off (ablations), with the proposers that read them
+    suffix_trees: ClassVar[bool] = True  # False: the suffix index drafts chains (an ablation)
 
     def __init__(
         self,
@@ -87,8 +84,7 @@ class AutoDrafter:
         self.began, self.context, self.fed = self.clock.now(), len(state.cache), len(state.uncached())
         self.budget = budget
         self.cost.batch_tokens, self.cost.stall = budget.tokens, budget.stall
-        # the prompt's call is a plain one: a draft there puts the whole prompt's attention under a tree mask (a
-        # 900-token prompt's call 10% dearer) for guesses no step has taught yet
+        # the prompt's call is plain: a tree mask over the whole prompt costs more than untaught guesses save
         prompt = not len(state.cache)
         offers = [] if prompt else [offer for p in self.proposers if (offer := p.offer(state, limit)) is not None]
         suffix = self.by_name.get(SuffixProposer.name)
@@ -98,14 +94,14 @@ class AutoDrafter:
             offers = [o for o in offers if not o.catch_up or o.proposer in self.chooser.taken]
         self.plan = plan = self.chooser.choose(offers, self.context + self.fed - 1, state.remaining)
         self.start = len(state.tokens)
-        details, name = state.stats.details, plan.proposer or "none"  # what auto chose, for reports
+        details, name = state.stats.details, plan.proposer or "none"  # for reports
         details["steps"][name] = details["steps"].get(name, 0) + 1
         details["predicted_tokens"] += plan.expected_tokens
         details["predicted_seconds"] += plan.seconds
         planned = self.by_name.get(plan.proposer)
         draft = (yield from drafting(planned.draft(state, plan))) if planned is not None else Draft([])
         carried = planned is None or getattr(planned, "carries", False)  # (a plain step carries a window too)
-        for proposer in self.proposers:  # what rides along unverified (lookahead's window)
+        for proposer in self.proposers:
             if (ride := getattr(proposer, "ride", None)) is not None and not prompt:
                 draft = ride(state, draft, carried)
         self.called = self.clock.now()
@@ -121,7 +117,7 @@ class AutoDrafter:
         seconds = self.clock.elapsed(self.began, self.plan.seconds, ended) if alone else self.plan.seconds
         step = Step(self.plan, draft, self.start, accepted, state.tokens[self.start :], seconds)
         if self.fed <= 1:  # (a prompt's call says nothing of the steps' rates)
-            # in a batch, a row's share of the shared call: a draft's prefill (the rent's price) stalls every row
+            # in a batch a row's share of the shared call: a draft's prefill stalls every row
             self.chooser.spend(step.seconds if alone else step.seconds * self.budget.width / self.budget.tokens)
             proposer = self.by_name.get(self.plan.proposer)
             if proposer is not None and proposer.corrected and not self.plan.probe:
@@ -131,8 +127,8 @@ class AutoDrafter:
             proposer.learn(state, step)
 
     def reported(self, verified: Verified) -> Verified:
-        """What the batch learns from the step: a width's gain is learnt by running it, but at a step its width left
-        no room to draft, what one token more would have gained is known for free (the suffix index's guess)."""
+        """What the batch learns: at a step its width left no room to draft, whether one more token (the suffix
+        index's guess) would have been accepted, known for free."""
         if not self.guessed:
             return verified
         return Verified(self.fed + 1, self.fed, [0] if self.right else [])

@@ -7,7 +7,7 @@ from decoders.registry import register
 @register("guided")
 class Guided(Decoder):
     """Greedy or sampled decoding under a grammar, with forced tokens fast-forwarded instead of decoded.
-    A forced token (source "grammar") takes no model call, is scored in the next, and has probability 1: lossless."""
+    A forced token takes no call, is scored in the next and has probability 1: lossless."""
 
     needs_grammar = True
 

@@ -9,7 +9,7 @@ from decoders.registry import register
 @register("prompt_lookup")
 class PromptLookup(DraftVerify):
     """Speculative decoding with n-gram matches from the context as the draft.
-    Saxena 2023, "Prompt lookup decoding": what followed the latest earlier match of the last n tokens (`lookup`)."""
+    Saxena 2023, "Prompt lookup decoding" (`proposers.lookup`)."""
 
     Options = PromptLookupOptions
     drafter = Fixed.of(LookupProposer)

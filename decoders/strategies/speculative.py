@@ -1,5 +1,4 @@
-"""`speculative`: a draft model proposes k tokens, the target checks them in one call (Leviathan et al. 2023 / Chen et
-al. 2023; exact in both modes, `samplers.verify`)."""
+"""`speculative` (Leviathan et al. 2023, Chen et al. 2023): k draft tokens checked in one target call; exact."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ MOST = 16  # the longest k `default_k` considers
 class SpeculativeOptions:
     """Options of `speculative`."""
 
-    k: int | None = None  # draft tokens per target call; None: what this device's measured costs favour (default_k)
+    k: int | None = None  # draft tokens per target call; None: `default_k`
 
     def __post_init__(self):
         if self.k is not None:
@@ -31,8 +30,7 @@ class SpeculativeOptions:
 
 
 def default_k(cost: CostModel, context: int, acceptance: float) -> int:
-    """The k of most expected tokens per second (`Chooser.best`) for a draft whose tokens are each accepted with
-    probability `acceptance`: k draft calls and a target call of k + 1 tokens after `context`, priced by `cost`."""
+    """The k of most expected tokens per second (`Chooser.best`), each draft token accepted with `acceptance`."""
     call = cost.draft_seconds(1, context)
     draft = Offer("draft", (acceptance,) * MOST, tuple(call * k for k in range(1, MOST + 1)))
     return Chooser(cost).best(draft, context).k

@@ -9,7 +9,7 @@ from decoders.registry import register
 @register("staged")
 class Staged(DraftVerify):
     """Tree speculative decoding with a draft model, itself sped up by a draft-free lower stage.
-    Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding" (`proposers.draft_tree`)."""
+    Spector & Re 2023, "Accelerating LLM Inference with Staged Speculative Decoding"."""
 
     Options = StagedOptions
     drafter = Fixed.of(StagedProposer)

@@ -1,5 +1,4 @@
-"""`suffix`: suffix decoding (Oliaro et al. 2024, "SuffixDecoding"; the index: `decoders.drafting.suffix_index`).
-One-hot drafts: exact in greedy and in sampling mode."""
+"""`suffix`: suffix decoding (Oliaro et al. 2024, "SuffixDecoding"). One-hot drafts: exact in both modes."""
 
 from __future__ import annotations
 

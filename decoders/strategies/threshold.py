@@ -1,5 +1,5 @@
 """`threshold`: speculative decoding whose draft length follows the draft's confidence ("How to make LLMs go fast",
-vgel.me): it drafts while its cumulative probability stays at or above a threshold that moves (`adapt_threshold`)."""
+vgel.me)."""
 
 from __future__ import annotations
 
@@ -27,15 +27,15 @@ class ThresholdOptions:
         whole("max_draft", self.max_draft)
         for name in ("threshold", "step", "min_threshold", "max_threshold"):
             probability(name, getattr(self, name))
-        if not self.min_threshold <= self.max_threshold:  # (each in [0, 1]: `probability`)
+        if not self.min_threshold <= self.max_threshold:
             raise ValueError(f"need min_threshold <= max_threshold, got {self.min_threshold} and {self.max_threshold}")
         if not self.min_threshold <= self.threshold <= self.max_threshold:
             raise ValueError(f"threshold {self.threshold} must lie in [min_threshold, max_threshold]")
 
 
 def adapt_threshold(threshold: float, cumulative: list[float], accepted: int, options: ThresholdOptions) -> float:
-    """The next threshold after a verification that accepted `accepted` of len(cumulative) drafted tokens, where
-    cumulative[i] is the draft's probability of its first i + 1 tokens together."""
+    """The next threshold after `accepted` of len(cumulative) drafted tokens were accepted; cumulative[i]: the draft's
+    probability of its first i + 1 tokens."""
     if accepted < len(cumulative):
         threshold = (threshold + cumulative[accepted]) / 2  # toward the confidence at the first rejection
     else:
