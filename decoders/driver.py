@@ -12,6 +12,7 @@ from decoders.capabilities import check_models, check_request
 from decoders.decoding import Decoding
 from decoders.models.lm import LM
 from decoders.models.loading import load
+from decoders.models.quantize import self_draft
 from decoders.options import whole
 from samplers import SamplingConfig, make_generator
 
@@ -198,7 +199,7 @@ def resolve_draft(lm: LM, draft: LM | str | None) -> LM | None:
     if not isinstance(draft, str):
         raise TypeError(f"draft= takes a decoders.LM, a model name or 'self:int8', got {type(draft).__name__}")
     if draft.startswith("self:"):
-        return lm.self_draft(draft.removeprefix("self:"))
+        return self_draft(lm, draft.removeprefix("self:"))
     return load(draft, dtype=lm.dtype, device=lm.device)
 
 

@@ -131,7 +131,7 @@ class Recorded:
 def record(draft: decoders.LM, ids: list[int], truth: list[int]) -> Recorded:
     """One call of `draft` over the prompt and greedy's output; an int8 draft's layers kept on their int8 weights (a
     long call would take their float ones, which drafting never uses)."""
-    from decoders.models.quantize import Int8Linear
+    from decoders.models.int8 import Int8Linear
 
     layers = [m for m in draft.model.modules() if isinstance(m, Int8Linear)]
     saved = [m.float_from for m in layers]

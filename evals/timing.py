@@ -75,13 +75,13 @@ class Stopwatch:
         self.device = lm.device
         self.peak = PeakMemory(lm.device)
         self.target = ForwardMeter(lm.model if count_target else None, lm.device)
-        # the draft's calls, and those of the int8 copies kept with the draft and the target (`LM.self_draft`), which
+        # the draft's calls, and those of the int8 copies kept with the draft and the target (`self_draft`), which
         # `auto` may draft with instead; a draft that is the target itself (a test setup) cannot be told apart by
         # hooks: not metered
         drafts = {
             id(m.model): m
             for m in ([draft] if draft is not None else [])
-            + [copy for model in (lm, draft) if model is not None for copy in model.copies]
+            + [copy for model in (lm, draft) if model is not None for copy in model.held.copies.values()]
         }
         drafts.pop(id(lm.model), None)
         self.draft = ForwardMeter(

@@ -30,6 +30,7 @@ from decoders.width import EXPLORE, WIDTHS
 from decoders.drafting import chooser
 from decoders.drafting.cost import CallCost, CostModel
 from decoders.models.graphs import MIN_CAPACITY
+from decoders.models.quantize import self_draft
 from decoders.strategies import auto
 from samplers import SamplingConfig
 from stats import chi_square_fits
@@ -554,7 +555,7 @@ DRAFT_CASES = {  # strategy, its options, the draft model
     "staged": ("staged", dict(min_prob=0.0, expand_prob=0.0, budget=6), lambda lm: tiny_lm("llama", seed=99)),
     "auto-chain": ("auto", dict(chooser=taking("draft"), draft_int8=False), lambda lm: tiny_lm("llama", seed=99)),
     "auto-tree": ("auto", dict(chooser=taking("tree"), draft_int8=False), lambda lm: tiny_lm("llama", seed=99)),
-    "self-int8": ("speculative", dict(k=3), lambda lm: lm.self_draft("int8")),  # (in a batch: on a cache of its own)
+    "self-int8": ("speculative", dict(k=3), lambda lm: self_draft(lm, "int8")),  # (in a batch: on a cache of its own)
     "translated": ("speculative", dict(k=3), lambda lm: translating_draft()),
 }
 

@@ -288,7 +288,7 @@ def test_calibration_cache_is_keyed_invalidated_and_reloaded(tmp_path, monkeypat
 
 def test_an_int8_copys_calibration_key_holds_whichever_call_sizes_its_timing_ran_on_the_float_weight(monkeypatch):
     from decoders.drafting.cost import calibration_key
-    from decoders.models import quantize as module
+    from decoders.models import int8 as module, quantize as quantizing
 
     lm = tiny_lm("qwen2")
     keys = []
@@ -296,7 +296,7 @@ def test_an_int8_copys_calibration_key_holds_whichever_call_sizes_its_timing_ran
         monkeypatch.setattr(module, "_crossovers", {})
         timings = iter([0.5, 1.0] * 1000 if float_faster else [2.0, 1.0] * 1000)  # (float, int8) per size tried
         monkeypatch.setattr(module, "_seconds", lambda call, device: next(timings))
-        copy = module.quantize(lm, "int8")
+        copy = quantizing.quantize(lm, "int8")
         kept = [name for name, _ in copy.model.named_buffers() if name.endswith("float_weight")]
         assert bool(kept) == float_faster  # (the float weight kept in memory only where its timing chose it)
         keys.append(calibration_key(copy, "draft", DRAFT_SIZES))

@@ -9,6 +9,7 @@ import pytest
 from conftest import PROMPTS, tiny_lm
 
 import decoders
+from decoders.models.quantize import self_draft
 
 
 def echo_lm() -> decoders.LM:
@@ -118,7 +119,7 @@ def test_replay_chains_drafts_with_the_targets_own_int8_copy_on_the_targets_cach
     from devtools.replay_chains import replay, shares_cache
 
     lm = tiny_lm("llama")
-    copy8 = lm.self_draft("int8")
+    copy8 = self_draft(lm, "int8")
     assert shares_cache(lm, copy8) and not shares_cache(lm, noisy_draft(lm))
     prompts = greedy_outputs(lm, PROMPTS[:3], 24)
     recordings = {pid: record(copy8, ids, out) for pid, _, ids, out in prompts}

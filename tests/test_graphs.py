@@ -18,6 +18,7 @@ from decoders.drafting import cost
 from decoders.models import capture, graphs, slabs
 from decoders.models.cache import KVCache
 from decoders.models.graphs import MIN_CAPACITY, StaticKVCache
+from decoders.models.quantize import self_draft
 
 
 def twins(arch: str) -> tuple[decoders.LM, decoders.LM]:
@@ -252,7 +253,7 @@ def test_a_batchs_int8_copy_and_translated_draft_draft_on_static_caches_of_their
 
     dynamic, static = twins("llama")
     if kind == "self:int8":
-        draft = static.self_draft("int8")
+        draft = self_draft(static, "int8")
         draft.cuda_graphs = True
     else:
         draft = twins_of(translating_draft())[1]

@@ -14,7 +14,7 @@ import torch
 from conftest import PROMPTS, tiny_model, tiny_tokenizer
 
 import decoders
-from decoders.models import native
+from decoders.models import native_check
 from decoders.models.kernel import why_not_here
 from evals.measure import ForwardMeter
 
@@ -171,7 +171,7 @@ def test_a_forward_hook_sees_the_calls_and_decodekits_meters_do_not_stop_the_ste
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3", "phi3", "gpt2"])
 def test_an_architecture_it_does_not_run_falls_back_with_one_notice(arch):
-    native._notice.cache_clear()  # (one notice per reason and process: this test's must be the first)
+    native_check._notice.cache_clear()  # (one notice per reason and process: this test's must be the first)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lm = decoders.wrap(tiny_model(arch).cpu(), tiny_tokenizer(), name=f"other-{arch}")
@@ -182,8 +182,8 @@ def test_an_architecture_it_does_not_run_falls_back_with_one_notice(arch):
 
 
 def test_without_a_compiler_the_model_runs_through_transformers(monkeypatch):
-    native._notice.cache_clear()
-    monkeypatch.setattr(native, "why_not_here", lambda dtype: "no C++ compiler found (install g++ or set CXX)")
+    native_check._notice.cache_clear()
+    monkeypatch.setattr(native_check, "why_not_here", lambda dtype: "no C++ compiler found (install g++ or set CXX)")
     with pytest.warns(UserWarning, match="no C.. compiler"):
         lm = fresh()
     assert lm.native is None and not lm.static_cache_ok()
@@ -193,7 +193,7 @@ def test_without_a_compiler_the_model_runs_through_transformers(monkeypatch):
 def test_a_probe_that_misses_keeps_transformers_calls():
     """A model of the right shape that computes something else (here: one norm's epsilon apart from the others',
     which the step does not read) is caught by the probe at wrapping."""
-    native._notice.cache_clear()
+    native_check._notice.cache_clear()
     model = copy.deepcopy(lm_of("llama").model)
     model.model.layers[0].input_layernorm.variance_epsilon = 10.0
     with pytest.warns(UserWarning, match="probe"):

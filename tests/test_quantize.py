@@ -14,8 +14,9 @@ from transformers.pytorch_utils import Conv1D
 
 import decoders
 from decoders.base import drive
-from decoders.models import quantize as quantize_module
-from decoders.models.quantize import Int8Linear, _kernels, is_quantized, quantize, quantize_rows
+from decoders.models import int8 as int8_module
+from decoders.models.int8 import Int8Linear, _kernels, quantize_rows
+from decoders.models.quantize import is_quantized, quantize, self_draft
 
 
 def _float_layers(model: nn.Module) -> list[nn.Module]:
@@ -74,7 +75,7 @@ def test_int8_layer_matches_float_reference_within_the_scale_bound(kind, bias, i
         if kernel == "dequantize":  # each dequantized weight also rounded to the kernel's dtype
             bound = bound + x.abs() @ dequantized.abs().T * torch.finfo(scales.dtype).eps
         if kernel == "int8_activations":  # each input also rounded to 8 bits (7 without VNNI) over the call's range
-            step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / (127 if quantize_module._reduce_range() else 255)
+            step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / (127 if int8_module._reduce_range() else 255)
             bound = bound + (dequantized.abs().sum(1) + in_features * scales.float()) * step * 0.51
         assert ((y - reference).abs() <= bound).all(), kernel
 
@@ -99,7 +100,7 @@ def test_int8_layer_takes_an_unaligned_bfloat16_input():
 
 
 def test_long_calls_run_on_the_shared_float_weight_from_the_measured_size(monkeypatch):
-    from decoders.models import quantize as module
+    from decoders.models import int8 as module
 
     torch.manual_seed(0)
     layer = nn.Linear(64, 8)
@@ -222,8 +223,8 @@ def test_bad_scheme_and_quantizing_twice_raise():
     lm = tiny_lm("llama")
     with pytest.raises(ValueError, match="unknown quantization scheme 'int3'; known: int8"):
         quantize(lm, "int3")
-    draft = lm.self_draft("int8")
-    assert lm.self_draft("int8") is draft and is_quantized(draft) == "int8"
+    draft = self_draft(lm, "int8")
+    assert self_draft(lm, "int8") is draft and is_quantized(draft) == "int8"
     with pytest.raises(ValueError, match="already quantized"):
         quantize(draft)
 
@@ -241,7 +242,7 @@ def test_lms_wrapping_one_module_share_its_self_draft_for_as_long_as_the_module_
     monkeypatch.setattr(quantizing, "quantize", lambda lm, scheme: made.append(lm) or quantize_lm(lm, scheme))
     module, tokenizer = tiny_model("llama"), tiny_tokenizer()
     first, second = decoders.wrap(module, tokenizer), decoders.wrap(module, tokenizer)
-    copy_first, copy_second = first.self_draft("int8"), second.self_draft("int8")
+    copy_first, copy_second = self_draft(first, "int8"), self_draft(second, "int8")
     assert len(made) == 1 and copy_first.model is copy_second.model and copy_second.quantized_from() is second
     prompt = first.encode(PROMPTS[0])
     want = decoders.generate(second, prompt, max_new_tokens=12).tokens
@@ -256,7 +257,7 @@ def test_lms_wrapping_one_module_share_its_self_draft_for_as_long_as_the_module_
 
 @pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm in this torch")
 def test_int8_activations_round_over_the_calls_range_except_row_by_row():
-    from decoders.models.quantize import row_by_row
+    from decoders.models.int8 import row_by_row
 
     torch.manual_seed(0)
     layer = nn.Linear(64, 32, bias=False)

@@ -8,7 +8,7 @@ import torch
 from conftest import ARCHITECTURES, PROMPTS, tiny_model, tiny_tokenizer
 
 import decoders
-from decoders.models import quantize as quantize_module
+from decoders.models import int8 as int8_module
 from evals.methods import check_loaded, plan
 
 
@@ -23,7 +23,7 @@ def _ignores_the_mask(lm: decoders.LM) -> decoders.LM:
 def test_staged_takes_an_int8_draft_whose_kernels_change_with_the_call_size(arch, draft_kind, monkeypatch):
     """Calls of 4 rows or more run on the float weights (`float_from`), shorter ones on the int8 weights: the probe's
     3-node tree call and longer calls round apart, as the int8 copy of SmolLM2 did."""
-    monkeypatch.setattr(quantize_module, "_float_from", lambda layer, weight: 4)
+    monkeypatch.setattr(int8_module, "_float_from", lambda layer, weight: 4)
     lm = decoders.wrap(tiny_model(arch), tiny_tokenizer(), name=f"tiny-{arch}")  # a fresh module: no kept copy
     draft = "self:int8" if draft_kind == "self:int8" else decoders.quantize(lm)
     greedy = decoders.generate(lm, PROMPTS[0], strategy="greedy", max_new_tokens=20)

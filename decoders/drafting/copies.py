@@ -8,7 +8,7 @@ from decoders.drafting.cost import CallCost, call_cost
 from decoders.models.device import free_memory
 from decoders.models.held import shared
 from decoders.models.lm import LM
-from decoders.models.quantize import int8_bytes
+from decoders.models.quantize import drop_self_draft, int8_bytes, self_draft
 
 CHEAPER = 0.8  # the most a draft's int8 copy's one-token call may cost, as a share of the draft's
 SELF = 0.7  # the same for the target's own copy (no draft model)
@@ -33,14 +33,14 @@ def int8_copy(model: LM, int8: bool | None, context: int, role: str, bar: float)
         free = free_memory(model.device)
         verdicts[role] = (free is None or int8_bytes(model) <= MEMORY * free) and pays(model, role, context, bar)
         if not verdicts[role]:
-            model.drop_self_draft("int8")
-    return model.self_draft("int8") if int8 or verdicts[role] else None
+            drop_self_draft(model, "int8")
+    return self_draft(model, "int8") if int8 or verdicts[role] else None
 
 
 def pays(model: LM, role: str, context: int, bar: float) -> bool:
     """Whether `model`'s int8 copy (made here) is `cheaper`; a model that cannot be copied drafts as it is."""
     try:
-        copy = model.self_draft("int8")
+        copy = self_draft(model, "int8")
     except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
         warnings.warn(
             f"auto drafts with {model.name!r} as it is: its int8 copy could not be made ({error})", stacklevel=4

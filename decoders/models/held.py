@@ -21,7 +21,7 @@ class Held:
     slabs: dict[int, Slab] = field(default_factory=dict)  # capacity -> the static buffers lent to a run's cache
     batch_slabs: dict[tuple[int, int], BatchSlab] = field(default_factory=dict)  # (rows, capacity) -> a batch's
     graph_pool: Any = None  # the memory pool all its CUDA graphs share (`capture.capture`)
-    copies: dict[str, Any] = field(default_factory=dict)  # scheme -> its quantized copy, an LM (`LM.self_draft`)
+    copies: dict[str, Any] = field(default_factory=dict)  # scheme -> its quantized copy, an LM (`quantize.self_draft`)
 
 
 @dataclass

@@ -45,8 +45,18 @@ class NativeLinear(nn.Linear):
     def native(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         inputs = x.reshape(rows, self.in_features).contiguous()
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
-        self.lib.dk_linear(inputs.data_ptr(), rows, self.in_features, self.weight.data_ptr(), None,
-                           self.out_features, out.data_ptr(), 1, 1, torch.get_num_threads())
+        self.lib.dk_linear(
+            inputs.data_ptr(),
+            rows,
+            self.in_features,
+            self.weight.data_ptr(),
+            None,
+            self.out_features,
+            out.data_ptr(),
+            1,
+            1,
+            torch.get_num_threads(),
+        )
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -15,11 +15,11 @@ from decoders.models.attention import use_grouped
 from decoders.models.cache import KVCache
 from decoders.models.device import synchronize
 from decoders.models.graphs import StaticKVCache
-from decoders.models.held import Held, shared
+from decoders.models.held import Held
 from decoders.models.linear import use_native
-from decoders.models.native import NativeStep, attach
+from decoders.models.native import NativeStep
+from decoders.models.native_check import attach
 from decoders.models.probes import probe_static_cache, probe_tree_mask
-from decoders.models.quantize import copy_of, quantize
 
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
@@ -155,28 +155,6 @@ class LM:
         """A fingerprint of the tokenizer's token -> id map."""
         items = sorted(self.tokenizer.get_vocab().items(), key=lambda item: item[1])
         return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
-
-    def self_draft(self, scheme: str) -> LM:
-        """This model's own quantized copy ("self:int8"), kept; its module shared by every LM wrapping this module."""
-        copies = self.held.copies
-        if scheme not in copies:
-            made = shared(self.model).copies
-            if scheme in made:
-                copies[scheme] = copy_of(self, made[scheme], scheme)
-            else:
-                copies[scheme] = quantize(self, scheme)
-                made[scheme] = copies[scheme].model
-        return copies[scheme]
-
-    @property
-    def copies(self) -> list[LM]:
-        """The quantized copies `self_draft` keeps."""
-        return list(self.held.copies.values())
-
-    def drop_self_draft(self, scheme: str) -> None:
-        """Let go of the quantized copy `self_draft` made, if any (freed once no run holds it)."""
-        self.held.copies.pop(scheme, None)
-        shared(self.model).copies.pop(scheme, None)
 
     def check_draft(self, draft: LM) -> None:
         """Raise unless `draft` shares this model's token -> id map (the logits' padding aside)."""

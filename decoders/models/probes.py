@@ -6,12 +6,12 @@ import torch
 
 from decoders.models.cache import KVCache
 from decoders.models.graphs import StaticKVCache
-from decoders.models.quantize import row_by_row
+from decoders.models.int8 import row_by_row
 
 
 def probe_tree_mask(lm) -> bool | str:
     """True if a tree-masked call scores each node of a 2-branch tree as causal calls do, else what went wrong. An int8
-    copy rounds each row alone meanwhile (`quantize.row_by_row`), else its rows would skew each other."""
+    copy rounds each row alone meanwhile (`int8.row_by_row`), else its rows would skew each other."""
     prefix = [i % lm.vocab_size for i in (3, 5, 7, 11)]
     a, b, c = (i % lm.vocab_size for i in (13, 17, 19))
     tree = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 1]], dtype=torch.bool)  # a | b -> c
