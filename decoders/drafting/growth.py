@@ -127,7 +127,8 @@ def draft_call(
 def lower_stage(
     state: DecodeState, o: StagedOptions, nodes: list[Node], head: int, cap: int, lower: Lower
 ) -> list[int]:
-    """The lower stage's chain under `head`, leaving room for the draft's token; cut before an EOS (nothing follows)."""
+    """The lower stage's chain under `head`, leaving room for the draft's token; cut before an EOS (the draft cannot
+    score what follows one)."""
     room = min(cap - nodes[head].depth - 2, o.budget - len(nodes))
     if not o.ngram or room <= 0:
         return []
